@@ -1,0 +1,88 @@
+"""``draft_model``: a smaller causal LM with the target's tokenizer drafts K tokens.
+
+The assistant is attached to the controller, which owns its cache: it is prefilled once, on the
+first call to ``propose``, then drafts one token per forward on its own cache. After every
+verification the controller rolls it back to the committed prefix, so it is never fed a token it
+already holds (only the target's new token, and the last draft when all were accepted).
+
+Vocabularies may be padded to different sizes; drafts are restricted to the ids both models
+have. A draft with a different tokenizer is refused (that needs a cross-tokenizer generator).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.generators import CandidateGenerator, DecodeContext, DraftLengthSchedule, Feedback, Proposal
+from specdec.registry import register_candidate_generator
+from specdec.sampling import sample
+
+#: vocabularies whose sizes differ by more than this are not "the same tokenizer, padded"
+MAX_VOCAB_PADDING = 1024
+
+
+def _vocab_size(model) -> int:
+    return int(model.get_output_embeddings().weight.shape[0])
+
+
+def tokenizer_mismatch(target, draft, tokenizer, draft_tokenizer) -> str | None:
+    """Why ``draft`` cannot draft for ``target`` token for token, or None."""
+    if tokenizer is not None and draft_tokenizer is not None and tokenizer is not draft_tokenizer:
+        if tokenizer.get_vocab() != draft_tokenizer.get_vocab():
+            return "the target and draft tokenizers have different vocabularies"
+    vt, vd = _vocab_size(target), _vocab_size(draft)
+    if abs(vt - vd) > MAX_VOCAB_PADDING:
+        return f"vocabulary sizes differ beyond padding ({vt} vs {vd})"
+    eos_t = target.generation_config.eos_token_id
+    eos_d = draft.generation_config.eos_token_id
+    if eos_t is not None and eos_d is not None:
+        as_set = lambda e: {e} if isinstance(e, int) else set(e)  # noqa: E731
+        if not as_set(eos_t) & as_set(eos_d):
+            return f"end-of-sequence ids differ ({eos_t} vs {eos_d})"
+    return None
+
+
+@register_candidate_generator("draft_model")
+class DraftModelGenerator(CandidateGenerator):
+    def __init__(self, draft, *, num_tokens: int = 5, schedule: str = "adaptive", max_tokens: int = 16):
+        if not isinstance(draft, torch.nn.Module):
+            raise TypeError("draft_model needs a draft model: SpecDecoder(target, draft_model)")
+        self.draft = draft
+        self.schedule = DraftLengthSchedule(num_tokens, schedule, max_tokens)
+        self.state = None
+
+    def setup(self, ctx: DecodeContext) -> None:
+        problem = tokenizer_mismatch(ctx.target, self.draft, ctx.tokenizer, ctx.draft_tokenizer)
+        if problem:
+            raise ValueError(f"draft_model needs the target's tokenizer: {problem}. A draft with another "
+                             "tokenizer needs the cross-tokenizer generator (pass tokenizer= and draft_tokenizer=).")
+        self.shared_vocab = min(_vocab_size(ctx.target), _vocab_size(self.draft))
+        self.target_vocab = ctx.target_vocab_size
+        self.state = ctx.attach(self.draft)
+        self.schedule.reset(ctx.batch_size)
+
+    def propose(self, ctx: DecodeContext, max_drafts: torch.Tensor) -> Proposal:
+        lengths = torch.minimum(self.schedule.current.to(max_drafts.device), max_drafts).clamp_min(0)
+        k = int(lengths.max())
+        if k == 0:
+            return Proposal.empty(ctx.batch_size, max_drafts.device)
+        ids, probs = [], []
+        for i in range(k):
+            logits = self.state.forward(start=self.state.lengths - 1)[:, -1, : self.shared_vocab]  # [B, V]
+            if ctx.sampling.do_sample:
+                p = ctx.sampling.probs(logits)
+                token = sample(p, ctx.generator)
+                probs.append(torch.nn.functional.pad(p, (0, self.target_vocab - self.shared_vocab)))
+            else:
+                token = logits.argmax(dim=-1)
+            ids.append(token)
+            if i + 1 < k:
+                self.state.append(token[:, None])
+        token_ids = torch.stack(ids, dim=1)  # [B, k]
+        return Proposal(token_ids, lengths, torch.stack(probs, dim=1) if probs else None)
+
+    def observe(self, ctx: DecodeContext, feedback: Feedback) -> None:
+        self.schedule.update(feedback)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.schedule.select_rows(rows)

@@ -1,0 +1,226 @@
+"""ModelState: one model's view of the batch, its cache, and what its next forward must feed.
+
+Layout. Each row's tokens are stored from column 0 of ``tokens [B, capacity]`` (``lengths[b]``
+valid). In the cache, row b's token i sits at slot ``offsets[b] + i``; slots below ``offsets[b]``
+are padding (masked out). The cache holds ``cached_slots`` slots for every row.
+
+Invariant between forwards: every row's cached tokens are contiguous and end exactly at
+``cached_slots``. A row's tokens past that point are *pending* and are fed by the next forward,
+before whatever is new. Rows therefore never hold holes or stale slots, which keeps
+sliding-window layers exact: a window of W slots is W real tokens for every row.
+
+After a forward (or a rollback) rows may end at different slots. ``_realign`` restores the
+invariant: if the ends are within ``refeed_limit`` of each other the cache is cropped to the
+shortest and the others re-feed their few extra tokens next time; otherwise rows that lag are
+shifted right inside the cache (their left padding grows), so re-feeding stays bounded.
+Common left padding is trimmed, so memory is bounded by the longest row plus one block.
+
+First iteration is explicit: ``is_first_iteration`` is True until the first forward, which is
+the only one that receives ``prefill_inputs`` (pixel values and the like). It is not the same as
+"cache is empty".
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+
+def new_cache(model) -> DynamicCache:
+    """A cache of plain full-length layers, one per attention layer.
+
+    Sliding-window layers get a full-length layer too: the window is applied by the attention
+    mask (``transformers`` builds it from the model config), and every slot stays available, so a
+    rejected block always rolls back with a plain crop. ``transformers``' own sliding layers keep
+    only the window and lose the past at each crop, which breaks repeated draft/verify cycles.
+    """
+    return DynamicCache()
+
+
+def cache_problem(model, batch_size: int) -> str | None:
+    """Why this model cannot be decoded speculatively, or None. Runs no forward."""
+    try:
+        layers = DynamicCache(config=model.config).layers  # the layer kinds the model asks for
+    except Exception as exc:  # pragma: no cover - exotic configs
+        return f"cannot build a cache for {type(model).__name__}: {exc}"
+    recurrent = sorted({type(layer).__name__ for layer in layers
+                        if not isinstance(layer, DynamicLayer) or getattr(layer, "is_linear", False)})
+    config = model.config.get_text_config(decoder=True)
+    if recurrent or any(t not in ("full_attention", "sliding_attention", "chunked_attention")
+                        for t in (getattr(config, "layer_types", None) or [])):
+        return (f"{type(model).__name__} keeps state that cannot be rolled back (recurrent or linear-attention "
+                f"layers {recurrent or getattr(config, 'layer_types', [])}); speculative decoding must discard "
+                "rejected drafts")
+    return None
+
+
+class ModelState:
+    def __init__(self, model, tokens: torch.Tensor, lengths: torch.Tensor, capacity: int, *,
+                 pad_token_id: int = 0, prefill_inputs: dict[str, Any] | None = None, refeed_limit: int = 16):
+        batch = tokens.shape[0]
+        self.model = model
+        self.device = tokens.device
+        self.cache = new_cache(model)
+        self.tokens = torch.full((batch, capacity), pad_token_id, dtype=torch.long, device=self.device)
+        self.tokens[:, : tokens.shape[1]] = tokens
+        self.lengths = lengths.clone().long()  # [B]
+        # left-pad so that every prompt ends at the same slot: the first forward needs no shift
+        self.offsets = (self.lengths.max() - self.lengths).long()  # [B]
+        self.cached_slots = 0
+        self.pad_token_id = pad_token_id
+        self.refeed_limit = refeed_limit
+        self.is_first_iteration = True
+        self.prefill_inputs = dict(prefill_inputs or {})
+        self.forwards = 0
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    def grow(self, capacity: int) -> None:
+        if capacity > self.tokens.shape[1]:
+            extra = self.tokens.new_full((self.batch_size, capacity - self.tokens.shape[1]), self.pad_token_id)
+            self.tokens = torch.cat([self.tokens, extra], dim=1)
+
+    # -- sequence edits -----------------------------------------------------------------------
+    def append(self, ids: torch.Tensor, counts: torch.Tensor | None = None) -> None:
+        """Append ``ids [B, E]`` (the first ``counts[b]`` of each row) to the row sequences."""
+        extra = ids.shape[1]
+        self.grow(int(self.lengths.max()) + extra)
+        if counts is None:
+            counts = torch.full((self.batch_size,), extra, dtype=torch.long, device=self.device)
+        cols = self.lengths[:, None] + torch.arange(extra, device=self.device)[None, :]  # [B, E]
+        keep = torch.arange(extra, device=self.device)[None, :] < counts[:, None]
+        rows = torch.arange(self.batch_size, device=self.device)[:, None].expand_as(cols)
+        self.tokens[rows[keep], cols[keep]] = ids[keep]
+        self.lengths = self.lengths + counts
+
+    def rollback(self, lengths: torch.Tensor) -> None:
+        """Truncate every row to ``lengths [B]`` tokens and drop what the cache held beyond."""
+        self.lengths = torch.minimum(self.lengths, lengths)
+        cached = self.cached_slots - self.offsets  # [B] tokens each row holds in the cache
+        self._realign(self.offsets + torch.minimum(cached, self.lengths))
+
+    def sync(self, tokens: torch.Tensor, lengths: torch.Tensor, since: torch.Tensor) -> None:
+        """Make the rows equal ``tokens[:, :lengths]``, given they already agree before ``since``.
+
+        Keeps the longest common prefix cached: a draft that proposed d1..dK and saw d1..da
+        accepted keeps those in its cache and is never fed them again.
+        """
+        width = int((torch.maximum(self.lengths, lengths) - since).max().clamp_min(0))
+        if width:
+            cols = since[:, None] + torch.arange(width, device=self.device)[None, :]  # [B, W]
+            cap = min(self.tokens.shape[1], tokens.shape[1]) - 1
+            same = (self.tokens.gather(1, cols.clamp(max=cap)) == tokens.gather(1, cols.clamp(max=cap)))
+            same &= (cols < self.lengths[:, None]) & (cols < lengths[:, None])
+            common = since + same.long().cumprod(dim=1).sum(dim=1)
+        else:
+            common = torch.minimum(since, lengths)
+        self.rollback(common)
+        self.grow(tokens.shape[1])
+        self.tokens[:, : tokens.shape[1]] = tokens
+        self.lengths = lengths.clone()
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (indices into the batch), e.g. once others have finished."""
+        if self.cached_slots:
+            self.cache.batch_select_indices(rows)
+        self.tokens, self.lengths, self.offsets = self.tokens[rows], self.lengths[rows], self.offsets[rows]
+        self._trim_left()
+
+    # -- forward ------------------------------------------------------------------------------
+    def forward(self, start: torch.Tensor) -> torch.Tensor:
+        """Feed every pending token; return logits for row positions ``start[b] ..`` lengths-1.
+
+        Returns ``[B, M, vocab]`` with M = max(lengths - start), left-aligned: ``out[b, j]`` is the
+        distribution after row b's token ``start[b] + j`` (entries past a row's end are filler).
+        Each ``start[b]`` must be a token that is not yet cached (pending).
+        """
+        first_slot = self.cached_slots
+        ends = self.offsets + self.lengths  # [B] slot after each row's last token
+        width = int(ends.max()) - first_slot
+        chunk_slots = first_slot + torch.arange(width, device=self.device)[None, :]  # [1, W]
+        index = chunk_slots - self.offsets[:, None]  # [B, W] token index at each chunk slot
+        real = (index >= 0) & (index < self.lengths[:, None])
+        ids = self.tokens.gather(1, index.clamp(0, self.tokens.shape[1] - 1))
+        ids = ids.masked_fill(~real, self.pad_token_id)  # [B, W]
+        positions = index.clamp_min(0)  # [B, W]
+
+        first_needed = self.offsets + start - first_slot  # [B] chunk column of the first logits needed
+        if bool((first_needed < 0).any()):
+            raise RuntimeError("ModelState.forward asked for logits of a token that is already cached")
+        keep = width - int(first_needed.min())
+        kwargs: dict[str, Any] = {
+            "input_ids": ids,
+            "position_ids": positions,
+            self._cache_kwarg: self.cache,
+            "use_cache": True,
+            "logits_to_keep": keep,
+        }
+        if self.batch_size > 1 or bool((self.offsets > 0).any()) or not bool(real.all()):
+            slots = torch.arange(first_slot + width, device=self.device)[None, :]
+            mask = (slots >= self.offsets[:, None]) & (slots < ends[:, None])  # [B, T + W]
+            kwargs["attention_mask"] = mask.long()
+        if self.is_first_iteration:
+            kwargs.update(self.prefill_inputs)
+        logits = self.model(**kwargs).logits  # [B, keep, V]
+        self.forwards += 1
+        self.is_first_iteration = False
+        self.prefill_inputs = {}
+        self.cached_slots = first_slot + width
+        self._realign(ends)
+
+        count = int((self.lengths - start).max())
+        cols = first_needed[:, None] - (width - keep) + torch.arange(count, device=self.device)[None, :]
+        cols = cols.clamp(max=keep - 1)  # [B, M]
+        return logits.gather(1, cols[..., None].expand(-1, -1, logits.shape[-1]))
+
+    # -- cache maintenance --------------------------------------------------------------------
+    def _realign(self, valid_ends: torch.Tensor) -> None:
+        """Restore the invariant given each row's valid slot end ``valid_ends [B]``."""
+        lo, hi = int(valid_ends.min()), int(valid_ends.max())
+        if hi - lo <= self.refeed_limit:
+            target = lo  # rows past `lo` re-feed at most refeed_limit tokens
+        else:
+            target = hi
+            shifts = hi - valid_ends  # [B] lagging rows move right
+            _shift_rows(self.cache, shifts)
+            self.offsets = self.offsets + shifts
+        if self.cached_slots:
+            self.cache.crop(target - self.cached_slots)
+        self.cached_slots = target
+        self._trim_left()
+
+    def _trim_left(self) -> None:
+        common = int(self.offsets.min()) if self.batch_size else 0
+        if common > 0 and self.cached_slots >= common:
+            _trim_cache_left(self.cache, common)
+            self.offsets = self.offsets - common
+            self.cached_slots -= common
+
+
+def _layers(cache: DynamicCache):
+    return [layer for layer in cache.layers
+            if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel()]
+
+
+def _shift_rows(cache: DynamicCache, shifts: torch.Tensor) -> None:
+    """Move row b's cached entries right by ``shifts[b]`` slots, padding its start with zeros."""
+    moves = [(b, int(s)) for b, s in enumerate(shifts.tolist()) if s > 0]
+    for layer in _layers(cache):
+        for tensor in (layer.keys, layer.values):  # [B, heads, slots, dim]
+            for b, s in moves:
+                tensor[b, :, s:] = tensor[b, :, : tensor.shape[2] - s].clone()
+                tensor[b, :, :s] = 0
+
+
+def _trim_cache_left(cache: DynamicCache, count: int) -> None:
+    """Drop the first ``count`` slots of every row (padding common to all rows)."""
+    for layer in _layers(cache):
+        layer.keys, layer.values = layer.keys[:, :, count:], layer.values[:, :, count:]

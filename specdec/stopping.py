@@ -1,0 +1,78 @@
+"""Stopping and streaming, checked token by token inside every committed block.
+
+A verification commits up to K+1 tokens at once. Plain generation would have checked its
+stopping rules after each of them, so we do too: :meth:`Stopper.cut` returns, per row, how many
+of the new tokens to keep, so the output ends exactly where ``target.generate`` would have ended.
+User ``StoppingCriteria`` and ``stop_strings`` see each row on its own (shape ``[1, length]``),
+as they would when decoding that row alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+
+class Stopper:
+    def __init__(self, *, max_new_tokens: int, eos_token_ids: Sequence[int], stop_strings=None,
+                 tokenizer=None, stopping_criteria=None):
+        self.max_new_tokens = max_new_tokens
+        self.eos = torch.tensor(sorted(set(int(e) for e in eos_token_ids)), dtype=torch.long)
+        self.criteria = list(stopping_criteria or [])
+        if stop_strings:
+            from transformers import StopStringCriteria
+
+            strings = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings)
+            self.criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=strings))
+
+    def cut(self, tokens: torch.Tensor, lengths: torch.Tensor, prompt_lengths: torch.Tensor,
+            new_counts: torch.Tensor, scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decide how much of each row's new block to keep.
+
+        tokens [B, capacity] with the new blocks already in place; lengths [B] include them;
+        new_counts [B] tokens added this step; scores [B, n, vocab] target logits per new token.
+        Returns (keep [B], finished [B] bool).
+        """
+        batch = tokens.shape[0]
+        width = int(new_counts.max()) if batch else 0
+        start = lengths - new_counts  # [B]
+        cols = start[:, None] + torch.arange(width, device=tokens.device)[None, :]  # [B, n]
+        in_block = torch.arange(width, device=tokens.device)[None, :] < new_counts[:, None]
+        block = tokens.gather(1, cols.clamp(max=tokens.shape[1] - 1))  # [B, n]
+        generated = cols + 1 - prompt_lengths[:, None]  # new tokens so far, counting this one
+        stop = torch.isin(block, self.eos.to(block.device)) | (generated >= self.max_new_tokens)
+        stop &= in_block
+        # first stopping position per row, or width if none
+        first = torch.where(stop.any(1), stop.float().argmax(1), torch.full_like(start, width))
+        if self.criteria:
+            first = first.clone()
+            for b in range(batch):
+                for j in range(min(int(first[b]), int(new_counts[b]))):
+                    row = tokens[b : b + 1, : int(cols[b, j]) + 1]
+                    row_scores = scores[b : b + 1, j] if scores is not None else None
+                    if any(bool(c(row, row_scores).any()) for c in self.criteria):
+                        first[b] = j
+                        break
+        finished = first < new_counts
+        keep = torch.where(finished, first + 1, new_counts)
+        return keep, finished
+
+
+class StreamFeed:
+    """Pushes committed tokens to a ``transformers`` streamer (``put``/``end``), prompt first."""
+
+    def __init__(self, streamer: Any):
+        self.streamer = streamer
+
+    def prompt(self, prompt_ids: torch.Tensor) -> None:
+        if self.streamer is not None:
+            self.streamer.put(prompt_ids.cpu())
+
+    def tokens(self, ids: torch.Tensor) -> None:
+        if self.streamer is not None and ids.numel():
+            self.streamer.put(ids.cpu())
+
+    def end(self) -> None:
+        if self.streamer is not None:
+            self.streamer.end()
