@@ -59,8 +59,11 @@ def cache_problem(model, batch_size: int) -> str | None:
 
 
 class ModelState:
+    #: rows whose cached ends differ by at most this many slots re-feed instead of shifting
+    REFEED_LIMIT = 16
+
     def __init__(self, model, tokens: torch.Tensor, lengths: torch.Tensor, capacity: int, *,
-                 pad_token_id: int = 0, prefill_inputs: dict[str, Any] | None = None, refeed_limit: int = 16):
+                 pad_token_id: int = 0, prefill_inputs: dict[str, Any] | None = None):
         batch = tokens.shape[0]
         self.model = model
         self.device = tokens.device
@@ -72,7 +75,7 @@ class ModelState:
         self.offsets = (self.lengths.max() - self.lengths).long()  # [B]
         self.cached_slots = 0
         self.pad_token_id = pad_token_id
-        self.refeed_limit = refeed_limit
+        self.refeed_limit = self.REFEED_LIMIT
         self.is_first_iteration = True
         self.prefill_inputs = dict(prefill_inputs or {})
         self.forwards = 0
@@ -122,7 +125,8 @@ class ModelState:
             common = since + same.long().cumprod(dim=1).sum(dim=1)
         else:
             common = torch.minimum(since, lengths)
-        self.rollback(common)
+        # the last token stays uncached: the next forward must produce the logits that follow it
+        self.rollback(torch.minimum(common, lengths - 1))
         self.grow(tokens.shape[1])
         self.tokens[:, : tokens.shape[1]] = tokens
         self.lengths = lengths.clone()
