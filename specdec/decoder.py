@@ -33,8 +33,10 @@ from .state import ModelState, cache_problem
 from .stopping import Stopper, StreamFeed
 from .verify import greedy_verify, speculative_sample
 
-#: generator used when ``draft`` is a model
+#: generator used when ``draft`` is a model sharing the target's tokenizer
 MODEL_DRAFT_GENERATOR = "draft_model"
+#: generator used when ``draft`` is a model and the two tokenizers given differ
+CROSS_TOKENIZER_GENERATOR = "cross_tokenizer"
 
 
 @dataclass
@@ -72,8 +74,7 @@ class SpecDecoder:
         self.draft_tokenizer = draft_tokenizer
         self.candidate_generator = self._resolve(draft, generator_options)
 
-    @staticmethod
-    def _resolve(draft, options: dict) -> CandidateGenerator:
+    def _resolve(self, draft, options: dict) -> CandidateGenerator:
         if isinstance(draft, CandidateGenerator):
             if options:
                 raise TypeError(f"options {sorted(options)} cannot be applied to a generator instance")
@@ -87,7 +88,10 @@ class SpecDecoder:
         elif isinstance(draft, type) and issubclass(draft, CandidateGenerator):
             cls, args = draft, ()
         elif isinstance(draft, torch.nn.Module):
-            cls, args = get_candidate_generator(MODEL_DRAFT_GENERATOR), (draft,)
+            tokenizers_differ = (self.tokenizer is not None and self.draft_tokenizer is not None
+                                 and self.tokenizer.get_vocab() != self.draft_tokenizer.get_vocab())
+            name = CROSS_TOKENIZER_GENERATOR if tokenizers_differ else MODEL_DRAFT_GENERATOR
+            cls, args = get_candidate_generator(name), (draft,)
         else:
             raise TypeError(f"draft must be a model, a generator name or a CandidateGenerator, got {type(draft).__name__}")
         try:
@@ -138,16 +142,23 @@ class SpecDecoder:
         capacity = width + max_new_tokens + 1
         target_state = ModelState(self.target, rows_tokens, lengths, capacity, pad_token_id=pad,
                                   prefill_inputs=model_inputs)
-        assistants: list[ModelState] = []
+        assistants: list[ModelState] = []  # follow the target's tokens
+        own_states: list[ModelState] = []  # kept in sync by their generator
 
-        def attach(model) -> ModelState:
+        def attach(model, tokens=None, lengths=None, pad_token_id=None) -> ModelState:
             problem = cache_problem(model, batch)
             if problem:
                 raise ValueError(f"assistant: {problem}")
             params = explicit_forward_params(model)
-            state = ModelState(model, target_state.tokens[:, :width], target_state.lengths, capacity,
-                               pad_token_id=pad, prefill_inputs={k: v for k, v in model_inputs.items() if k in params})
-            assistants.append(state)
+            prefill = {k: v for k, v in model_inputs.items() if k in params}
+            if tokens is None:  # follows the target's tokens: the controller keeps it in sync
+                state = ModelState(model, target_state.tokens[:, :width], target_state.lengths, capacity,
+                                   pad_token_id=pad, prefill_inputs=prefill)
+                assistants.append(state)
+            else:  # its own token space (e.g. another tokenizer): the generator keeps it in sync
+                state = ModelState(model, tokens, lengths, tokens.shape[1] + capacity,
+                                   pad_token_id=pad if pad_token_id is None else pad_token_id, prefill_inputs=prefill)
+                own_states.append(state)
             return state
 
         ctx = DecodeContext(self.target, self.tokenizer, self.draft_tokenizer, sampling, generator,
@@ -202,7 +213,7 @@ class SpecDecoder:
                     rest = (~finished).nonzero().flatten()
                     row_ids, prompt_lengths = row_ids[rest], prompt_lengths[rest]
                     if rest.numel():
-                        for state in (target_state, *assistants):
+                        for state in (target_state, *assistants, *own_states):
                             state.select_rows(rest)
                         gen.select_rows(rest)
         feed.end()

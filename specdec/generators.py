@@ -76,9 +76,17 @@ class DecodeContext:
     def target_vocab_size(self) -> int:
         return int(self.target.get_output_embeddings().weight.shape[0])
 
-    def attach(self, model) -> "ModelState":
-        """Hand an assistant model to the controller; returns its state (kept in sync for you)."""
-        return self._attach(model)
+    def attach(self, model, tokens: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
+               pad_token_id: int | None = None) -> "ModelState":
+        """Hand an assistant model to the controller and get its :class:`ModelState`.
+
+        Without ``tokens`` the assistant shares the target's token ids: the controller rolls it
+        back to the committed prefix after every verification. With ``tokens [B, L]`` and
+        ``lengths [B]`` (another tokenizer's ids) the generator keeps it in sync itself, with
+        ``state.sync`` / ``state.rollback`` / ``state.append``. Either way the controller builds
+        its cache, routes prefill-only inputs to its first forward, and drops finished rows.
+        """
+        return self._attach(model, tokens, lengths, pad_token_id)
 
 
 class CandidateGenerator:

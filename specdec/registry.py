@@ -8,6 +8,7 @@ core never imports them. Entry points are loaded lazily, the first time a name i
 from __future__ import annotations
 
 import difflib
+import warnings
 from importlib.metadata import entry_points
 
 ENTRY_POINT_GROUP = "specdec.candidate_generators"
@@ -53,7 +54,11 @@ def _load_entry_points() -> None:
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name in _REGISTRY:
             continue
-        cls = ep.load()  # importing the module usually registers it through the decorator
+        try:
+            cls = ep.load()  # importing the module usually registers it through the decorator
+        except Exception as exc:  # one broken plugin must not hide the others
+            warnings.warn(f"candidate generator plugin {ep.name!r} ({ep.value}) failed to load: {exc}", stacklevel=2)
+            continue
         if ep.name not in _REGISTRY:
             register_candidate_generator(ep.name)(cls)
 

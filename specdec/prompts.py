@@ -1,0 +1,39 @@
+"""Prompts from the Spec-Bench question set, built the way a user would build them."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+#: ``../shared/spec_bench/question.jsonl`` next to this checkout, unless SPECDEC_SPEC_BENCH says otherwise
+DEFAULT_SPEC_BENCH = Path(os.environ.get(
+    "SPECDEC_SPEC_BENCH", Path(__file__).resolve().parent.parent.parent / "shared" / "spec_bench" / "question.jsonl"))
+
+#: Spec-Bench subtasks; MT-Bench's eight categories form the ``mt_bench`` subtask
+SUBTASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
+MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+
+
+def subtask_of(category: str) -> str:
+    return "mt_bench" if category in MT_BENCH_CATEGORIES else category
+
+
+def load_questions(path: str | Path = DEFAULT_SPEC_BENCH) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"Spec-Bench question file not found: {path}")
+    with path.open() as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def encode_chat(tokenizer, messages: list[dict]) -> torch.Tensor:
+    """[1, L] prompt ids: the chat template when the tokenizer has one, else the plain text."""
+    if getattr(tokenizer, "chat_template", None):
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)
+        return out["input_ids"]
+    text = "\n\n".join(m["content"] for m in messages)
+    return tokenizer(text, return_tensors="pt")["input_ids"]

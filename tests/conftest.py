@@ -1,0 +1,25 @@
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct from its PyPI package (loaded once per test session)."""
+    from specdec import load_model
+
+    return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_prompts(smollm2):
+    """Three real Spec-Bench prompts of 48+ tokens through the chat template."""
+    from specdec.prompts import encode_chat, load_questions
+
+    _, tokenizer = smollm2
+    questions = load_questions()
+    picked = [next(q for q in questions if q["category"] == c) for c in ("summarization", "rag", "coding")]
+    prompts = [encode_chat(tokenizer, [{"role": "user", "content": q["turns"][0]}]) for q in picked]
+    assert all(p.shape[1] >= 48 for p in prompts)
+    return prompts

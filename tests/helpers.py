@@ -1,0 +1,59 @@
+"""Shared test utilities (plain functions; fixtures live in conftest.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from specdec.models import tiny_random
+
+
+def perturbed_copy(model, scale: float = 0.3, seed: int = 0):
+    """A draft that agrees with ``model`` often but not always: its weights plus relative noise."""
+    draft = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * p.std().clamp_min(1e-3))
+    return draft
+
+
+def repetitive_prompt(length: int, seed: int = 0, vocab: int = 256) -> torch.Tensor:
+    """[1, ~2*length] random ids with repeats, so prompt lookup finds matches."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randint(0, vocab, (length,), generator=g)
+    return torch.cat([base, base[: length // 2], base])[None, :]
+
+
+def left_pad(rows: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """1-D id rows -> left-padded input_ids [B, P] and attention_mask [B, P]."""
+    width = max(r.numel() for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - r.numel():] = r
+        mask[i, width - r.numel():] = 1
+    return ids, mask
+
+
+def tiny_pair(arch: str, seed: int = 1, noise: float = 0.3, **overrides):
+    """(target, perturbed draft, tokenizer) of one tiny architecture."""
+    target, tokenizer = tiny_random(arch, seed=seed, **overrides)
+    return target, perturbed_copy(target, noise, seed=seed + 100), tokenizer
+
+
+class ForwardRecorder:
+    """Records every forward of a model: tokens fed and keyword names, via a forward pre-hook."""
+
+    def __init__(self, model):
+        self.calls: list[dict] = []
+        self._handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self.calls.append({"tokens": int(ids.shape[1]) if ids is not None else 0, "batch": int(ids.shape[0]),
+                           "input_ids": ids.clone() if ids is not None else None, "kwargs": set(kwargs)})
+
+    def remove(self) -> None:
+        self._handle.remove()
