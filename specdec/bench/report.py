@@ -1,0 +1,384 @@
+"""Benchmark report: ``results.jsonl`` + ``run.json`` -> ``report.md`` and PNG plots.
+
+The same code runs at the end of ``specdec bench CONFIG`` and for ``specdec bench report DIR``,
+so a report can always be rebuilt from the JSON lines alone.
+
+Groups are method x subtask, and method x all ("overall"). In a group, over the rows present:
+
+* tokens/s = sum of new tokens / sum of wall seconds;
+* speedup = tokens/s of the method / tokens/s of ``baseline``, both over the (question, turn) keys
+  that both have (Spec-Bench's definition; with identical outputs it equals the ratio of total
+  baseline time to total method time);
+* mean accepted length, acceptance rate, per-position acceptance: the rows'
+  :class:`~specdec.metrics.AcceptanceStats` merged (SpecDecoder methods). Methods that
+  ``transformers`` runs expose no acceptance counts: their mean accepted length is
+  ``AcceptanceStats(steps=target forwards, committed_tokens=new tokens).mean_accepted_length``
+  (forwards counted by a hook) and the acceptance rate is n/a;
+* K = drafted tokens / steps; c = :func:`draft_cost_ratio`; theoretical speedup =
+  :func:`specdec.metrics.theoretical_speedup` (a = acceptance rate, K, c); efficiency = speedup /
+  theoretical speedup;
+* exact match = share of keys whose new token ids equal ``baseline``'s (greedy only; n/a when sampling).
+
+Nothing here redefines a metric that ``specdec.metrics`` defines.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..metrics import AcceptanceStats, theoretical_speedup
+from ..prompts import SUBTASKS
+from .runner import RESULTS_FILE, RUN_FILE, ResultStore, row_key
+
+OVERALL = "overall"
+REPORT_FILE = "report.md"
+SPEEDUP_PNG = "speedup.png"
+ACCEPTANCE_PNG = "acceptance_by_position.png"
+MAX_POSITIONS = 16  # per-position columns shown in the table
+NA = "n/a"
+
+
+def draft_cost_ratio(stats: AcceptanceStats) -> float | None:
+    """c = (draft seconds per drafted token) / (target verify seconds per step), or None if nothing was drafted.
+
+    Leviathan et al.'s c is the cost of one draft-model run relative to one target run; a drafted
+    token costs one draft run (or one n-gram lookup), a step costs one target forward.
+    """
+    if not stats.drafted_tokens or not stats.steps or stats.verify_seconds <= 0:
+        return None
+    return (stats.draft_seconds / stats.drafted_tokens) / (stats.verify_seconds / stats.steps)
+
+
+@dataclass
+class Summary:
+    """One method on one group of rows (a subtask, or ``overall``)."""
+
+    method: str
+    generator: str
+    subtask: str
+    turns: int
+    new_tokens: int
+    seconds: float
+    speedup: float | None
+    mean_accepted_length: float | None
+    forwards_only: bool  # mean accepted length from counted forwards, no acceptance counts
+    stats: AcceptanceStats | None
+    exact_match: float | None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.stats.acceptance_rate if self.stats is not None and self.stats.drafted_tokens else None
+
+    @property
+    def k_per_step(self) -> float | None:
+        return self.stats.drafted_tokens / self.stats.steps if self.stats is not None and self.stats.steps else None
+
+    @property
+    def cost_ratio(self) -> float | None:
+        return draft_cost_ratio(self.stats) if self.stats is not None else None
+
+    @property
+    def theoretical_speedup(self) -> float | None:
+        if self.stats is None or not self.stats.steps:
+            return None
+        c = self.cost_ratio
+        return theoretical_speedup(self.stats.acceptance_rate, self.k_per_step, c if c is not None else 0.0)
+
+    @property
+    def efficiency(self) -> float | None:
+        theory = self.theoretical_speedup
+        return self.speedup / theory if self.speedup is not None and theory else None
+
+
+# -- aggregation (pure) ------------------------------------------------------------------------
+def _throughput(rows: list[dict]) -> float:
+    seconds = sum(r["seconds"] for r in rows)
+    return sum(r["new_tokens"] for r in rows) / seconds if seconds else 0.0
+
+
+def summarize(method: str, generator: str, subtask: str, rows: list[dict], baseline: dict, greedy: bool,
+              is_baseline: bool) -> Summary:
+    """``rows``: one method's rows in the group; ``baseline``: (question_id, turn) -> baseline row."""
+    keyed = {(r["question_id"], r["turn"]): r for r in rows}
+    shared = [k for k in keyed if k in baseline]
+    speedup = None
+    if shared:
+        base = _throughput([baseline[k] for k in shared])
+        speedup = _throughput([keyed[k] for k in shared]) / base if base else None
+    measured = [r["stats"] for r in rows if r.get("stats") is not None]
+    stats = None
+    if measured and len(measured) == len(rows):
+        stats = AcceptanceStats()
+        for d in measured:
+            stats = stats.merge(AcceptanceStats.from_dict(d))
+        mean_len = stats.mean_accepted_length
+    else:  # transformers ran it: count target forwards
+        counted = AcceptanceStats(steps=sum(r["target_forwards"] for r in rows),
+                                  committed_tokens=sum(r["new_tokens"] for r in rows))
+        mean_len = counted.mean_accepted_length if counted.steps else None
+    exact = None
+    if greedy and shared:
+        exact = sum(keyed[k]["output_ids"] == baseline[k]["output_ids"] for k in shared) / len(shared)
+    return Summary(method, generator, subtask, len(rows), sum(r["new_tokens"] for r in rows),
+                   sum(r["seconds"] for r in rows), 1.0 if is_baseline and shared else speedup, mean_len,
+                   stats is None, stats, exact)
+
+
+def summaries(meta: dict, rows: list[dict]) -> list[Summary]:
+    """Every method (config order) x every subtask present (Spec-Bench order), then ``overall``."""
+    config = meta["config"]
+    greedy = not config["generation"]["do_sample"]
+    methods = [(m["name"] or m["generator"], m["generator"]) for m in config["methods"]]
+    base_name = next(name for name, gen in methods if gen == "baseline")
+    present = {r["subtask"] for r in rows}
+    groups = [s for s in SUBTASKS if s in present] + [OVERALL]
+    out = []
+    for name, generator in methods:
+        mine = [r for r in rows if r["method"] == name]
+        for group in groups:
+            in_group = lambda r: group == OVERALL or r["subtask"] == group  # noqa: E731
+            base = {(r["question_id"], r["turn"]): r for r in rows if r["method"] == base_name and in_group(r)}
+            picked = [r for r in mine if in_group(r)]
+            if picked:
+                out.append(summarize(name, generator, group, picked, base, greedy, name == base_name))
+    return out
+
+
+def pair_comparisons(meta: dict, all_summaries: list[Summary], rows: list[dict]) -> list[tuple[str, str]]:
+    """(ours, transformers') method pairs to compare: every ``prompt_lookup`` method against every
+    ``hf_prompt_lookup`` method with the same number of drafts."""
+    methods = meta["config"]["methods"]
+    default_k = _default_option("prompt_lookup", "num_tokens")
+    pairs = []
+    for hf in (m for m in methods if m["generator"] == "hf_prompt_lookup"):
+        hf_k = hf["options"].get("num_tokens", 10)
+        for ours in (m for m in methods if m["generator"] == "prompt_lookup"):
+            if ours["options"].get("num_tokens", default_k) == hf_k:
+                pairs.append((ours["name"], hf["name"]))
+    return pairs
+
+
+def _default_option(generator: str, option: str):
+    try:
+        from ..registry import get_candidate_generator
+
+        return inspect.signature(get_candidate_generator(generator)).parameters[option].default
+    except (KeyError, ValueError):
+        return None
+
+
+# -- rendering ---------------------------------------------------------------------------------
+def _f(value: float | None, fmt: str, suffix: str = "") -> str:
+    return NA if value is None else f"{value:{fmt}}{suffix}"
+
+
+def _table(header: list[str], body: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    return lines + ["| " + " | ".join(row) + " |" for row in body]
+
+
+def _metric_cells(s: Summary, is_baseline: bool) -> list[str]:
+    dash = "—"
+    return [
+        str(s.turns), str(s.new_tokens), _f(s.tokens_per_second, ".1f"), _f(s.speedup, ".2f", "x"),
+        _f(s.mean_accepted_length, ".2f", "†" if s.forwards_only and s.mean_accepted_length is not None else ""),
+        dash if is_baseline else _f(s.acceptance_rate, ".1%"),
+        dash if is_baseline else _f(s.k_per_step, ".2f"),
+        dash if is_baseline else _f(s.cost_ratio, ".3f"),
+        dash if is_baseline else _f(s.theoretical_speedup, ".2f", "x"),
+        dash if is_baseline else _f(s.efficiency, ".0%"),
+        "ref" if is_baseline else _f(s.exact_match, ".0%"),
+    ]
+
+
+METRIC_HEADER = ["turns", "new tokens", "tokens/s", "speedup", "mean accepted length", "acceptance rate",
+                 "drafts/step K", "draft cost c", "theoretical speedup", "efficiency", "exact match"]
+
+
+def render_markdown(meta: dict, rows: list[dict], all_summaries: list[Summary], figures: list[str]) -> str:
+    config = meta["config"]
+    env = meta.get("environment", {})
+    gen = config["generation"]
+    methods = config["methods"]
+    base_name = next(m["name"] for m in methods if m["generator"] == "baseline")
+    total = sum(q["turns"] for q in meta["questions"]) * len(methods)
+    keys = {row_key(r) for r in rows}
+    per_subtask = {}
+    for q in meta["questions"]:
+        per_subtask[q["subtask"]] = per_subtask.get(q["subtask"], 0) + 1
+    mode = ("greedy" if not gen["do_sample"] else
+            f"sampling (temperature {gen['temperature']}, top_k {gen['top_k']}, top_p {gen['top_p']}, seed {gen['seed']})")
+    name = Path(meta["config_file"]).stem
+    out = [f"# Benchmark `{name}`", ""]
+    if config.get("description"):
+        out += [config["description"].strip(), ""]
+    out += [
+        f"- Command: `specdec bench {meta['config_file']}`; rebuild this page from the JSON lines with "
+        f"`specdec bench report <this directory>`.",
+        f"- Target: `{config['target']}`. Dataset: {len(meta['questions'])} questions "
+        f"({', '.join(f'{k} {v}' for k, v in per_subtask.items())}), {sum(q['turns'] for q in meta['questions'])} turns; "
+        f"{mode}, max_new_tokens {gen['max_new_tokens']}.",
+        f"- Machine: {env.get('platform', '?')}, {env.get('processor', '?')}, {env.get('cpu_count', '?')} CPUs "
+        f"({env.get('device', 'cpu')}), torch {env.get('torch', '?')} with {config['threads']} threads, "
+        f"transformers {env.get('transformers', '?')}, specdec {env.get('specdec', '?')}. Started {meta.get('created', '?')}.",
+        f"- Rows: {len(keys)} of {total} (method x question x turn)"
+        + ("." if len(keys) >= total else " — **incomplete run**: rerun the command to resume."),
+        f"- Methods, interleaved per question after one warm-up each: "
+        + "; ".join(f"`{m['name']}` = {m['generator']}" + (f" {m['options']}" if m["options"] else "")
+                    + (f" draft `{m['draft']}`" if m.get("draft") else "") for m in methods) + ".",
+        "",
+        "## Overall", "",
+    ]
+    overall = [s for s in all_summaries if s.subtask == OVERALL]
+    out += _table(["method"] + METRIC_HEADER, [[f"`{s.method}`"] + _metric_cells(s, s.method == base_name) for s in overall])
+
+    subtasks = [g for g in SUBTASKS if any(s.subtask == g for s in all_summaries)]
+    out += ["", "## Speedup over baseline by subtask", ""]
+    by = {(s.method, s.subtask): s for s in all_summaries}
+    out += _table(["method"] + subtasks + [OVERALL],
+                  [[f"`{m['name']}`"] + [_f(by[(m["name"], g)].speedup, ".2f", "x") if (m["name"], g) in by else NA
+                                         for g in subtasks + [OVERALL]] for m in methods])
+
+    out += ["", "## Per subtask", ""]
+    out += _table(["subtask", "method"] + METRIC_HEADER,
+                  [[g, f"`{s.method}`"] + _metric_cells(s, s.method == base_name)
+                   for g in subtasks for s in all_summaries if s.subtask == g])
+
+    measured = [s for s in overall if s.stats is not None and s.stats.accepted_at_position]
+    if measured:
+        width = min(MAX_POSITIONS, max(len(s.stats.per_position_acceptance) for s in measured))
+        out += ["", "## Acceptance by draft position (overall)", "",
+                "Share of target steps whose i-th draft was accepted (`AcceptanceStats.per_position_acceptance`).", ""]
+        out += _table(["method"] + [str(i + 1) for i in range(width)],
+                      [[f"`{s.method}`"] + [f"{v:.2f}" for v in (s.stats.per_position_acceptance + [0.0] * width)[:width]]
+                       for s in measured])
+
+    pairs = pair_comparisons(meta, all_summaries, rows)
+    if pairs:
+        out += ["", "## Our prompt lookup vs transformers' prompt lookup", "",
+                "Same prompts, same number of drafts. ratio = our tokens/s / transformers' tokens/s; "
+                "identical = share of (question, turn) whose outputs are token-for-token equal.", ""]
+        body = []
+        for ours, hf in pairs:
+            for g in subtasks + [OVERALL]:
+                a, b = by.get((ours, g)), by.get((hf, g))
+                if a is None or b is None:
+                    continue
+                same = _identical_share(rows, ours, hf, g)
+                ratio = a.tokens_per_second / b.tokens_per_second if b.tokens_per_second else None
+                body.append([f"`{ours}` vs `{hf}`", g, f"{a.tokens_per_second:.1f}", f"{b.tokens_per_second:.1f}",
+                             _f(ratio, ".2f", "x"), _f(same, ".0%")])
+        out += _table(["pair", "subtask", "ours tokens/s", "transformers tokens/s", "ratio", "identical"], body)
+
+    out += ["", "## Notes", "",
+            "- Definitions and formulas: `docs/benchmarks.md` (every metric comes from `specdec.metrics`).",
+            "- † mean accepted length from counted target forwards (new tokens / forwards): transformers runs this "
+            "method and exposes no acceptance counts, so its acceptance rate, K, c and theoretical speedup are n/a.",
+            "- Theoretical speedup: Leviathan et al. (1 - a^(K+1)) / ((1 - a)(K c + 1)) with the measured acceptance "
+            "rate a, drafts per step K and draft cost c; efficiency = measured speedup / theoretical speedup."]
+    if gen["do_sample"]:
+        out.append("- Sampling: outputs of different methods are different samples, so exact match is n/a; "
+                   "each (question, turn) uses the same seed in every method and every rerun.")
+    if config.get("batch_size", 1) != 1:  # pragma: no cover - the schema allows only 1 today
+        out.append("- batch_size > 1: transformers' assisted and prompt-lookup generation refuse batches; skipped.")
+    if figures:
+        out += ["", "## Figures", ""] + [f"![{f}]({f})" for f in figures]
+    return "\n".join(out) + "\n"
+
+
+def _identical_share(rows: list[dict], a: str, b: str, group: str) -> float | None:
+    pick = lambda name: {(r["question_id"], r["turn"]): r["output_ids"] for r in rows  # noqa: E731
+                         if r["method"] == name and (group == OVERALL or r["subtask"] == group)}
+    ours, theirs = pick(a), pick(b)
+    shared = [k for k in ours if k in theirs]
+    return sum(ours[k] == theirs[k] for k in shared) / len(shared) if shared else None
+
+
+# -- plots -------------------------------------------------------------------------------------
+def plot_speedup(all_summaries: list[Summary], base_name: str, path: Path) -> bool:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(dict.fromkeys(s.method for s in all_summaries if s.method != base_name))
+    groups = list(dict.fromkeys(s.subtask for s in all_summaries))
+    if not methods:
+        return False
+    by = {(s.method, s.subtask): s.speedup for s in all_summaries}
+    width = 0.8 / len(methods)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(groups) + 0.3 * len(methods)), 4))
+    for i, m in enumerate(methods):
+        xs = [g + (i - (len(methods) - 1) / 2) * width for g in range(len(groups))]
+        ax.bar(xs, [by.get((m, g)) or 0.0 for g in groups], width, label=m)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(groups)), groups, rotation=20)
+    ax.set_ylabel(f"speedup over {base_name} (tokens/s ratio)")
+    ax.set_title("Speedup per subtask")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def plot_acceptance(all_summaries: list[Summary], path: Path) -> bool:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    measured = [s for s in all_summaries if s.subtask == OVERALL and s.stats is not None and s.stats.accepted_at_position]
+    if not measured:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for s in measured:
+        values = s.stats.per_position_acceptance
+        ax.plot(range(1, len(values) + 1), values, marker="o", label=s.method)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("share of steps accepting it")
+    ax.set_ylim(0, 1.05)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_title("Acceptance by draft position (overall)")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# -- entry point -------------------------------------------------------------------------------
+def load_run(out_dir: str | Path) -> tuple[dict, list[dict]]:
+    out_dir = Path(out_dir)
+    run_file = out_dir / RUN_FILE
+    if not run_file.is_file():
+        raise FileNotFoundError(f"{out_dir} is not a benchmark output directory (no {RUN_FILE})")
+    meta = json.loads(run_file.read_text())
+    rows = ResultStore(out_dir / RESULTS_FILE).load()
+    latest = {row_key(r): r for r in rows}  # a key written twice (two sessions racing): keep the last
+    return meta, list(latest.values())
+
+
+def write_report(out_dir: str | Path) -> Path:
+    """(Re)build ``report.md`` and the plots in ``out_dir`` from its JSON lines; return the report path."""
+    out_dir = Path(out_dir)
+    meta, rows = load_run(out_dir)
+    all_summaries = summaries(meta, rows)
+    base_name = next(m["name"] for m in meta["config"]["methods"] if m["generator"] == "baseline")
+    figures = []
+    for name, draw in ((SPEEDUP_PNG, lambda p: plot_speedup(all_summaries, base_name, p)),
+                       (ACCEPTANCE_PNG, lambda p: plot_acceptance(all_summaries, p))):
+        if draw(out_dir / name):
+            figures.append(name)
+    path = out_dir / REPORT_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(render_markdown(meta, rows, all_summaries, figures))
+    tmp.replace(path)
+    return path

@@ -1,0 +1,426 @@
+"""Run a benchmark config: every method on the same prompts, interleaved per question, resumable.
+
+Plan. Questions are selected deterministically (per subtask, evenly spaced by question_id). For
+each question, every method runs in config order, each turn in order; an MT-Bench question's
+second turn is built from the first turn, that method's *own* first answer and the second turn,
+through the chat template (plain text for a model without one). Interleaving methods per question
+keeps a shared, noisy machine from favouring whichever method ran during a quiet minute.
+
+Rows. One row is one (method, question_id, turn): a JSON line in ``results.jsonl``, appended,
+flushed and fsynced as soon as it is produced, so an interrupted run loses at most the row in
+flight. ``run.json`` holds the validated config, the selected question ids, a hash of both, and
+the machine it ran on.
+
+Resume. A rerun whose hash matches skips rows already present (a torn last line is cut off
+first). A different hash is refused unless ``fresh=True``, which discards this directory's files.
+
+Measurement, the same for every method: wall time (``time.perf_counter``) around one
+``generate()`` call; new tokens = tokens after the prompt; target forwards counted by a forward
+hook on the target (public ``nn.Module`` API), so methods that ``transformers`` runs (``baseline``,
+``hf_*``) get an honest mean accepted length (new tokens / target forwards). SpecDecoder methods
+also record their :class:`~specdec.metrics.AcceptanceStats`.
+
+Before anything is written: the config is valid, the dataset exists and yields questions, every
+model loads, every method is built and warmed up once. So a bad config or a mismatched draft
+leaves no half-written directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from ..decoder import SpecDecoder
+from ..metrics import AcceptanceStats
+from ..models import load_model
+from ..prompts import encode_chat, load_questions, subtask_of
+from ..registry import get_candidate_generator
+from .config import (BASELINE, HF_ASSISTED, HF_PROMPT_LOOKUP, REFERENCE_OPTIONS, BenchConfig, ConfigError,
+                     GenerationSettings, MethodConfig)
+
+RESULTS_FILE = "results.jsonl"
+RUN_FILE = "run.json"
+#: files this tool writes into an output directory (the only ones ``fresh`` removes)
+OWN_FILES = (RESULTS_FILE, RUN_FILE, "report.md", "speedup.png", "acceptance_by_position.png")
+WARMUP_PROMPT = "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox"
+
+
+class ResultsMismatchError(RuntimeError):
+    """The output directory holds results of a different config."""
+
+
+# -- questions ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Question:
+    question_id: int
+    category: str
+    subtask: str
+    turns: tuple[str, ...]
+
+
+def spread(items: list, count: int | None) -> list:
+    """``count`` items evenly spaced over ``items`` (all when None or too few): index floor(i n / count)."""
+    if count is None or count >= len(items):
+        return list(items)
+    return [items[i * len(items) // count] for i in range(count)]
+
+
+def select_questions(rows: list[dict], subtasks: list[str], categories: list[str] | None,
+                     per_subtask: int | None) -> list[Question]:
+    """Spec-Bench rows -> questions, grouped by subtask in the given order, each sorted by id."""
+    out = []
+    for subtask in subtasks:
+        pool = sorted((r for r in rows if subtask_of(r["category"]) == subtask
+                       and (categories is None or r["category"] in categories)), key=lambda r: r["question_id"])
+        for r in spread(pool, per_subtask):
+            out.append(Question(int(r["question_id"]), r["category"], subtask, tuple(r["turns"])))
+    return out
+
+
+def build_messages(turns: tuple[str, ...] | list[str], answers: list[str]) -> list[dict]:
+    """Chat messages for turn ``len(turns)``: user turns interleaved with the method's own answers."""
+    messages = []
+    for i, turn in enumerate(turns):
+        messages.append({"role": "user", "content": turn})
+        if i < len(turns) - 1:
+            messages.append({"role": "assistant", "content": answers[i]})
+    return messages
+
+
+def question_seed(seed: int, question_id: int, turn: int) -> int:
+    """Sampling seed of one (question, turn), the same for every method, stable across reruns."""
+    digest = hashlib.sha256(f"{seed}:{question_id}:{turn}".encode()).digest()
+    return int.from_bytes(digest[:7], "little")
+
+
+def config_hash(config: BenchConfig, questions: list[Question]) -> str:
+    payload = json.dumps({"config": config.model_dump(mode="json"), "questions": [q.question_id for q in questions]},
+                         sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+# -- the results file --------------------------------------------------------------------------
+def row_key(row: dict) -> tuple[str, int, int]:
+    return row["method"], int(row["question_id"]), int(row["turn"])
+
+
+class ResultStore:
+    """``results.jsonl``: one JSON object per line, appended and synced row by row."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def load(self, repair: bool = False) -> list[dict]:
+        """Rows in the file; with ``repair``, cut a torn last line (an interrupted write) off the file."""
+        if not self.path.exists():
+            return []
+        data = self.path.read_bytes()
+        end = data.rfind(b"\n") + 1
+        if repair and end < len(data):
+            with self.path.open("r+b") as f:
+                f.truncate(end)
+        rows = []
+        for line in data[:end].splitlines():
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue  # a torn line in the middle (two writers): skip it, its row is redone
+        return rows
+
+    def append(self, row: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def environment() -> dict:
+    import transformers
+
+    from .. import __version__
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "specdec": __version__, "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "device": "cuda" if torch.cuda.is_available() else "cpu"}
+
+
+# -- methods -----------------------------------------------------------------------------------
+@contextmanager
+def count_forwards(model) -> Iterator[list[int]]:
+    """Count ``model``'s forward calls inside the block: ``with count_forwards(m) as n: ...; n[0]``."""
+    counter = [0]
+    handle = model.register_forward_hook(lambda *_: counter.__setitem__(0, counter[0] + 1))
+    try:
+        yield counter
+    finally:
+        handle.remove()
+
+
+def hf_generation_kwargs(gen: GenerationSettings, target) -> dict:
+    """``generate()`` settings for transformers, neutral processors spelled out so that the model's
+    own generation_config cannot add any (top_k would default to 50, for one)."""
+    cfg = target.generation_config
+    pad = cfg.pad_token_id if cfg.pad_token_id is not None else cfg.eos_token_id
+    if isinstance(pad, list):
+        pad = pad[0]
+    kwargs = dict(max_new_tokens=gen.max_new_tokens, do_sample=gen.do_sample, pad_token_id=pad,
+                  repetition_penalty=1.0, no_repeat_ngram_size=0, min_new_tokens=0)
+    if gen.do_sample:
+        kwargs.update(temperature=gen.temperature, top_k=gen.top_k or 0, top_p=1.0 if gen.top_p is None else gen.top_p)
+    return kwargs
+
+
+@dataclass
+class MethodRunner:
+    """One method, ready to run: ``run(input_ids [1, L], seed) -> (new token ids, stats or None)``."""
+
+    config: MethodConfig
+    run: Callable[[torch.Tensor, int | None], tuple[list[int], AcceptanceStats | None]]
+
+
+def _hf_runner(target, gen: GenerationSettings, extra: Callable[[], dict]):
+    def run(input_ids, seed):
+        if seed is not None:
+            torch.manual_seed(seed)
+        out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                              **hf_generation_kwargs(gen, target), **extra())
+        return out[0, input_ids.shape[1]:].tolist(), None
+    return run
+
+
+def _vocab_size(model) -> int:
+    return model.config.get_text_config().vocab_size
+
+
+def _hf_extra(method: MethodConfig, target, tokenizer, draft) -> Callable[[], dict]:
+    """Per-call keyword arguments of a reference method (built once, called before every generate)."""
+    options = REFERENCE_OPTIONS[method.generator].model_validate(method.options)
+    if method.generator == HF_PROMPT_LOOKUP:
+        return lambda: {"prompt_lookup_num_tokens": options.num_tokens, "max_matching_ngram_size": options.max_ngram}
+    if method.generator == HF_ASSISTED:
+        model, draft_tokenizer = draft
+        same_vocab = _vocab_size(model) == _vocab_size(target)  # transformers' own test for a universal assistant
+
+        def extra():
+            # transformers reads these from the assistant's generation_config and, under "heuristic",
+            # writes the adapted value back between calls: reset before every call so each question
+            # starts alike. The assistant is this run's own copy, never the user's.
+            model.generation_config.num_assistant_tokens = options.num_tokens
+            model.generation_config.num_assistant_tokens_schedule = options.schedule
+            model.generation_config.assistant_confidence_threshold = options.confidence_threshold
+            kw = {"assistant_model": model}
+            if not same_vocab:
+                kw.update(tokenizer=tokenizer, assistant_tokenizer=draft_tokenizer)
+            return kw
+        return extra
+    return dict  # baseline: nothing extra
+
+
+def _spec_runner(method: MethodConfig, target, tokenizer, draft, gen: GenerationSettings):
+    cls = get_candidate_generator(method.generator)
+    draft_model, draft_tokenizer = draft if draft is not None else (None, None)
+    try:
+        instance = cls(draft_model, **method.options) if draft_model is not None else cls(**method.options)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"methods: {method.name!r}: bad options for {method.generator!r}: {exc}") from None
+    decoder = SpecDecoder(target, instance, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
+
+    def run(input_ids, seed):
+        generator = None
+        if seed is not None:
+            torch.manual_seed(seed)
+            generator = torch.Generator().manual_seed(seed)
+        out = decoder.generate(input_ids, max_new_tokens=gen.max_new_tokens, do_sample=gen.do_sample,
+                               temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p, generator=generator)
+        return out.sequences[0, input_ids.shape[1]:].tolist(), out.stats
+    return run
+
+
+def build_methods(config: BenchConfig, target, tokenizer, drafts: dict) -> list[MethodRunner]:
+    runners = []
+    for m in config.methods:
+        draft = drafts.get(m.draft) if m.draft else None
+        if m.is_reference:
+            run = _hf_runner(target, config.generation, _hf_extra(m, target, tokenizer, draft))
+        else:
+            run = _spec_runner(m, target, tokenizer, draft, config.generation)
+        runners.append(MethodRunner(m, run))
+    return runners
+
+
+# -- the run -----------------------------------------------------------------------------------
+@dataclass
+class RunResult:
+    out_dir: Path
+    rows_total: int
+    rows_done_before: int
+    rows_new: int = 0
+    report: Path | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def default_out_dir(config_path: str | Path) -> Path:
+    """``benchmarks/results/<stem>/``: beside ``benchmarks/configs/`` when the config lives there,
+    else under the current directory."""
+    path = Path(config_path).resolve()
+    if path.parent.name == "configs" and path.parent.parent.name == "benchmarks":
+        return path.parent.parent / "results" / path.stem
+    return Path("benchmarks") / "results" / path.stem
+
+
+def prepare_out_dir(out_dir: Path, digest: str, fresh: bool) -> None:
+    """Refuse a directory holding another config's results (unless ``fresh``: then clear our files)."""
+    run_file = out_dir / RUN_FILE
+    if not run_file.exists():
+        if (out_dir / RESULTS_FILE).exists() and not fresh:
+            raise ResultsMismatchError(f"{out_dir} has {RESULTS_FILE} but no {RUN_FILE}; rerun with --fresh "
+                                       "to discard it, or choose another --out")
+    else:
+        previous = json.loads(run_file.read_text()).get("config_hash")
+        if previous != digest and not fresh:
+            raise ResultsMismatchError(
+                f"{out_dir} holds results of a different config (hash {previous}, this config {digest}); "
+                "rerun with --fresh to discard them, or choose another --out")
+    if fresh:
+        for name in OWN_FILES:
+            (out_dir / name).unlink(missing_ok=True)
+
+
+def _write_run_file(out_dir: Path, config: BenchConfig, config_file: str, digest: str,
+                    questions: list[Question], done: int) -> None:
+    path = out_dir / RUN_FILE
+    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    env = environment()
+    if path.exists():
+        meta = json.loads(path.read_text())
+    else:
+        meta = {"config_file": config_file, "config_hash": digest, "config": config.model_dump(mode="json"),
+                "questions": [{"question_id": q.question_id, "subtask": q.subtask, "turns": len(q.turns)}
+                              for q in questions],
+                "created": now, "environment": env, "sessions": []}
+    meta["sessions"].append({"started": now, "rows_done_before": done, "environment": env})
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(meta, indent=1))
+    tmp.replace(path)
+
+
+def _load_drafts(config: BenchConfig) -> dict:
+    """Each distinct draft name loaded once, separately from the target (hooks count the target only)."""
+    return {name: load_model(name) for name in dict.fromkeys(m.draft for m in config.methods if m.draft)}
+
+
+def _warm_up(runners: list[MethodRunner], tokenizer) -> None:
+    """Run every method once, unrecorded: first-call costs (allocations, lazy inits) leave the timings, and
+    a method that cannot run at all (a mismatched draft) fails here, before anything is written."""
+    ids = encode_chat(tokenizer, [{"role": "user", "content": WARMUP_PROMPT}])
+    for r in runners:
+        try:
+            r.run(ids, None)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"method {r.config.name!r} ({r.config.generator}) cannot run: {exc}") from None
+
+
+def run_benchmark(config: BenchConfig, *, config_file: str | Path, out_dir: str | Path | None = None,
+                  fresh: bool = False, progress: bool = True, on_row: Callable[[dict], None] | None = None,
+                  log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr)) -> RunResult:
+    """Run (or resume) ``config``; return where the results are. See the module docstring."""
+    from tqdm.auto import tqdm
+    from transformers.utils import logging as hf_logging
+
+    from .report import write_report
+
+    config_file = str(config_file)
+    out_dir = Path(out_dir) if out_dir is not None else default_out_dir(config_file)
+    dataset = config.dataset_path(Path(config_file).parent)
+    if not dataset.is_file():
+        raise ConfigError(f"dataset.path: file not found: {dataset}")
+    questions = select_questions(load_questions(dataset), config.dataset.subtasks, config.dataset.categories,
+                                 config.dataset.per_subtask)
+    if not questions:
+        raise ConfigError(f"dataset: no question in {dataset} matches subtasks {config.dataset.subtasks}"
+                          + (f" and categories {config.dataset.categories}" if config.dataset.categories else ""))
+    digest = config_hash(config, questions)
+    if not fresh:
+        prepare_out_dir(out_dir, digest, fresh=False)  # refuse early, before loading any model
+
+    torch.set_num_threads(config.threads)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # per-call generation notices would drown the progress bar
+    try:
+        log(f"loading {config.target} ...")
+        target, tokenizer = load_model(config.target)
+        drafts = _load_drafts(config)
+        runners = build_methods(config, target, tokenizer, drafts)
+        warm = config.model_copy(update={"generation": config.generation.model_copy(
+            update={"max_new_tokens": config.warmup_new_tokens})})
+        _warm_up(build_methods(warm, target, tokenizer, drafts), tokenizer)
+
+        # -- from here on, files are written ------------------------------------------------------
+        out_dir.mkdir(parents=True, exist_ok=True)
+        prepare_out_dir(out_dir, digest, fresh)
+        store = ResultStore(out_dir / RESULTS_FILE)
+        done = {row_key(r): r for r in store.load(repair=True)}
+        total = sum(len(q.turns) for q in questions) * len(runners)
+        planned = {(r.config.name, q.question_id, t) for q in questions for r in runners for t in range(1, len(q.turns) + 1)}
+        result = RunResult(out_dir, total, len(planned & set(done)))
+        _write_run_file(out_dir, config, config_file, digest, questions, result.rows_done_before)
+        if result.rows_done_before:
+            log(f"resuming: {result.rows_done_before}/{total} rows already in {store.path}")
+
+        bar = tqdm(total=total, initial=result.rows_done_before, unit="row", disable=not progress,
+                   desc=Path(config_file).stem, dynamic_ncols=True)
+        try:
+            for q in questions:
+                for runner in runners:
+                    answers: list[str] = []
+                    for turn in range(1, len(q.turns) + 1):
+                        key = (runner.config.name, q.question_id, turn)
+                        if key in done:
+                            answers.append(done[key]["text"])
+                            continue
+                        row = _run_one(runner, q, turn, answers, target, tokenizer, config.generation)
+                        store.append(row)
+                        done[key] = row
+                        answers.append(row["text"])
+                        result.rows_new += 1
+                        bar.update(1)
+                        bar.set_postfix_str(f"{runner.config.name} {q.subtask} "
+                                            f"{row['new_tokens'] / max(row['seconds'], 1e-9):.1f} tok/s")
+                        if on_row is not None:
+                            on_row(row)
+        finally:
+            bar.close()
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    result.report = write_report(out_dir)
+    return result
+
+
+def _run_one(runner: MethodRunner, q: Question, turn: int, answers: list[str], target, tokenizer,
+             gen: GenerationSettings) -> dict:
+    input_ids = encode_chat(tokenizer, build_messages(q.turns[:turn], answers))  # [1, L]
+    seed = question_seed(gen.seed, q.question_id, turn) if gen.do_sample else None
+    with count_forwards(target) as forwards:
+        started = time.perf_counter()
+        new_ids, stats = runner.run(input_ids, seed)
+        seconds = time.perf_counter() - started
+    return {
+        "method": runner.config.name, "generator": runner.config.generator, "question_id": q.question_id,
+        "category": q.category, "subtask": q.subtask, "turn": turn, "prompt_tokens": int(input_ids.shape[1]),
+        "new_tokens": len(new_ids), "seconds": seconds, "target_forwards": forwards[0], "seed": seed,
+        "stats": stats.as_dict() if stats is not None else None,
+        "output_ids": new_ids, "text": tokenizer.decode(new_ids, skip_special_tokens=True),
+    }
