@@ -1,0 +1,250 @@
+"""Speculative sampling is lossless: committed tokens are distributed as the target's own samples.
+
+Two levels, each with at least 20,000 samples on a small vocabulary:
+
+* **Verifier level.** A Markov-chain "target" ``P[prev] -> next`` and "draft" ``Q[prev]`` on
+  V = 6 tokens. 20,000 rows are decoded in lockstep with ``speculative_sample`` (random K per
+  row) until every row has 3 tokens, with model-like drafts (sampled from ``Q``, with
+  ``draft_probs``) and with one-hot drafts (a deterministic lookup, as prompt lookup proposes).
+  The joint distribution of the first three committed tokens (216 cells) must match the chain's
+  exact ``P[x0, a] P[a, b] P[b, c]``. Temperature, top-k and top-p are applied through
+  :class:`SamplingParams` to both tables, exactly as the decoder does.
+* **End to end.** ``SpecDecoder.generate`` on a tiny Llama with an 8-token vocabulary, a batch of
+  20,000 copies of one prompt, with ``prompt_lookup`` and ``draft_model``; the joint distribution
+  of the 3 generated tokens (512 cells) must match the target's exact distribution, computed
+  by forward passes over every 1- and 2-token continuation.
+
+**Threshold.** Pearson's chi-square goodness of fit, cells with expected count < 5 pooled into
+one bin (the usual validity condition for the chi-square approximation), rejecting at
+``p < ALPHA = 1e-3``. Under a correct sampler the p-value is uniform, so a given seed fails with
+probability 1e-3 per comparison (about 1% over the comparisons in this file), and the seeds are
+fixed, so a run is deterministic. A real bias is far beyond that threshold: the classic bug of
+resampling a rejected position from the target instead of the residual shifts tens of percent of
+probability between cells, i.e. a chi-square in the thousands at n = 20,000;
+:func:`test_the_chi_square_check_catches_a_biased_sampler` shows the check rejecting exactly that
+bug with p < 1e-10. Cells with target probability 0 (cut by top-k/top-p) must stay empty. The
+total-variation distance is asserted too, below 0.05 (its expected value for a correct sampler
+at n = 20,000 over <= 512 cells is about 0.03 at most, and the biased sampler's is >= 0.1).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from specdec import SpecDecoder
+from specdec.sampling import SamplingParams, warp_logits
+from specdec.verify import Verdict, speculative_sample
+
+ALPHA = 1e-3
+MAX_TV = 0.05
+N = 20_000
+
+
+def goodness_of_fit(observed: torch.Tensor, expected_probs: torch.Tensor) -> tuple[float, float]:
+    """observed [cells] counts, expected_probs [cells] -> (chi-square p-value, total variation).
+
+    Cells with expected probability 0 must be empty; cells with expected count < 5 are pooled."""
+    observed, expected_probs = observed.double().flatten(), expected_probs.double().flatten()
+    n = float(observed.sum())
+    impossible = expected_probs <= 0
+    assert float(observed[impossible].sum()) == 0, "sampled a token the (warped) target cannot produce"
+    expected = expected_probs / expected_probs.sum() * n
+    small = (expected < 5) & ~impossible
+    big = ~small & ~impossible
+    obs = torch.cat([observed[big], observed[small].sum()[None]]) if small.any() else observed[big]
+    exp = torch.cat([expected[big], expected[small].sum()[None]]) if small.any() else expected[big]
+    p_value = float(chisquare(obs.numpy(), exp.numpy()).pvalue)
+    tv = 0.5 * float((observed / n - expected_probs / expected_probs.sum()).abs().sum())
+    return p_value, tv
+
+
+def assert_same_distribution(observed: torch.Tensor, expected_probs: torch.Tensor) -> None:
+    p_value, tv = goodness_of_fit(observed, expected_probs)
+    assert p_value > ALPHA, f"chi-square p = {p_value:.2e} (tv {tv:.4f}): committed tokens are biased"
+    assert tv < MAX_TV, f"total variation {tv:.4f}"
+
+
+# -- warping -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, None, None), (1.0, 3, None), (1.0, None, 0.8),
+                                                     (1.3, 5, 0.9), (0.5, 1, None)])
+def test_warp_matches_transformers_logits_warpers(temperature, top_k, top_p):
+    """The warp the decoder applies to draft and target is transformers' own: temperature, top-k,
+    top-p, in that order."""
+    logits = torch.randn(64, 11, generator=torch.Generator().manual_seed(0)) * 3
+    expected = logits.clone()
+    expected = TemperatureLogitsWarper(temperature)(None, expected)
+    if top_k is not None:
+        expected = TopKLogitsWarper(top_k)(None, expected)
+    if top_p is not None:
+        expected = TopPLogitsWarper(top_p)(None, expected)
+    ours = warp_logits(logits, temperature, top_k, top_p)
+    assert torch.equal(torch.isinf(ours), torch.isinf(expected))
+    params = SamplingParams(True, temperature, top_k, top_p)
+    assert torch.allclose(params.probs(logits), torch.softmax(expected, -1), atol=1e-6)
+
+
+# -- verifier level: a Markov chain ------------------------------------------------------------
+VOCAB, K, X0 = 6, 4, 0
+
+
+def markov_tables(params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """Warped transition tables target P [V, V] and draft Q [V, V] (row = previous token)."""
+    g = torch.Generator().manual_seed(7)
+    target_logits = torch.randn(VOCAB, VOCAB, generator=g) * 1.5
+    draft_logits = target_logits + torch.randn(VOCAB, VOCAB, generator=g)  # close, not equal
+    return params.probs(target_logits), params.probs(draft_logits)
+
+
+def run_chain(target_table, draft_table, one_hot: bool, seed: int, verify=speculative_sample) -> torch.Tensor:
+    """Decode N rows in lockstep until each has >= 3 tokens; return [N, 3] first committed tokens."""
+    g = torch.Generator().manual_seed(seed)
+    lookup = torch.roll(torch.arange(VOCAB), -1)  # one-hot drafts: "token t is followed by t+1"
+    out = torch.full((N, 3 * (K + 1)), -1, dtype=torch.long)
+    count = torch.zeros(N, dtype=torch.long)
+    last = torch.full((N,), X0, dtype=torch.long)
+    rows = torch.arange(N)
+    for _ in range(3):  # each step commits >= 1 token per row
+        drafts, prev = [], last
+        for _ in range(K):
+            prev = lookup[prev] if one_hot else torch.multinomial(draft_table[prev], 1, generator=g).squeeze(1)
+            drafts.append(prev)
+        draft_ids = torch.stack(drafts, 1)  # [N, K]
+        context = torch.cat([last[:, None], draft_ids], 1)  # [N, K+1]: token before each scored position
+        target_probs = target_table[context]  # [N, K+1, V]
+        draft_probs = None if one_hot else draft_table[context[:, :K]]  # [N, K, V]
+        lengths = torch.randint(0, K + 1, (N,), generator=g)  # rows offer different numbers of drafts
+        verdict: Verdict = verify(target_probs, draft_ids, lengths, draft_probs, g)
+        block = torch.cat([draft_ids, torch.zeros(N, 1, dtype=torch.long)], 1)  # [N, K+1]
+        block[rows, verdict.accepted] = verdict.next_token
+        for j in range(K + 1):
+            take = j <= verdict.accepted
+            out[rows[take], count[take] + j] = block[take, j]
+        count += verdict.accepted + 1
+        last = verdict.next_token
+    return out[:, :3]
+
+
+def chain_joint(target_table: torch.Tensor) -> torch.Tensor:
+    """[V, V, V] exact probability of the first three tokens after X0."""
+    p1 = target_table[X0]  # [V]
+    return p1[:, None, None] * target_table[:, :, None] * target_table[None, :, :]
+
+
+def joint_counts(first: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[N, m] tokens -> [vocab ** m] counts of each m-gram."""
+    index = torch.zeros(first.shape[0], dtype=torch.long)
+    for j in range(first.shape[1]):
+        index = index * vocab + first[:, j]
+    return torch.bincount(index, minlength=vocab ** first.shape[1])
+
+
+SAMPLING = [SamplingParams(True, 1.0), SamplingParams(True, 0.7, top_k=4), SamplingParams(True, 1.2, top_p=0.8)]
+
+
+@pytest.mark.parametrize("one_hot", [False, True], ids=["draft_probs", "one_hot"])
+@pytest.mark.parametrize("params", SAMPLING, ids=["plain", "temp_topk", "temp_topp"])
+def test_verifier_commits_the_target_distribution(params, one_hot):
+    target_table, draft_table = markov_tables(params)
+    first = run_chain(target_table, draft_table, one_hot, seed=1)
+    assert bool((first >= 0).all())
+    assert_same_distribution(joint_counts(first, VOCAB), chain_joint(target_table))
+
+
+def naive_sample(target_probs, draft_ids, draft_lengths, draft_probs=None, generator=None) -> Verdict:
+    """A classic bug: the rejected position is resampled from the target, not the residual."""
+    verdict = speculative_sample(target_probs, draft_ids, draft_lengths, draft_probs, generator)
+    rows = torch.arange(target_probs.shape[0])
+    resampled = torch.multinomial(target_probs[rows, verdict.accepted], 1, generator=generator).squeeze(1)
+    return Verdict(verdict.accepted, resampled)
+
+
+@pytest.mark.parametrize("one_hot", [False, True], ids=["draft_probs", "one_hot"])
+def test_the_chi_square_check_catches_a_biased_sampler(one_hot):
+    target_table, draft_table = markov_tables(SAMPLING[0])
+    first = run_chain(target_table, draft_table, one_hot, seed=1, verify=naive_sample)
+    p_value, tv = goodness_of_fit(joint_counts(first, VOCAB), chain_joint(target_table))
+    assert p_value < 1e-10 and tv > 2 * MAX_TV
+
+
+# -- end to end: SpecDecoder on a tiny model with an 8-token vocabulary ------------------------
+TINY_VOCAB = 8
+PROMPT = torch.tensor([[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]])  # repetitive: prompt lookup finds drafts
+
+
+def tiny_vocab_llama(seed: int = 0) -> LlamaForCausalLM:
+    """A tiny random Llama over 8 tokens, no EOS (every row generates exactly max_new_tokens)."""
+    config = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).eval()
+        with torch.no_grad():
+            model.lm_head.weight.mul_(6.0)  # random init is near uniform; make distributions uneven
+    model.generation_config.eos_token_id = None
+    model.generation_config.bos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny_models():
+    target = tiny_vocab_llama(0)
+    draft = copy.deepcopy(target)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.3 * p.std())
+    return target, draft
+
+
+def exact_three_token_joint(model, prompt: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[V, V, V] probability of the first three generated tokens, by forward passes over every
+    1- and 2-token continuation of ``prompt [1, P]``."""
+    v = TINY_VOCAB
+    with torch.no_grad():
+        p1 = params.probs(model(prompt).logits[0, -1])  # [V]
+        one = torch.cat([prompt.repeat(v, 1), torch.arange(v)[:, None]], 1)  # [V, P+1]
+        p2 = params.probs(model(one).logits[:, -1])  # [V, V]
+        pairs = torch.cartesian_prod(torch.arange(v), torch.arange(v))  # [V*V, 2]
+        two = torch.cat([prompt.repeat(v * v, 1), pairs], 1)  # [V*V, P+2]
+        p3 = params.probs(model(two).logits[:, -1]).view(v, v, v)  # [V, V, V]
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+@pytest.mark.parametrize("drafter,params", [
+    ("prompt_lookup", SamplingParams(True, 0.8, top_k=6)),
+    ("draft_model", SamplingParams(True, 1.2, top_p=0.9)),
+])
+def test_generate_samples_the_target_distribution(tiny_models, drafter, params):
+    target, draft = tiny_models
+    decoder = SpecDecoder(target, draft if drafter == "draft_model" else drafter, num_tokens=3, schedule="fixed")
+    out = decoder.generate(PROMPT.repeat(N, 1), max_new_tokens=3, do_sample=True, temperature=params.temperature,
+                           top_k=params.top_k, top_p=params.top_p, generator=torch.Generator().manual_seed(0))
+    new = out.sequences[:, PROMPT.shape[1]:]
+    assert new.shape == (N, 3)
+    stats = out.stats
+    # speculation really happened: drafts were offered, some accepted and some rejected
+    assert stats.drafted_tokens > N and 0 < stats.accepted_tokens < stats.drafted_tokens
+    assert_same_distribution(joint_counts(new, TINY_VOCAB), exact_three_token_joint(target, PROMPT, params))
+
+
+@pytest.mark.parametrize("drafter", ["prompt_lookup", "draft_model"])
+def test_seeded_sampling_is_reproducible(tiny_models, drafter):
+    target, draft = tiny_models
+    decoder = SpecDecoder(target, draft if drafter == "draft_model" else drafter, num_tokens=4)
+    prompt = PROMPT.repeat(16, 1)
+    runs = []
+    for seed, global_seed in ((5, 0), (5, 1), (6, 0)):
+        torch.manual_seed(global_seed)  # only the given generator may matter
+        out = decoder.generate(prompt, max_new_tokens=10, do_sample=True, temperature=0.9, top_k=7,
+                               generator=torch.Generator().manual_seed(seed))
+        runs.append(out.sequences)
+    assert torch.equal(runs[0], runs[1])
+    assert not torch.equal(runs[0], runs[2])
