@@ -48,7 +48,7 @@ class Stopper:
         if self.criteria:
             first = first.clone()
             for b in range(batch):
-                for j in range(min(int(first[b]), int(new_counts[b]))):
+                for j in range(min(int(first[b]) + 1, int(new_counts[b]))):
                     row = tokens[b : b + 1, : int(cols[b, j]) + 1]
                     row_scores = scores[b : b + 1, j] if scores is not None else None
                     if any(bool(c(row, row_scores).any()) for c in self.criteria):
