@@ -1,0 +1,321 @@
+"""The candidate-generator registry and third-party plugins.
+
+* ``@register_candidate_generator`` registers a class under a name (and sets ``cls.name``);
+* the built-ins are found through the ``specdec.candidate_generators`` entry-point group, as a
+  third-party package's would be, and the core never imports them;
+* unknown names list the known ones with a "did you mean"; duplicate names are refused;
+* a generator written at run time, and the two complete examples of docs/plugins.md (run
+  exactly as the page prints them), decode with output identical to ``target.generate``.
+
+Every registration made here is removed again (``unregister_candidate_generator``).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+import warnings
+from importlib.metadata import EntryPoint, entry_points
+from pathlib import Path
+
+import pytest
+import torch
+
+import specdec.registry as registry
+from specdec import SpecDecoder
+from specdec.generators import CandidateGenerator, Proposal
+from specdec.models import tiny_random
+from specdec.registry import (ENTRY_POINT_GROUP, UnknownGeneratorError, available_generators,
+                              get_candidate_generator, register_candidate_generator,
+                              unregister_candidate_generator)
+
+from helpers import ForwardRecorder, left_pad, perturbed_copy, repetitive_prompt
+
+ROOT = Path(__file__).resolve().parents[1]
+BUILT_INS = {"draft_model": "candidate_generators.draft_model", "prompt_lookup": "candidate_generators.prompt_lookup"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads; on a shared machine one thread is faster."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture
+def cleanup():
+    """Collects generator names and module names to remove after the test."""
+    names, modules = [], []
+    yield names, modules
+    for name in names:
+        unregister_candidate_generator(name)
+    for module in modules:
+        sys.modules.pop(module, None)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_random("llama", seed=3)
+
+
+@pytest.fixture
+def fresh_registry(monkeypatch):
+    """An empty registry whose entry points have not been loaded yet (restored afterwards)."""
+    monkeypatch.setattr(registry, "_REGISTRY", {})
+    monkeypatch.setattr(registry, "_entry_points_loaded", False)
+    return registry
+
+
+# -- decorator, entry points ---------------------------------------------------------------------
+def test_decorator_registers_under_the_name(cleanup):
+    names, _ = cleanup
+
+    @register_candidate_generator("test_reg_decorated")
+    class Decorated(CandidateGenerator):
+        pass
+
+    names.append("test_reg_decorated")
+    assert get_candidate_generator("test_reg_decorated") is Decorated
+    assert Decorated.name == "test_reg_decorated"
+    assert "test_reg_decorated" in available_generators()
+    unregister_candidate_generator("test_reg_decorated")
+    with pytest.raises(UnknownGeneratorError):
+        get_candidate_generator("test_reg_decorated")
+
+
+def test_built_ins_are_declared_and_discovered_through_entry_points(fresh_registry):
+    declared = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    for name, module in BUILT_INS.items():
+        assert declared[name].module == module
+    assert fresh_registry._REGISTRY == {}
+    found = available_generators()  # loads the entry points into the empty registry
+    for name, module in BUILT_INS.items():
+        assert name in found
+        cls = get_candidate_generator(name)
+        assert cls is declared[name].load() and cls.__module__ == module and cls.name == name
+
+
+def test_core_never_imports_the_plugins():
+    """specdec/ must not import candidate_generators/ (the arrows point one way)."""
+    offenders = []
+    for path in sorted((ROOT / "specdec").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0] == "candidate_generators"]
+    assert not offenders, offenders
+
+
+THIRD_PARTY_MODULE = '''
+import torch
+from specdec.generators import CandidateGenerator, Proposal
+
+class LastTokenRepeater(CandidateGenerator):  # no decorator: registered by its entry point
+    def propose(self, ctx, max_drafts):
+        last = ctx.tokens[torch.arange(ctx.batch_size), ctx.lengths - 1]  # [B]
+        k = int(max_drafts.clamp(0, 3).max())
+        return Proposal(last[:, None].repeat(1, k), max_drafts.clamp(0, 3))
+'''
+
+
+def test_a_third_party_entry_point_is_discovered_and_a_broken_one_is_skipped(
+        fresh_registry, monkeypatch, tmp_path, cleanup, llama):
+    _, modules = cleanup
+    (tmp_path / "thirdparty_repeater.py").write_text(THIRD_PARTY_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    modules.append("thirdparty_repeater")
+    real = entry_points(group=ENTRY_POINT_GROUP)
+    fake = [*real,
+            EntryPoint("repeater", "thirdparty_repeater:LastTokenRepeater", ENTRY_POINT_GROUP),
+            EntryPoint("broken", "no_such_module_for_specdec_tests:Nothing", ENTRY_POINT_GROUP)]
+    monkeypatch.setattr(registry, "entry_points", lambda group: [ep for ep in fake if ep.group == group])
+    with pytest.warns(UserWarning, match="broken"):
+        known = available_generators()
+    assert "repeater" in known and "broken" not in known and set(BUILT_INS) <= set(known)
+    cls = get_candidate_generator("repeater")
+    assert cls.__name__ == "LastTokenRepeater" and cls.name == "repeater"
+
+    target, _ = llama
+    ids = repetitive_prompt(10, seed=1)
+    out = SpecDecoder(target, "repeater").generate(ids, max_new_tokens=20)
+    assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=20, do_sample=False))
+    assert out.stats.drafted_tokens > 0
+
+
+# -- errors ----------------------------------------------------------------------------------------
+def test_unknown_name_lists_known_names_and_suggests_the_closest(llama):
+    with pytest.raises(UnknownGeneratorError) as info:
+        get_candidate_generator("prompt_lookpu")
+    message = str(info.value)
+    assert "prompt_lookpu" in message and "Did you mean 'prompt_lookup'?" in message
+    assert all(name in message for name in BUILT_INS)
+    assert isinstance(info.value, KeyError)
+
+    with pytest.raises(UnknownGeneratorError) as info:
+        get_candidate_generator("zzzzzz")
+    assert "did you mean" not in str(info.value).lower() and "draft_model" in str(info.value)
+
+    target, _ = llama
+    with pytest.raises(UnknownGeneratorError, match="Did you mean 'draft_model'"):
+        SpecDecoder(target, "draft_modle")
+
+
+def test_duplicate_names_are_refused(cleanup):
+    names, _ = cleanup
+
+    @register_candidate_generator("test_reg_dup")
+    class First(CandidateGenerator):
+        pass
+
+    names.append("test_reg_dup")
+
+    class Second(CandidateGenerator):
+        pass
+
+    with pytest.raises(ValueError, match="already registered"):
+        register_candidate_generator("test_reg_dup")(Second)
+    assert get_candidate_generator("test_reg_dup") is First
+    builtin = get_candidate_generator("prompt_lookup")
+    with pytest.raises(ValueError, match="prompt_lookup"):
+        register_candidate_generator("prompt_lookup")(Second)
+    assert get_candidate_generator("prompt_lookup") is builtin
+    register_candidate_generator("test_reg_dup")(First)  # the same class again is harmless
+    with pytest.raises(ValueError):
+        register_candidate_generator("")
+
+
+# -- a generator written at run time ---------------------------------------------------------------
+def test_a_generator_defined_at_run_time_decodes_exactly(llama, cleanup):
+    names, _ = cleanup
+
+    @register_candidate_generator("test_reg_echo")
+    class EchoPrompt(CandidateGenerator):
+        """Proposes the prompt's tokens that followed the last committed token's first
+        occurrence in it (a crude lookup): a real third-party generator, only worse."""
+
+        def __init__(self, *, num_tokens: int = 4):
+            self.num_tokens = num_tokens
+            self.calls = {"setup": 0, "propose": 0, "observe": 0}
+
+        def setup(self, ctx):
+            self.calls["setup"] += 1
+            self.prompt_lengths = ctx.lengths.clone()
+
+        def propose(self, ctx, max_drafts):
+            self.calls["propose"] += 1
+            rows = []
+            for b in range(ctx.batch_size):
+                prompt = ctx.tokens[b, : int(self.prompt_lengths[b])]
+                last = ctx.tokens[b, int(ctx.lengths[b]) - 1]
+                hits = (prompt[:-1] == last).nonzero().flatten()
+                budget = min(self.num_tokens, int(max_drafts[b]))
+                rows.append(prompt[int(hits[0]) + 1: int(hits[0]) + 1 + budget] if hits.numel() and budget > 0
+                            else prompt[:0])
+            k = max(r.numel() for r in rows)
+            token_ids = torch.zeros(len(rows), k, dtype=torch.long)
+            for b, r in enumerate(rows):
+                token_ids[b, : r.numel()] = r
+            return Proposal(token_ids, torch.tensor([r.numel() for r in rows]))
+
+        def observe(self, ctx, feedback):
+            self.calls["observe"] += 1
+
+        def select_rows(self, rows):
+            self.prompt_lengths = self.prompt_lengths[rows]
+
+    names.append("test_reg_echo")
+    target, tokenizer = llama
+    decoder = SpecDecoder(target, "test_reg_echo", num_tokens=5)
+    assert isinstance(decoder.candidate_generator, EchoPrompt) and decoder.candidate_generator.num_tokens == 5
+    ids = repetitive_prompt(12, seed=4)
+    out = decoder.generate(ids, max_new_tokens=24)
+    assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=24, do_sample=False))
+    calls = decoder.candidate_generator.calls
+    assert calls["setup"] == 1 and calls["propose"] == calls["observe"] == out.stats.steps
+    assert out.stats.drafted_tokens > 0
+
+    rows = [repetitive_prompt(n, seed=n)[0] for n in (4, 15, 9)]
+    batch, mask = left_pad(rows, tokenizer.pad_token_id)
+    out = decoder.generate(batch, mask, max_new_tokens=16)
+    for i, row in enumerate(rows):
+        ref = target.generate(row[None], max_new_tokens=16, do_sample=False)[0, row.numel():]
+        assert out.sequences[i, batch.shape[1]: batch.shape[1] + ref.numel()].tolist() == ref.tolist()
+
+    with pytest.raises(TypeError, match="test_reg_echo"):
+        SpecDecoder(target, "test_reg_echo", no_such_option=1)
+
+
+# -- the examples of docs/plugins.md ---------------------------------------------------------------
+def doc_blocks() -> dict[str, str]:
+    """The ```python blocks of docs/plugins.md: complete files (first line ``# name.py``) by
+    module name, and the usage block under the key ``usage``."""
+    text = (ROOT / "docs" / "plugins.md").read_text()
+    blocks = {}
+    for body in re.findall(r"```python\n(.*?)```", text, flags=re.S):
+        first = body.splitlines()[0]
+        match = re.fullmatch(r"# (\w+)\.py", first)
+        if match:
+            blocks[match.group(1)] = body
+        elif "import bigram_drafter" in body:
+            blocks["usage"] = body
+    return blocks
+
+
+def import_doc_module(name: str, tmp_path: Path, monkeypatch, cleanup):
+    names, modules = cleanup
+    (tmp_path / f"{name}.py").write_text(doc_blocks()[name])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    modules.append(name)
+    module = __import__(name)
+    names.extend(n for n in available_generators() if get_candidate_generator(n).__module__ == name)
+    return module
+
+
+def test_docs_bigram_example_runs_as_printed(tmp_path, monkeypatch, cleanup, capsys):
+    blocks = doc_blocks()
+    assert {"bigram_drafter", "greedy_assistant", "usage"} <= set(blocks)
+    module = import_doc_module("bigram_drafter", tmp_path, monkeypatch, cleanup)
+    assert get_candidate_generator("bigram") is module.BigramGenerator
+    exec(compile(blocks["usage"], "docs/plugins.md (usage)", "exec"), {"__name__": "docs_usage"})
+    assert "acceptance rate" in capsys.readouterr().out
+
+
+def test_docs_bigram_generator_is_exact_and_really_drafts(tmp_path, monkeypatch, cleanup, llama):
+    import_doc_module("bigram_drafter", tmp_path, monkeypatch, cleanup)
+    target, tokenizer = llama
+    decoder = SpecDecoder(target, "bigram", num_tokens=6)
+    ids = repetitive_prompt(16, seed=2)
+    out = decoder.generate(ids, max_new_tokens=30)
+    assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=30, do_sample=False))
+    assert out.stats.accepted_tokens > 0
+    rows = [repetitive_prompt(n, seed=n)[0] for n in (5, 20, 11)]
+    batch, mask = left_pad(rows, tokenizer.pad_token_id)
+    out = decoder.generate(batch, mask, max_new_tokens=20)
+    for i, row in enumerate(rows):
+        ref = target.generate(row[None], max_new_tokens=20, do_sample=False)[0, row.numel():]
+        assert out.sequences[i, batch.shape[1]: batch.shape[1] + ref.numel()].tolist() == ref.tolist()
+    # sampling with a point-mass generator runs and is seeded
+    runs = [decoder.generate(ids, max_new_tokens=20, do_sample=True, temperature=0.8,
+                             generator=torch.Generator().manual_seed(3)).sequences for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_docs_assistant_example_is_exact_and_owned_by_the_controller(tmp_path, monkeypatch, cleanup, llama):
+    import_doc_module("greedy_assistant", tmp_path, monkeypatch, cleanup)
+    target, tokenizer = llama
+    assistant = perturbed_copy(target, 0.2, seed=5)
+    recorder = ForwardRecorder(assistant)
+    monkeypatch.setattr(assistant, "generate", lambda *a, **k: pytest.fail("the assistant ran generate()"))
+    ids = repetitive_prompt(12, seed=6)
+    out = SpecDecoder(target, "small_assistant", assistant=assistant).generate(ids, max_new_tokens=24)
+    recorder.remove()
+    assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=24, do_sample=False))
+    assert out.stats.accepted_tokens > 0
+    assert recorder.calls[0]["tokens"] == ids.shape[1]  # one prefill of the whole prompt
+    assert all(call["tokens"] <= 2 for call in recorder.calls[1:])  # then incremental
+    other_vocab, _ = tiny_random("llama", seed=3, vocab_size=400)
+    with pytest.raises(ValueError, match="vocabulary"):
+        SpecDecoder(target, "small_assistant", assistant=other_vocab).generate(ids, max_new_tokens=4)
