@@ -356,6 +356,7 @@ def run_benchmark(config: BenchConfig, *, config_file: str | Path, out_dir: str 
     if not fresh:
         prepare_out_dir(out_dir, digest, fresh=False)  # refuse early, before loading any model
 
+    threads = torch.get_num_threads()
     torch.set_num_threads(config.threads)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # per-call generation notices would drown the progress bar
@@ -405,6 +406,7 @@ def run_benchmark(config: BenchConfig, *, config_file: str | Path, out_dir: str 
             bar.close()
     finally:
         hf_logging.set_verbosity(verbosity)
+        torch.set_num_threads(threads)  # a library call leaves the process as it found it
     result.report = write_report(out_dir)
     return result
 

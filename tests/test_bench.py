@@ -1,0 +1,277 @@
+"""`specdec bench`: config validation, resumable JSONL results, reports, on tiny-random models.
+
+One full run (every kind of method on a hand-made dataset in tmp_path) is shared by the tests
+that only read its output; the tests that interrupt, resume or change a config make their own
+small runs with two methods.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from specdec.bench import cli
+from specdec.bench.config import ConfigError, load_config, parse_config
+from specdec.bench.report import draft_cost_ratio, load_run, summaries, summarize
+from specdec.bench.runner import (RESULTS_FILE, RUN_FILE, ResultsMismatchError, ResultStore, build_messages,
+                                  question_seed, row_key, run_benchmark, select_questions, spread)
+from specdec.metrics import AcceptanceStats, theoretical_speedup
+
+TINY_CONFIG = Path(__file__).parent / "data" / "bench_tiny.yaml"
+
+QUESTIONS = [
+    {"question_id": 1, "category": "writing", "turns": ["Write about the sea, the sea, the sea.", "Again, the sea."]},
+    {"question_id": 101, "category": "translation", "turns": ["Translate: Der Hund schläft. Der Hund schläft."]},
+    {"question_id": 501, "category": "rag", "turns": ["Context: Paris is in France. Paris is big. Question: where is Paris?"]},
+]
+TURNS = 4  # 2 + 1 + 1
+
+
+def write_dataset(folder: Path) -> Path:
+    path = folder / "questions.jsonl"
+    path.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    return path
+
+
+def tiny_config(folder: Path, *, methods: list[dict] | None = None, **overrides) -> Path:
+    """The committed tests/data/bench_tiny.yaml, pointed at a dataset in ``folder``, with overrides."""
+    data = yaml.safe_load(TINY_CONFIG.read_text())
+    data["dataset"] = {"path": str(write_dataset(folder)), "subtasks": ["mt_bench", "translation", "rag"]}
+    data["generation"] = {"max_new_tokens": 10}
+    data["warmup_new_tokens"] = 2
+    data["threads"] = 1  # tiny models: one thread avoids OpenMP hand-offs, which cost most on a busy machine
+    if methods is not None:
+        data["methods"] = methods
+    for key, value in overrides.items():
+        data[key] = value
+    path = folder / "bench.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+TWO_METHODS = [{"name": "baseline", "generator": "baseline"},
+               {"name": "pl3", "generator": "prompt_lookup", "options": {"num_tokens": 3}}]
+
+
+def run(config_path: Path, out: Path, **kwargs):
+    return run_benchmark(load_config(config_path), config_file=config_path, out_dir=out, progress=False,
+                         log=lambda _: None, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bench_full")
+    config = tiny_config(folder)
+    rows_seen = []
+
+    def on_row(row):  # the row is on disk before the runner moves on
+        on_disk = ResultStore(folder / "out" / RESULTS_FILE).load()
+        rows_seen.append((row_key(row), [row_key(r) for r in on_disk]))
+
+    result = run(config, folder / "out", on_row=on_row)
+    return folder / "out", result, rows_seen
+
+
+# -- config validation -------------------------------------------------------------------------
+def test_committed_tiny_config_is_valid():
+    config = load_config(TINY_CONFIG)
+    assert [m.generator for m in config.methods] == ["baseline", "prompt_lookup", "draft_model", "hf_prompt_lookup",
+                                                     "hf_assisted"]
+    assert config.dataset_path(TINY_CONFIG.parent).is_file()
+
+
+@pytest.mark.parametrize("patch, expected", [
+    ({"speed": 1}, "speed: unknown field 'speed'; allowed: description, target"),
+    ({"target": "smollm3"}, "target: unknown model 'smollm3'; allowed: smollm2-135m, gemma3-270m"),
+    ({"methods": [{"generator": "baseline"}, {"generator": "prompt_lokup"}]},
+     "methods[1].generator: unknown method 'prompt_lokup'. Did you mean 'prompt_lookup'? Allowed: baseline,"),
+    ({"methods": [{"generator": "baseline"}, {"generator": "draft_model", "draft": "tiny-random:nope"}]},
+     "methods[1].draft: unknown tiny-random architecture 'nope'; allowed: llama"),
+    ({"methods": [{"generator": "baseline"}, {"generator": "prompt_lookup", "options": {"k": 2}}]},
+     "methods[1].options: unknown option(s) ['k'] for 'prompt_lookup'; allowed: num_tokens"),
+    ({"methods": [{"generator": "baseline"}, {"generator": "hf_assisted"}]},
+     "methods[1].draft: method 'hf_assisted' needs a draft model"),
+    ({"methods": [{"generator": "prompt_lookup"}]}, "methods: need exactly one method with generator 'baseline'"),
+    ({"dataset": {"per_subtask": -1}}, "dataset.per_subtask: Input should be greater than or equal to 1 (got -1)"),
+    ({"generation": {"max_new_tokens": 0}}, "generation.max_new_tokens: Input should be greater than or equal to 1"),
+    ({"dataset": {"subtasks": ["coding"]}}, "dataset.subtasks[0]: Input should be 'mt_bench', 'translation'"),
+    ({"batch_size": 2}, "batch_size: only batch_size 1 is supported (allowed: 1)"),
+])
+def test_bad_config_one_clear_line_nothing_written(tmp_path, capsys, patch, expected):
+    data = {"target": "tiny-random:llama", "methods": TWO_METHODS, **patch}
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert expected in str(err.value)
+    assert cli.main([str(path), "--out", str(tmp_path / "out")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("specdec bench: error: ") and expected in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_dataset_is_reported_before_anything_is_written(tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"target": "tiny-random:llama", "methods": TWO_METHODS,
+                                    "dataset": {"path": "nowhere.jsonl"}}))
+    assert cli.main([str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "dataset.path: file not found" in err and "nowhere.jsonl" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_not_a_mapping_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="must hold a YAML mapping"):
+        parse_config(["x"])
+    bad = tmp_path / "b.yaml"
+    bad.write_text("target: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+# -- pure helpers ------------------------------------------------------------------------------
+def test_selection_is_deterministic_and_spread():
+    assert spread(list(range(10)), 3) == [0, 3, 6]
+    assert spread([1, 2], 5) == [1, 2]
+    rows = [{"question_id": i, "category": c, "turns": ["t"]} for i, c in
+            [(5, "qa"), (1, "writing"), (2, "coding"), (3, "qa"), (4, "roleplay")]]
+    picked = select_questions(rows, ["qa", "mt_bench"], None, 2)
+    assert [(q.question_id, q.subtask) for q in picked] == [(3, "qa"), (5, "qa"), (1, "mt_bench"), (2, "mt_bench")]
+    assert [q.question_id for q in select_questions(rows, ["mt_bench"], ["coding"], None)] == [2]
+
+
+def test_messages_and_seeds():
+    assert build_messages(("a", "b"), ["A"]) == [{"role": "user", "content": "a"},
+                                                 {"role": "assistant", "content": "A"},
+                                                 {"role": "user", "content": "b"}]
+    assert question_seed(0, 7, 1) == question_seed(0, 7, 1) != question_seed(0, 7, 2)
+
+
+def test_summary_formulas_on_hand_made_rows():
+    stats = AcceptanceStats(steps=4, drafted_tokens=8, accepted_tokens=4, committed_tokens=8,
+                            accepted_at_position=[3, 1], draft_seconds=0.08, verify_seconds=0.4, total_seconds=0.5)
+    row = lambda m, q, ids, s, st=None, fw=None: {  # noqa: E731
+        "method": m, "question_id": q, "turn": 1, "subtask": "qa", "new_tokens": len(ids), "seconds": s,
+        "output_ids": ids, "stats": st, "target_forwards": fw if fw is not None else len(ids)}
+    base = {(1, 1): row("b", 1, [1] * 8, 1.0), (2, 1): row("b", 2, [2] * 8, 1.0)}
+    mine = [row("m", 1, [1] * 8, 0.5, stats.as_dict()), row("m", 2, [3] * 8, 0.5, stats.as_dict())]
+    s = summarize("m", "prompt_lookup", "qa", mine, base, greedy=True, is_baseline=False)
+    assert s.speedup == pytest.approx(2.0)  # (16 / 1.0) / (16 / 2.0)
+    assert s.exact_match == 0.5
+    assert s.mean_accepted_length == pytest.approx(2.0)  # merged: 16 committed / 8 steps
+    assert s.acceptance_rate == 0.5 and s.k_per_step == 2.0
+    c = (0.16 / 16) / (0.8 / 8)
+    assert draft_cost_ratio(s.stats) == pytest.approx(c)
+    assert s.theoretical_speedup == pytest.approx(theoretical_speedup(0.5, 2.0, c))
+    assert s.efficiency == pytest.approx(2.0 / theoretical_speedup(0.5, 2.0, c))
+    hf = summarize("h", "hf_prompt_lookup", "qa", [row("h", 1, [1] * 8, 0.5, fw=4)], base, greedy=False,
+                   is_baseline=False)
+    assert hf.mean_accepted_length == 2.0 and hf.forwards_only
+    assert hf.acceptance_rate is None and hf.theoretical_speedup is None and hf.exact_match is None
+
+
+# -- a full run --------------------------------------------------------------------------------
+def test_full_run_rows_exactness_and_report(full_run):
+    out, result, _ = full_run
+    meta, rows = load_run(out)
+    methods = [m["name"] for m in meta["config"]["methods"]]
+    assert result.rows_total == TURNS * len(methods) == len(rows) == result.rows_new
+    assert {row_key(r) for r in rows} == {(m, q["question_id"], t) for m in methods for q in QUESTIONS
+                                          for t in range(1, len(q["turns"]) + 1)}
+    # interleaved: every method answers a question before the next question starts
+    order = [(r["question_id"], r["method"]) for r in ResultStore(out / RESULTS_FILE).load()]
+    assert [q for q, _ in order] == sorted((q for q, _ in order), key=[1, 101, 501].index)
+    # the second MT-Bench turn follows the method's own first answer
+    for m in methods:
+        t1, t2 = (next(r for r in rows if r["method"] == m and r["question_id"] == 1 and r["turn"] == t) for t in (1, 2))
+        assert t2["prompt_tokens"] > t1["prompt_tokens"] + 2
+    greedy = summaries(meta, rows)
+    for s in greedy:
+        if s.method != "baseline":
+            assert s.exact_match == 1.0, (s.method, s.subtask)
+        assert s.speedup is not None and s.tokens_per_second > 0
+    overall = {s.method: s for s in greedy if s.subtask == "overall"}
+    assert overall["baseline"].mean_accepted_length == 1.0
+    assert overall["dm3"].acceptance_rate == 1.0  # the draft is the target's twin
+    assert overall["hf_dm3"].mean_accepted_length > 1.0 and overall["hf_dm3"].acceptance_rate is None
+    report = (out / "report.md").read_text()
+    for text in ("## Overall", "## Speedup over baseline by subtask", "## Per subtask", "## Acceptance by draft position",
+                 "`pl4` vs `hf_pl4`", "| `dm3` |", "![speedup.png](speedup.png)"):
+        assert text in report
+    assert (out / "speedup.png").stat().st_size > 1000 and (out / "acceptance_by_position.png").stat().st_size > 1000
+
+
+def test_each_row_is_on_disk_before_the_next_starts(full_run):
+    _, result, seen = full_run
+    assert len(seen) == result.rows_new
+    for i, (key, on_disk) in enumerate(seen):
+        assert len(on_disk) == i + 1 and on_disk[-1] == key
+
+
+def test_report_rebuilds_from_the_json_lines(full_run, capsys):
+    out, _, _ = full_run
+    before = (out / "report.md").read_text()
+    for name in ("report.md", "speedup.png", "acceptance_by_position.png"):
+        (out / name).unlink()
+    assert cli.main(["report", str(out)]) == 0
+    assert (out / "report.md").read_text() == before
+    assert (out / "speedup.png").exists() and (out / "acceptance_by_position.png").exists()
+    assert cli.main(["report", str(out / "nothing")]) == 2
+    assert "no run.json" in capsys.readouterr().err
+
+
+# -- interruption, resume, changed config ------------------------------------------------------
+def test_resume_after_interruption(tmp_path):
+    config = tiny_config(tmp_path, methods=TWO_METHODS)
+    out = tmp_path / "out"
+    produced = []
+
+    def interrupt_after_three(row):
+        produced.append(row_key(row))
+        if len(produced) == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run(config, out, on_row=interrupt_after_three)
+    assert len(ResultStore(out / RESULTS_FILE).load()) == 3
+    with (out / RESULTS_FILE).open("a") as f:  # a write torn by the interruption
+        f.write('{"method": "baseline", "question_')
+    again = []
+    result = run(config, out, on_row=lambda r: again.append(row_key(r)))
+    assert result.rows_done_before == 3 and result.rows_new == TURNS * 2 - 3
+    assert not set(again) & set(produced)
+    rows = ResultStore(out / RESULTS_FILE).load()
+    assert len(rows) == len({row_key(r) for r in rows}) == TURNS * 2
+    assert len(json.loads((out / RUN_FILE).read_text())["sessions"]) == 2
+    assert "incomplete" not in (out / "report.md").read_text()
+    assert run(config, out).rows_new == 0  # a finished run has nothing left to do
+
+
+def test_changed_config_is_refused_or_started_fresh(tmp_path, capsys):
+    config = tiny_config(tmp_path, methods=TWO_METHODS)
+    out = tmp_path / "out"
+    run(config, out)
+    changed = tiny_config(tmp_path, methods=TWO_METHODS, generation={"max_new_tokens": 6})
+    with pytest.raises(ResultsMismatchError, match="different config"):
+        run(changed, out)
+    assert cli.main([str(changed), "--out", str(out), "--no-progress"]) == 2
+    assert "--fresh" in capsys.readouterr().err
+    result = run(changed, out, fresh=True)
+    assert result.rows_done_before == 0 and result.rows_new == TURNS * 2
+    assert all(r["new_tokens"] <= 6 for r in ResultStore(out / RESULTS_FILE).load())
+
+
+def test_sampling_is_reproducible_and_exact_match_is_na(tmp_path):
+    config = tiny_config(tmp_path, methods=TWO_METHODS,
+                         generation={"max_new_tokens": 8, "do_sample": True, "temperature": 0.8, "seed": 3})
+    first, second = run(config, tmp_path / "a"), run(config, tmp_path / "b")
+    rows_a, rows_b = (ResultStore(r.out_dir / RESULTS_FILE).load() for r in (first, second))
+    ids = lambda rows: {row_key(r): r["output_ids"] for r in rows}  # noqa: E731
+    assert ids(rows_a) == ids(rows_b)
+    assert all(r["seed"] is not None for r in rows_a)
+    meta, rows = load_run(first.out_dir)
+    assert all(s.exact_match is None for s in summaries(meta, rows))
+    assert "exact match is n/a" in (first.out_dir / "report.md").read_text()
