@@ -30,8 +30,11 @@ def lookup(sequence: torch.Tensor, max_ngram: int, min_ngram: int, count: int) -
 
 @register_candidate_generator("prompt_lookup")
 class PromptLookupGenerator(CandidateGenerator):
-    def __init__(self, *, num_tokens: int = 10, max_ngram: int = 3, min_ngram: int = 1,
-                 schedule: str = "fixed", max_tokens: int = 32):
+    # Defaults chosen on SmolLM2-135M / 2 CPU cores, 16 Spec-Bench prompts (docs/benchmarks.md):
+    # verifying k drafts costs about 1 + k/8 plain steps there, so short adaptive blocks and
+    # matches of at least two tokens beat a fixed K=10 with unigram matches.
+    def __init__(self, *, num_tokens: int = 4, max_ngram: int = 3, min_ngram: int = 2,
+                 schedule: str = "adaptive", max_tokens: int = 10):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
