@@ -1,0 +1,74 @@
+"""Batches: per-row acceptance, finished rows leave the batch, memory stays bounded."""
+
+import torch
+
+from specdec import SpecDecoder
+from specdec.state import ModelState
+
+from helpers import ForwardRecorder, left_pad, repetitive_prompt, tiny_pair
+
+
+def _rows(lengths, seed=0):
+    return [repetitive_prompt(n, seed=seed + n)[0] for n in lengths]
+
+
+def test_rows_stop_at_their_own_eos_and_leave_the_batch():
+    target, draft, tokenizer = tiny_pair("llama")
+    rows = _rows((4, 30, 9, 17, 22))
+    # an EOS id that plain decoding of the first row emits early: rows then finish at different steps
+    alone0 = target.generate(rows[0][None], max_new_tokens=40, do_sample=False)[0, rows[0].numel():]
+    eos = int(alone0[5])
+    refs = [target.generate(r[None], max_new_tokens=40, do_sample=False, eos_token_id=eos)[0, r.numel():] for r in rows]
+    assert len({r.numel() for r in refs}) > 1, "rows should finish at different lengths"
+    ids, mask = left_pad(rows, tokenizer.pad_token_id)
+    recorder = ForwardRecorder(target)
+    try:
+        out = SpecDecoder(target, draft, num_tokens=3).generate(ids, mask, max_new_tokens=40, eos_token_id=eos)
+    finally:
+        recorder.remove()
+    for i, ref in enumerate(refs):
+        got = out.sequences[i, ids.shape[1]:]
+        assert torch.equal(got[: ref.numel()], ref)
+        assert bool((got[ref.numel():] == tokenizer.pad_token_id).all())
+    batch_sizes = [c["batch"] for c in recorder.calls]
+    assert batch_sizes[0] == len(rows)
+    assert batch_sizes == sorted(batch_sizes, reverse=True) and batch_sizes[-1] < len(rows)
+
+
+def test_cache_memory_is_bounded_by_the_longest_row(monkeypatch):
+    """Over a long batched generation the cache never holds more slots than the longest row
+    (plus the block being verified), whether rows re-feed or shift."""
+    for refeed_limit in (16, 0):
+        monkeypatch.setattr(ModelState, "REFEED_LIMIT", refeed_limit)
+        target, draft, tokenizer = tiny_pair("mistral")
+        rows = _rows((5, 33, 12))
+        ids, mask = left_pad(rows, tokenizer.pad_token_id)
+        seen = []
+        original = ModelState.forward
+
+        def spy(self, start):
+            logits = original(self, start)
+            seen.append((self.cache.get_seq_length(), self.cached_slots, int((self.offsets + self.lengths).max()),
+                         int(self.lengths.max()), int(self.offsets.min())))
+            return logits
+
+        monkeypatch.setattr(ModelState, "forward", spy)
+        out = SpecDecoder(target, draft, num_tokens=4).generate(ids, mask, max_new_tokens=160, eos_token_id=[])
+        monkeypatch.setattr(ModelState, "forward", original)
+        assert out.sequences.shape[1] == ids.shape[1] + 160
+        assert len(seen) > 40
+        for cache_len, cached_slots, max_end, max_len, min_offset in seen:
+            assert cache_len == cached_slots <= max_end
+            assert min_offset == 0  # common left padding is trimmed
+            assert max_end <= max_len + ids.shape[1] + refeed_limit + 1
+
+
+def test_batched_sampling_is_reproducible():
+    target, draft, tokenizer = tiny_pair("gemma3_text")
+    ids, mask = left_pad(_rows((6, 20, 13)), tokenizer.pad_token_id)
+    runs = []
+    for _ in range(2):
+        g = torch.Generator().manual_seed(1234)
+        runs.append(SpecDecoder(target, draft, num_tokens=3).generate(ids, mask, max_new_tokens=25, do_sample=True,
+                                                                       temperature=0.8, top_k=50, generator=g).sequences)
+    assert torch.equal(runs[0], runs[1])
