@@ -199,7 +199,7 @@ def test_full_run_rows_exactness_and_report(full_run):
     assert overall["hf_dm3"].mean_accepted_length > 1.0 and overall["hf_dm3"].acceptance_rate is None
     report = (out / "report.md").read_text()
     for text in ("## Overall", "## Speedup over baseline by subtask", "## Per subtask", "## Acceptance by draft position",
-                 "`pl4` vs `hf_pl4`", "| `dm3` |", "![speedup.png](speedup.png)"):
+                 "`pl4` / `hf_pl4`", "| `dm3` |", "![speedup.png](speedup.png)"):
         assert text in report
     assert (out / "speedup.png").stat().st_size > 1000 and (out / "acceptance_by_position.png").stat().st_size > 1000
 

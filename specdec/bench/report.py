@@ -24,7 +24,6 @@ Nothing here redefines a metric that ``specdec.metrics`` defines.
 
 from __future__ import annotations
 
-import inspect
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,27 +150,11 @@ def summaries(meta: dict, rows: list[dict]) -> list[Summary]:
     return out
 
 
-def pair_comparisons(meta: dict, all_summaries: list[Summary], rows: list[dict]) -> list[tuple[str, str]]:
-    """(ours, transformers') method pairs to compare: every ``prompt_lookup`` method against every
-    ``hf_prompt_lookup`` method with the same number of drafts."""
+def pair_comparisons(meta: dict) -> list[tuple[str, str]]:
+    """(ours, transformers') pairs: every ``prompt_lookup`` method against every ``hf_prompt_lookup`` method."""
     methods = meta["config"]["methods"]
-    default_k = _default_option("prompt_lookup", "num_tokens")
-    pairs = []
-    for hf in (m for m in methods if m["generator"] == "hf_prompt_lookup"):
-        hf_k = hf["options"].get("num_tokens", 10)
-        for ours in (m for m in methods if m["generator"] == "prompt_lookup"):
-            if ours["options"].get("num_tokens", default_k) == hf_k:
-                pairs.append((ours["name"], hf["name"]))
-    return pairs
-
-
-def _default_option(generator: str, option: str):
-    try:
-        from ..registry import get_candidate_generator
-
-        return inspect.signature(get_candidate_generator(generator)).parameters[option].default
-    except (KeyError, ValueError):
-        return None
+    return [(ours["name"], hf["name"]) for hf in methods if hf["generator"] == "hf_prompt_lookup"
+            for ours in methods if ours["generator"] == "prompt_lookup"]
 
 
 # -- rendering ---------------------------------------------------------------------------------
@@ -260,22 +243,20 @@ def render_markdown(meta: dict, rows: list[dict], all_summaries: list[Summary], 
                       [[f"`{s.method}`"] + [f"{v:.2f}" for v in (s.stats.per_position_acceptance + [0.0] * width)[:width]]
                        for s in measured])
 
-    pairs = pair_comparisons(meta, all_summaries, rows)
+    pairs = pair_comparisons(meta)
     if pairs:
         out += ["", "## Our prompt lookup vs transformers' prompt lookup", "",
-                "Same prompts, same number of drafts. ratio = our tokens/s / transformers' tokens/s; "
+                "Same prompts. Each cell: our tokens/s / transformers' tokens/s (above 1.00x: ours is faster). "
                 "identical = share of (question, turn) whose outputs are token-for-token equal.", ""]
         body = []
         for ours, hf in pairs:
+            cells = []
             for g in subtasks + [OVERALL]:
                 a, b = by.get((ours, g)), by.get((hf, g))
-                if a is None or b is None:
-                    continue
-                same = _identical_share(rows, ours, hf, g)
-                ratio = a.tokens_per_second / b.tokens_per_second if b.tokens_per_second else None
-                body.append([f"`{ours}` vs `{hf}`", g, f"{a.tokens_per_second:.1f}", f"{b.tokens_per_second:.1f}",
-                             _f(ratio, ".2f", "x"), _f(same, ".0%")])
-        out += _table(["pair", "subtask", "ours tokens/s", "transformers tokens/s", "ratio", "identical"], body)
+                ok = a is not None and b is not None and b.tokens_per_second
+                cells.append(_f(a.tokens_per_second / b.tokens_per_second if ok else None, ".2f", "x"))
+            body.append([f"`{ours}` / `{hf}`"] + cells + [_f(_identical_share(rows, ours, hf), ".0%")])
+        out += _table(["ours / transformers"] + subtasks + [OVERALL, "identical"], body)
 
     out += ["", "## Notes", "",
             "- Definitions and formulas: `docs/benchmarks.md` (every metric comes from `specdec.metrics`).",
@@ -293,9 +274,8 @@ def render_markdown(meta: dict, rows: list[dict], all_summaries: list[Summary], 
     return "\n".join(out) + "\n"
 
 
-def _identical_share(rows: list[dict], a: str, b: str, group: str) -> float | None:
-    pick = lambda name: {(r["question_id"], r["turn"]): r["output_ids"] for r in rows  # noqa: E731
-                         if r["method"] == name and (group == OVERALL or r["subtask"] == group)}
+def _identical_share(rows: list[dict], a: str, b: str) -> float | None:
+    pick = lambda name: {(r["question_id"], r["turn"]): r["output_ids"] for r in rows if r["method"] == name}  # noqa: E731
     ours, theirs = pick(a), pick(b)
     shared = [k for k in ours if k in theirs]
     return sum(ours[k] == theirs[k] for k in shared) / len(shared) if shared else None
