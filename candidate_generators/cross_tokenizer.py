@@ -1,0 +1,404 @@
+"""``cross_tokenizer``: a draft model with its own tokenizer drafts text; the target verifies its own tokens.
+
+Method: string-level exact match (SLEM; Timor et al., "Accelerating LLM Inference with Lossless
+Speculative Decoding Algorithms for Heterogeneous Vocabularies", ICML 2025). Each step the draft
+decodes K tokens in its own vocabulary on its own cache; their text is re-tokenized with the
+target's tokenizer into target ids, which go to the verifier as point masses
+(``Proposal.probs = None``). The target's logits alone decide what is committed.
+
+Guarantee. Greedy: the verifier commits the target's argmax at every position, so the output is
+token for token ``target.generate(do_sample=False)`` whatever was proposed. Sampling: for a
+point-mass draft d the verifier accepts with probability target_probs[d] and otherwise samples
+from target_probs with d removed and renormalised, so the committed token has probability
+target_probs[d] * [x = d] + (1 - target_probs[d]) * target_probs[x] [x != d] / (1 - target_probs[d])
+= target_probs[x] for every x. This holds for any proposal that is a function of the committed
+history and of randomness the verifier does not use, which is what the draft's samples are. So
+no step of the text alignment below can change the output distribution: a misalignment only
+costs acceptance.
+
+State kept per row, between steps (``_Row``):
+
+* ``text``: the committed text, whole characters only, and ``read``: how many committed target
+  tokens it covers. Target tokens past ``read`` end inside a multi-byte character (byte-fallback
+  or byte-level pieces) and wait until the character completes.
+* ``marks``: recent (target index, character offset) pairs where the committed target tokens end
+  on a character boundary. A proposal re-tokenizes ``anchor text + draft text`` from such a mark,
+  so merges that straddle the boundary and pending partial characters come out right; the
+  result is used only if its head reproduces the committed target tokens exactly, otherwise a
+  shorter anchor (finally none) is tried.
+* ``frozen``/``frozen_chars``: the draft's token sequence is ``frozen tokens + encode(text[frozen_chars:])``.
+  Only the tail (about ``DRAFT_WINDOW`` tokens plus the new text) is re-tokenized after a step,
+  so a merge that straddles the old end is redone; tokens move into the frozen part only at a
+  split that re-encodes to the very same tokens on both sides. ``ModelState.sync`` then keeps the
+  longest common prefix cached: accepted drafts that re-tokenize to themselves are never fed
+  again, and nothing is re-encoded from the start of the text.
+
+The user's models, tokenizers and configs are only read: nothing is pruned, re-indexed or set.
+Batches of any size work: every row has its own text, marks and draft sequence.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+from tokenizers import Tokenizer
+
+from specdec.generators import CandidateGenerator, DecodeContext, DraftLengthSchedule, Feedback, Proposal
+from specdec.registry import register_candidate_generator
+from specdec.sampling import sample
+
+#: what a decoder writes for bytes that are not (yet) a whole UTF-8 character
+REPLACEMENT = "\ufffd"
+#: a UTF-8 character has at most 4 bytes, so at most 3 trailing tokens can hold an unfinished one
+UTF8_MAX_BYTES = 4
+#: draft tokens left re-tokenizable behind the committed end; merges that straddle it fit in here
+DRAFT_WINDOW = 8
+#: draft tokens of context when decoding drafted tokens (decoders that strip a leading space)
+DECODE_CONTEXT = 4
+#: clean target boundaries remembered per row (anchors and decode context)
+MARKS_KEPT = 4
+#: longest anchor, in target tokens, re-tokenized in front of the draft text
+MAX_ANCHOR = 16
+
+
+# -- text <-> tokens: small pure functions --------------------------------------------------------
+def fast(tokenizer):
+    """The Rust tokenizer behind a fast ``transformers`` tokenizer, else the tokenizer itself.
+
+    Same ids, text and offsets as the ``transformers`` wrapper with a fraction of its per-call
+    overhead, which matters at a few calls per row per step. The functions below take either."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend if isinstance(backend, Tokenizer) else tokenizer
+
+
+def _backend(tokenizer) -> Tokenizer | None:
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend if isinstance(backend, Tokenizer) else None
+
+
+def decode(tokenizer, ids: list[int]) -> str:
+    """Plain text of ``ids``: special tokens dropped, no clean-up of spaces (that would change text)."""
+    backend = _backend(tokenizer)
+    if backend is not None:
+        return backend.decode(ids, skip_special_tokens=True)
+    return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    backend = _backend(tokenizer)
+    if backend is not None:
+        return backend.encode(text, add_special_tokens=False).ids
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def encode_with_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]] | None]:
+    """ids and character offsets (None for tokenizers that cannot give offsets)."""
+    backend = _backend(tokenizer)
+    if backend is not None:
+        enc = backend.encode(text, add_special_tokens=False)
+        return enc.ids, list(enc.offsets)
+    try:
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return enc["input_ids"], [tuple(o) for o in enc["offset_mapping"]]
+    except (NotImplementedError, ValueError, TypeError):
+        return encode(tokenizer, text), None
+
+
+def text_after(tokenizer, ids: list[int], context: int) -> str:
+    """The text ``ids[context:]`` add after ``ids[:context]``.
+
+    Decoding with a little context in front keeps what decoders do to a leading token (strip a
+    space, join a character split across tokens) identical for both decodes; falls back to
+    decoding ``ids[context:]`` alone if the decoder is not prefix-stable here."""
+    head, full = decode(tokenizer, ids[:context]), decode(tokenizer, ids)
+    return full[len(head):] if full.startswith(head) else decode(tokenizer, ids[context:])
+
+
+def complete_text_after(tokenizer, ids: list[int], context: int) -> tuple[str, int]:
+    """``(text, n)``: the text that ``ids[context:context + n]`` add, for the largest n whose text
+    ends on a whole character. ``ids[:context]`` must end on a whole character.
+
+    A decoded text ending in U+FFFD may be an unfinished character: up to 3 trailing tokens are
+    held back. If more than that would be held back the bytes are invalid rather than unfinished,
+    and are taken as they decode."""
+    for end in range(len(ids), max(context, len(ids) - UTF8_MAX_BYTES + 1) - 1, -1):
+        if end == context:
+            break
+        text = text_after(tokenizer, ids[:end], context)
+        if not text.endswith(REPLACEMENT):
+            return text, end - context
+    if len(ids) - context >= 2 * UTF8_MAX_BYTES:
+        return text_after(tokenizer, ids, context), len(ids) - context
+    return "", 0
+
+
+def continuation_ids(tokenizer, anchor_ids: list[int], anchor_text: str, text: str) -> list[int] | None:
+    """Target ids that follow ``anchor_ids`` and spell ``text``, or None.
+
+    ``anchor_ids`` are committed target tokens starting on a character boundary; ``anchor_text``
+    is the whole-character text of their head (a trailing unfinished character is not in it, its
+    bytes are completed by ``text``). Re-tokenizing ``anchor_text + text`` lets the tokenizer see
+    the context; the result is usable only if it reproduces ``anchor_ids`` as its head."""
+    ids = encode(tokenizer, anchor_text + text)
+    n = len(anchor_ids)
+    return ids[n:] if ids[:n] == anchor_ids else None
+
+
+def freeze_split(tokenizer, text: str, ids: list[int], offsets: list[tuple[int, int]] | None,
+                 keep: int, tries: int = 4) -> tuple[int, int]:
+    """``(tokens, chars)``: a split of ``ids = encode(text)`` leaving about ``keep`` tokens after it
+    such that ``encode(text[:chars]) == ids[:tokens]`` and ``encode(text[chars:]) == ids[tokens:]``,
+    or ``(0, 0)``. Freezing at such a split never changes the token sequence."""
+    if offsets is None:
+        return 0, 0
+    for j in range(len(ids) - keep, max(0, len(ids) - keep - tries), -1):
+        if j <= 0:
+            break
+        chars = offsets[j - 1][1]
+        if offsets[j][0] != chars or not 0 < chars < len(text):
+            continue  # the token boundary falls inside a character (or offsets were trimmed)
+        if encode(tokenizer, text[:chars]) == ids[:j] and encode(tokenizer, text[chars:]) == ids[j:]:
+            return j, chars
+    return 0, 0
+
+
+def leading_special_ids(tokenizer) -> list[int]:
+    """The ids the tokenizer puts before any text by default (a BOS token, or nothing)."""
+    plain = encode(tokenizer, "a")
+    full = tokenizer("a")["input_ids"]
+    if len(full) > len(plain) and full[len(full) - len(plain):] == plain:
+        return full[: len(full) - len(plain)]
+    return []
+
+
+def _as_list(ids) -> list[int]:
+    if ids is None:
+        return []
+    return [int(ids)] if isinstance(ids, int) else [int(i) for i in ids]
+
+
+def _select_stale_cache_rows(state, rows: torch.Tensor) -> None:
+    """Work-around for ``ModelState.select_rows``, which leaves the cache alone when it holds 0 slots.
+
+    A draft sequence re-tokenized from its very first token (or one token long) rolls the cache
+    back to 0 slots, but the emptied layers keep the old batch size (``Cache.batch_select_indices``
+    is a no-op on empty layers) and the next forward fails. Only such empty, stale layers are
+    touched, so this is a no-op once the core handles the case."""
+    for layer in getattr(state.cache, "layers", []):
+        keys = getattr(layer, "keys", None)
+        if (isinstance(keys, torch.Tensor) and keys.dim() == 4 and keys.shape[-2] == 0
+                and keys.shape[0] != state.batch_size):
+            index = rows.to(keys.device)
+            layer.keys, layer.values = keys[index], layer.values[index]
+
+
+@dataclass
+class _Row:
+    text: str  # committed text, whole characters
+    read: int  # committed target tokens covered by `text`
+    marks: list[tuple[int, int]] = field(default_factory=list)  # (target index, char offset), last = (read, len(text))
+    frozen: int = 0  # draft tokens that never change again
+    frozen_chars: int = 0  # characters of `text` they spell
+
+
+@register_candidate_generator("cross_tokenizer")
+class CrossTokenizerGenerator(CandidateGenerator):
+    """Drafts with a model whose tokenizer differs from the target's (string-level exact match).
+
+    ``num_tokens`` is the number of draft-model tokens per step (the target tokens they spell may
+    be fewer or more); ``schedule`` ``fixed`` or ``adaptive`` as for ``draft_model``.
+    """
+
+    def __init__(self, draft_model, *, num_tokens: int = 4, schedule: str = "adaptive", max_tokens: int = 16):
+        if not isinstance(draft_model, torch.nn.Module):
+            raise TypeError("cross_tokenizer needs a draft model: SpecDecoder(target, draft_model, "
+                            "tokenizer=target_tokenizer, draft_tokenizer=draft_tokenizer)")
+        self.draft = draft_model
+        self.schedule = DraftLengthSchedule(num_tokens, schedule, max_tokens)
+        self.state = None
+        self.rows: list[_Row] = []
+        self.counts: dict[str, int] = {}
+
+    # -- setup ---------------------------------------------------------------------------------
+    def setup(self, ctx: DecodeContext) -> None:
+        if ctx.tokenizer is None or ctx.draft_tokenizer is None:
+            raise ValueError("cross_tokenizer needs both tokenizers: SpecDecoder(target, draft_model, "
+                             "tokenizer=target_tokenizer, draft_tokenizer=draft_tokenizer)")
+        params = {p.name for p in inspect.signature(self.draft.forward).parameters.values()
+                  if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+        clash = sorted(k for k in ctx.model_inputs if k in params)
+        if clash:
+            raise ValueError(f"model inputs {clash} are laid out in the target's tokens and cannot be routed to a "
+                             "draft with another tokenizer; cross_tokenizer drafts from text only")
+        self.target_tokenizer, self.draft_tokenizer = ctx.tokenizer, ctx.draft_tokenizer
+        self.target_fast, self.draft_fast = fast(ctx.tokenizer), fast(ctx.draft_tokenizer)
+        head_rows = int(self.draft.get_output_embeddings().weight.shape[0])
+        self.draft_vocab = min(len(self.draft_tokenizer), head_rows)  # ids past the tokenizer spell nothing
+        self.target_vocab = ctx.target_vocab_size
+        self.draft_stops = set(self.draft_tokenizer.all_special_ids)  # drafting text ends at any of these
+        self.draft_eos = set(_as_list(self.draft_tokenizer.eos_token_id))
+        self.draft_eos |= set(_as_list(getattr(self.draft.generation_config, "eos_token_id", None)))
+        target_eos = _as_list(getattr(ctx.target.generation_config, "eos_token_id", None)) \
+            or _as_list(self.target_tokenizer.eos_token_id)
+        self.target_eos = target_eos[0] if target_eos else None
+        self.lead = leading_special_ids(self.draft_tokenizer)
+        fallback = self.draft_tokenizer.bos_token_id
+        fallback = fallback if fallback is not None else self.draft_tokenizer.eos_token_id
+        pad = self.draft_tokenizer.pad_token_id
+        pad = int(pad if pad is not None else (fallback if fallback is not None else 0))
+
+        self.counts = {"steps": 0, "proposed": 0, "anchored": 0, "unanchored": 0, "unaligned": 0}
+        self.rows, sequences = [], []
+        for b in range(ctx.batch_size):
+            ids = ctx.tokens[b, : int(ctx.lengths[b])].tolist()
+            row = self._start_row(ids)
+            lead = self.lead or ([int(fallback if fallback is not None else 0)] if not row.text else [])
+            row.frozen = len(lead)
+            tail, _ = self._retokenize(row)
+            sequences.append(lead + tail)
+            self.rows.append(row)
+        width = max(len(s) for s in sequences)
+        tokens = torch.full((ctx.batch_size, width), pad, dtype=torch.long, device=ctx.tokens.device)
+        for b, s in enumerate(sequences):
+            tokens[b, : len(s)] = torch.tensor(s, dtype=torch.long)
+        lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long, device=ctx.tokens.device)
+        self.state = ctx.attach(self.draft, tokens, lengths, pad_token_id=pad)
+        self.schedule.reset(ctx.batch_size)
+
+    def _start_row(self, ids: list[int]) -> _Row:
+        text, read = complete_text_after(self.target_fast, ids, 0)
+        marks = []
+        for back in range(1, UTF8_MAX_BYTES + 1):  # one more clean boundary, a few tokens back
+            end = read - back
+            if end <= 0:
+                break
+            head = decode(self.target_fast, ids[:end])
+            if not head.endswith(REPLACEMENT) and text.startswith(head):
+                marks.append((end, len(head)))
+                break
+        marks.append((read, len(text)))
+        return _Row(text, read, marks)
+
+    def _retokenize(self, row: _Row) -> tuple[list[int], int]:
+        """Draft ids for ``row.text[row.frozen_chars:]`` (they follow the frozen tokens); moves the
+        frozen split forward where that changes nothing. Returns the ids and the old frozen count."""
+        tail = row.text[row.frozen_chars:]
+        ids, offsets = encode_with_offsets(self.draft_fast, tail)
+        before = row.frozen
+        if len(ids) > DRAFT_WINDOW:
+            tokens, chars = freeze_split(self.draft_fast, tail, ids, offsets, DRAFT_WINDOW)
+            row.frozen += tokens
+            row.frozen_chars += chars
+        return ids, before
+
+    # -- drafting ------------------------------------------------------------------------------
+    def propose(self, ctx: DecodeContext, max_drafts: torch.Tensor) -> Proposal:
+        device = max_drafts.device
+        counts = torch.minimum(self.schedule.current.to(device), max_drafts).clamp_min(0)  # [B] draft tokens
+        k = int(counts.max()) if counts.numel() else 0
+        if k == 0:
+            return Proposal.empty(ctx.batch_size, device)
+        base = self.state.lengths.clone()  # [B] draft tokens before this step's drafts
+        drafted = []
+        for _ in range(k):
+            logits = self.state.forward(start=self.state.lengths - 1)[:, -1, : self.draft_vocab]  # [B, Vd]
+            token = sample(ctx.sampling.probs(logits), ctx.generator) if ctx.sampling.do_sample else logits.argmax(-1)
+            drafted.append(token)
+            self.state.append(token[:, None])
+        drafted_ids = torch.stack(drafted, dim=1).tolist()  # [B, k]
+
+        proposals = []
+        for b, row in enumerate(self.rows):
+            limit = int(max_drafts[b])
+            ids = self._target_drafts(ctx, b, row, drafted_ids[b][: int(counts[b])], int(base[b]))
+            proposals.append(ids[: max(limit, 0)])
+        width = max(len(p) for p in proposals)
+        token_ids = torch.zeros(len(proposals), width, dtype=torch.long, device=device)
+        for b, p in enumerate(proposals):
+            if p:
+                token_ids[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+        lengths = torch.tensor([len(p) for p in proposals], dtype=torch.long, device=device)
+        self.counts["steps"] += 1
+        self.counts["proposed"] += int(lengths.sum())
+        return Proposal(token_ids, lengths)
+
+    def _target_drafts(self, ctx: DecodeContext, b: int, row: _Row, drafted: list[int], base: int) -> list[int]:
+        """Row b's drafted draft-token ids -> target ids spelling the same text after the committed tokens."""
+        ends = False
+        for i, t in enumerate(drafted):
+            if t in self.draft_stops:
+                ends = t in self.draft_eos
+                drafted = drafted[:i]
+                break
+        context = self.state.tokens[b, max(0, base - DECODE_CONTEXT): base].tolist()
+        text = text_after(self.draft_fast, context + drafted, len(context)).rstrip(REPLACEMENT) if drafted else ""
+        ids = self._continuation(ctx, b, row, text) if text else []
+        if ids is None:
+            return []
+        if ends and self.target_eos is not None:
+            ids = ids + [self.target_eos]
+        for i, t in enumerate(ids):  # a tokenizer may know ids the target's head does not have
+            if t >= self.target_vocab:
+                return ids[:i]
+        return ids
+
+    def _continuation(self, ctx: DecodeContext, b: int, row: _Row, text: str) -> list[int] | None:
+        committed = int(ctx.lengths[b])
+        candidates = [m for m in row.marks[:-1] if committed - m[0] <= MAX_ANCHOR][-1:] + [row.marks[-1]]
+        for index, chars in candidates:
+            anchor_ids = ctx.tokens[b, index:committed].tolist()
+            ids = continuation_ids(self.target_fast, anchor_ids, row.text[chars:], text)
+            if ids is not None:
+                self.counts["anchored" if anchor_ids else "unanchored"] += 1
+                return ids
+        self.counts["unaligned"] += 1
+        return None
+
+    # -- after verification --------------------------------------------------------------------
+    def observe(self, ctx: DecodeContext, feedback: Feedback) -> None:
+        self.schedule.update(feedback)
+        new_tails, since = [], []
+        for b, row in enumerate(self.rows):
+            self._advance_text(ctx, b, row)
+            ids, before = self._retokenize(row)
+            new_tails.append(ids)
+            since.append(before)
+        state, device = self.state, self.state.device
+        since_t = torch.tensor(since, dtype=torch.long, device=device)  # [B]
+        counts = torch.tensor([len(t) for t in new_tails], dtype=torch.long, device=device)  # [B]
+        lengths = since_t + counts
+        widest = int(counts.max())
+        tails = torch.tensor([t + [state.pad_token_id] * (widest - len(t)) for t in new_tails],
+                             dtype=torch.long, device=device)  # [B, widest]
+        tokens = state.tokens.new_full((len(self.rows), max(int(lengths.max()), state.tokens.shape[1])), state.pad_token_id)
+        tokens[:, : state.tokens.shape[1]] = state.tokens
+        cols = since_t[:, None] + torch.arange(widest, device=device)[None, :]  # [B, widest]
+        valid = torch.arange(widest, device=device)[None, :] < counts[:, None]
+        rows = torch.arange(len(self.rows), device=device)[:, None].expand_as(cols)
+        tokens[rows[valid], cols[valid]] = tails[valid]
+        state.sync(tokens, lengths, since=since_t)
+
+    def _advance_text(self, ctx: DecodeContext, b: int, row: _Row) -> None:
+        """Append the newly committed target tokens' whole characters to ``row.text``."""
+        committed = int(ctx.lengths[b])
+        start = row.marks[-2][0] if len(row.marks) > 1 else row.read  # a little decode context
+        ids = ctx.tokens[b, start:committed].tolist()
+        text, n = complete_text_after(self.target_fast, ids, row.read - start)
+        if n:
+            row.text += text
+            row.read += n
+            row.marks = (row.marks + [(row.read, len(row.text))])[-MARKS_KEPT:]
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.rows = [self.rows[i] for i in rows.tolist()]
+        self.schedule.select_rows(rows)
+        _select_stale_cache_rows(self.state, rows)
+
+    # -- introspection (tests, debugging) -------------------------------------------------------
+    def draft_sequence(self, b: int) -> list[int]:
+        """Row b's current draft-token sequence (after a step: the committed text, re-tokenized)."""
+        return self.state.tokens[b, : int(self.state.lengths[b])].tolist()
