@@ -275,3 +275,11 @@ def test_sampling_is_reproducible_and_exact_match_is_na(tmp_path):
     meta, rows = load_run(first.out_dir)
     assert all(s.exact_match is None for s in summaries(meta, rows))
     assert "exact match is n/a" in (first.out_dir / "report.md").read_text()
+
+
+def test_malformed_dataset_is_a_config_error(tmp_path):
+    config = tiny_config(tmp_path, methods=TWO_METHODS)
+    (tmp_path / "questions.jsonl").write_text('{"question_id": 1, "category": "qa"\n')
+    with pytest.raises(ConfigError, match="is not Spec-Bench JSONL"):
+        run(config, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

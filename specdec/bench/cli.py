@@ -60,8 +60,11 @@ def cmd_run(argv: list[str]) -> int:
                 write_report(out_dir)
             except Exception as exc:  # noqa: BLE001 - the rows are safe; a report failure must not hide that
                 print(f"specdec bench: partial report failed: {exc}", file=sys.stderr)
-        print(f"\nspecdec bench: interrupted; finished rows are kept in {out_dir / RESULTS_FILE}. "
-              f"Run the same command again to resume.", file=sys.stderr)
+        if (out_dir / RESULTS_FILE).exists():
+            print(f"\nspecdec bench: interrupted; finished rows are kept in {out_dir / RESULTS_FILE}. "
+                  f"Run the same command again to resume.", file=sys.stderr)
+        else:
+            print("\nspecdec bench: interrupted before the first row; nothing was written.", file=sys.stderr)
         return 130
     except Exception as exc:
         if type(exc).__name__ in USAGE_ERRORS:

@@ -105,8 +105,9 @@ def question_seed(seed: int, question_id: int, turn: int) -> int:
 
 
 def config_hash(config: BenchConfig, questions: list[Question]) -> str:
-    payload = json.dumps({"config": config.model_dump(mode="json"), "questions": [q.question_id for q in questions]},
-                         sort_keys=True)
+    """Identifies what the results depend on: the config (its free-text description aside) and the questions."""
+    payload = json.dumps({"config": config.model_dump(mode="json", exclude={"description"}),
+                          "questions": [q.question_id for q in questions]}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
@@ -347,8 +348,12 @@ def run_benchmark(config: BenchConfig, *, config_file: str | Path, out_dir: str 
     dataset = config.dataset_path(Path(config_file).parent)
     if not dataset.is_file():
         raise ConfigError(f"dataset.path: file not found: {dataset}")
-    questions = select_questions(load_questions(dataset), config.dataset.subtasks, config.dataset.categories,
-                                 config.dataset.per_subtask)
+    try:
+        questions = select_questions(load_questions(dataset), config.dataset.subtasks, config.dataset.categories,
+                                     config.dataset.per_subtask)
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"dataset.path: {dataset} is not Spec-Bench JSONL (one object per line with "
+                          f"question_id, category, turns): {type(exc).__name__}: {exc}") from None
     if not questions:
         raise ConfigError(f"dataset: no question in {dataset} matches subtasks {config.dataset.subtasks}"
                           + (f" and categories {config.dataset.categories}" if config.dataset.categories else ""))
