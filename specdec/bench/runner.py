@@ -88,6 +88,23 @@ def select_questions(rows: list[dict], subtasks: list[str], categories: list[str
     return out
 
 
+def load_selected_questions(config: BenchConfig, config_dir: Path) -> list[Question]:
+    """The config's questions, or a :class:`ConfigError` naming ``dataset`` (missing, malformed, empty)."""
+    dataset = config.dataset_path(config_dir)
+    if not dataset.is_file():
+        raise ConfigError(f"dataset.path: file not found: {dataset}")
+    try:
+        questions = select_questions(load_questions(dataset), config.dataset.subtasks, config.dataset.categories,
+                                     config.dataset.per_subtask)
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"dataset.path: {dataset} is not Spec-Bench JSONL (one object per line with "
+                          f"question_id, category, turns): {type(exc).__name__}: {exc}") from None
+    if not questions:
+        raise ConfigError(f"dataset: no question in {dataset} matches subtasks {config.dataset.subtasks}"
+                          + (f" and categories {config.dataset.categories}" if config.dataset.categories else ""))
+    return questions
+
+
 def build_messages(turns: tuple[str, ...] | list[str], answers: list[str]) -> list[dict]:
     """Chat messages for turn ``len(turns)``: user turns interleaved with the method's own answers."""
     messages = []
@@ -345,18 +362,7 @@ def run_benchmark(config: BenchConfig, *, config_file: str | Path, out_dir: str 
 
     config_file = str(config_file)
     out_dir = Path(out_dir) if out_dir is not None else default_out_dir(config_file)
-    dataset = config.dataset_path(Path(config_file).parent)
-    if not dataset.is_file():
-        raise ConfigError(f"dataset.path: file not found: {dataset}")
-    try:
-        questions = select_questions(load_questions(dataset), config.dataset.subtasks, config.dataset.categories,
-                                     config.dataset.per_subtask)
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-        raise ConfigError(f"dataset.path: {dataset} is not Spec-Bench JSONL (one object per line with "
-                          f"question_id, category, turns): {type(exc).__name__}: {exc}") from None
-    if not questions:
-        raise ConfigError(f"dataset: no question in {dataset} matches subtasks {config.dataset.subtasks}"
-                          + (f" and categories {config.dataset.categories}" if config.dataset.categories else ""))
+    questions = load_selected_questions(config, Path(config_file).parent)
     digest = config_hash(config, questions)
     if not fresh:
         prepare_out_dir(out_dir, digest, fresh=False)  # refuse early, before loading any model
