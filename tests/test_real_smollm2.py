@@ -2,7 +2,7 @@
 
 Greedy speculative output on SmolLM2-135M-Instruct (loaded once per session from its PyPI
 package, fp32) is token-identical to ``target.generate(do_sample=False)`` on three Spec-Bench
-prompts of 48+ tokens (summarization, rag, coding), with ``prompt_lookup``, with
+prompts of 48+ tokens (summarization, rag, coding), with ``prompt_lookup`` and with
 ``draft_model`` (SmolLM2 drafting for itself: same tokenizer, every draft accepted). Batched
 rows are covered on tiny models (test_greedy_equivalence.py), where they cost nothing.
 
