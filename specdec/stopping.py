@@ -51,7 +51,8 @@ class Stopper:
                 for j in range(min(int(first[b]) + 1, int(new_counts[b]))):
                     row = tokens[b : b + 1, : int(cols[b, j]) + 1]
                     row_scores = scores[b : b + 1, j] if scores is not None else None
-                    if any(bool(c(row, row_scores).any()) for c in self.criteria):
+                    # a list, not a generator: every criterion sees every token, as in generate()
+                    if any([bool(c(row, row_scores).any()) for c in self.criteria]):
                         first[b] = j
                         break
         finished = first < new_counts

@@ -222,6 +222,20 @@ def test_user_criteria_also_see_the_last_token(setup, stop):
     assert ours.seen[-1][0] == ids.shape[1] + (firsts[11] + 1 if stop == "eos" else 17)
 
 
+def test_every_criterion_sees_the_token_another_one_stops_on(setup):
+    """generate() evaluates every criterion at every token; a recorder listed after the
+    criterion that stops still sees the stopping token."""
+    model, tok, ids, new, firsts = setup
+    j = firsts[6]
+    ours, theirs = Recorder(), Recorder()
+    DECODERS["self_k8"](model, tok).generate(ids, max_new_tokens=HORIZON,
+                                             stopping_criteria=[StopOnToken(new[j]), ours])
+    model.generate(ids, max_new_tokens=HORIZON, do_sample=False,
+                   stopping_criteria=StoppingCriteriaList([StopOnToken(new[j]), theirs]))
+    assert [(n, last) for n, _, last in ours.seen] == [(n, last) for n, _, last in theirs.seen]
+    assert ours.seen[-1][0] == ids.shape[1] + j + 1
+
+
 # -- streamers -----------------------------------------------------------------------------------
 class RecordingStreamer:
     def __init__(self):
