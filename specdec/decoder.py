@@ -27,6 +27,7 @@ import torch
 
 from .generators import CandidateGenerator, DecodeContext, Feedback, NoDraft, Proposal
 from .metrics import AcceptanceStats
+from .multimodal import PrefillSpec, Prefix, check_assistant, check_call
 from .registry import get_candidate_generator
 from .sampling import SamplingParams
 from .state import ModelState, cache_problem
@@ -103,7 +104,9 @@ class SpecDecoder:
     def generate(self, input_ids, attention_mask=None, *, max_new_tokens: int, do_sample: bool = False,
                  temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                  generator: torch.Generator | None = None, eos_token_id=None, stop_strings=None,
-                 stopping_criteria=None, streamer=None, **model_inputs) -> SpecOutput:
+                 stopping_criteria=None, streamer=None, prefix: Prefix | None = None, **model_inputs) -> SpecOutput:
+        """``model_inputs`` are prefill-only (pixel values, grids, token type ids, ...). With ``prefix``
+        (from :meth:`prefill`) the prompt rows must extend the prefix rows and carry no such inputs."""
         started = time.perf_counter()
         input_ids, attention_mask = self._check_prompt(input_ids, attention_mask)
         batch, width = input_ids.shape
@@ -118,6 +121,8 @@ class SpecDecoder:
         problem = cache_problem(self.target, batch)
         if problem:
             raise ValueError(f"target: {problem}")
+        if prefix is None:
+            check_call(self.target, input_ids, attention_mask, model_inputs)
         accepted_inputs = explicit_forward_params(self.target)
         unknown = sorted(k for k in model_inputs if k not in accepted_inputs)
         if unknown:
@@ -140,8 +145,15 @@ class SpecDecoder:
         cols = (width - lengths)[:, None] + torch.arange(width, device=device)[None, :]
         rows_tokens = input_ids.gather(1, cols.clamp(max=width - 1))
         capacity = width + max_new_tokens + 1
+        if prefix is not None:
+            prefix.check_continuation(self.target, rows_tokens, lengths, model_inputs)
+        # the prompt rows that the prefill-only inputs describe: this prompt's, or the prefix's
+        spec = prefix.spec if prefix is not None else PrefillSpec.from_call(rows_tokens, lengths, model_inputs)
+        prefill, positions = spec.for_model(self.target) if prefix is None else (None, None)
         target_state = ModelState(self.target, rows_tokens, lengths, capacity, pad_token_id=pad,
-                                  prefill_inputs=model_inputs)
+                                  prefill_inputs=prefill, positions=positions)
+        if prefix is not None:
+            target_state.continue_from(prefix)
         assistants: list[ModelState] = []  # follow the target's tokens
         own_states: list[ModelState] = []  # kept in sync by their generator
 
@@ -149,20 +161,21 @@ class SpecDecoder:
             problem = cache_problem(model, batch)
             if problem:
                 raise ValueError(f"assistant: {problem}")
-            params = explicit_forward_params(model)
-            prefill = {k: v for k, v in model_inputs.items() if k in params}
+            check_assistant(self.target, model)
             if tokens is None:  # follows the target's tokens: the controller keeps it in sync
+                prefill, positions = spec.for_model(model)  # the inputs its forward declares; its own positions
                 state = ModelState(model, target_state.tokens[:, :width], target_state.lengths, capacity,
-                                   pad_token_id=pad, prefill_inputs=prefill)
+                                   pad_token_id=pad, prefill_inputs=prefill, positions=positions)
                 assistants.append(state)
             else:  # its own token space (e.g. another tokenizer): the generator keeps it in sync
                 state = ModelState(model, tokens, lengths, tokens.shape[1] + capacity,
-                                   pad_token_id=pad if pad_token_id is None else pad_token_id, prefill_inputs=prefill)
+                                   pad_token_id=pad if pad_token_id is None else pad_token_id,
+                                   prefill_inputs=spec.plain_inputs(model))
                 own_states.append(state)
             return state
 
         ctx = DecodeContext(self.target, self.tokenizer, self.draft_tokenizer, sampling, generator,
-                            target_state, model_inputs, attach)
+                            target_state, spec.user_inputs, attach)
         gen = self.candidate_generator
         gen.setup(ctx)  # validates and attaches assistants: still before any forward
 
@@ -180,6 +193,7 @@ class SpecDecoder:
                 proposal = gen.propose(ctx, max_drafts)
                 drafted = time.perf_counter()
                 offered = torch.minimum(proposal.lengths.to(device), max_drafts)
+                offered = target_state.admissible_drafts(proposal.token_ids.to(device), offered)
                 k = int(offered.max())
                 draft_ids = proposal.token_ids[:, :k].to(device)
                 committed = target_state.lengths.clone()
@@ -219,6 +233,35 @@ class SpecDecoder:
         feed.end()
         stats.total_seconds = time.perf_counter() - started
         return SpecOutput(self._assemble(input_ids, outputs, pad), stats)
+
+    def prefill(self, input_ids, attention_mask=None, **model_inputs) -> Prefix:
+        """Run the target once over a prompt prefix (e.g. a system prompt with its image) and keep
+        its cache and what the prefill derived (mRoPE positions), so that
+        ``generate(prefix_ids + question_ids, prefix=prefix)`` continues from it, any number of
+        times. Only the target's cache is kept: assistants prefill the whole prompt, once, in their
+        own first forward (with the prefix's image inputs)."""
+        input_ids, attention_mask = self._check_prompt(input_ids, attention_mask)
+        batch, width = input_ids.shape
+        problem = cache_problem(self.target, batch)
+        if problem:
+            raise ValueError(f"target: {problem}")
+        check_call(self.target, input_ids, attention_mask, model_inputs)
+        unknown = sorted(set(model_inputs) - explicit_forward_params(self.target))
+        if unknown:
+            raise ValueError(f"{type(self.target).__name__}.forward does not take {unknown}")
+        device = self.target.device
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        lengths = attention_mask.sum(1)  # [B]
+        cols = (width - lengths)[:, None] + torch.arange(width, device=device)[None, :]
+        rows_tokens = input_ids.gather(1, cols.clamp(max=width - 1))  # [B, width] left-aligned rows
+        spec = PrefillSpec.from_call(rows_tokens, lengths, model_inputs)
+        prefill, positions = spec.for_model(self.target)
+        pad = getattr(self.target.generation_config, "pad_token_id", None)
+        state = ModelState(self.target, rows_tokens, lengths, width, pad_token_id=int(pad or 0),
+                           prefill_inputs=prefill, positions=positions)
+        with torch.no_grad():
+            state.forward(start=lengths - 1)
+        return Prefix(self.target, spec, state.offsets.clone(), state.cached_slots, state.cache, state.positions)
 
     @staticmethod
     def _assemble(input_ids: torch.Tensor, outputs: list[torch.Tensor], pad: int) -> torch.Tensor:

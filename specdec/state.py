@@ -17,17 +17,24 @@ Common left padding is trimmed, so memory is bounded by the longest row plus one
 
 First iteration is explicit: ``is_first_iteration`` is True until the first forward, which is
 the only one that receives ``prefill_inputs`` (pixel values and the like). It is not the same as
-"cache is empty".
+"cache is empty": ``continue_from(prefix)`` starts from a cache that already holds a prefix.
+
+Position ids come from ``positions``, a pure function of (row, token index) chosen per model by
+``specdec.multimodal`` (the token index itself for text models; 3-D mRoPE positions for
+Qwen2-VL and kin), so re-feeding or shifting rows never changes a token's position.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
+
+from .multimodal import PrefillInputs, TokenPositions
 
 
 def new_cache(model) -> DynamicCache:
@@ -63,7 +70,8 @@ class ModelState:
     REFEED_LIMIT = 16
 
     def __init__(self, model, tokens: torch.Tensor, lengths: torch.Tensor, capacity: int, *,
-                 pad_token_id: int = 0, prefill_inputs: dict[str, Any] | None = None):
+                 pad_token_id: int = 0, prefill_inputs: dict[str, Any] | PrefillInputs | None = None,
+                 positions=None):
         batch = tokens.shape[0]
         self.model = model
         self.device = tokens.device
@@ -77,7 +85,9 @@ class ModelState:
         self.pad_token_id = pad_token_id
         self.refeed_limit = self.REFEED_LIMIT
         self.is_first_iteration = True
-        self.prefill_inputs = dict(prefill_inputs or {})
+        self.prefill_inputs = (prefill_inputs if isinstance(prefill_inputs, PrefillInputs)
+                               else PrefillInputs(dict(prefill_inputs or {})))
+        self.positions = positions if positions is not None else TokenPositions()
         self.forwards = 0
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -136,7 +146,23 @@ class ModelState:
         if self.cached_slots:
             self.cache.batch_select_indices(rows)
         self.tokens, self.lengths, self.offsets = self.tokens[rows], self.lengths[rows], self.offsets[rows]
+        self.positions = self.positions.select_rows(rows)
         self._trim_left()
+
+    def continue_from(self, prefix) -> None:
+        """Start from ``prefix`` (a :class:`~specdec.multimodal.Prefix`): its cache (copied, so the
+        prefix stays reusable), layout and positions. The rows must extend the prefix rows; the
+        tokens past it are pending. Still the first iteration, but the prefill-only work is done."""
+        self.cache = copy.deepcopy(prefix.cache)
+        self.offsets = prefix.offsets.clone().to(self.device)
+        self.cached_slots = int(prefix.cached_slots)
+        self.positions = prefix.positions
+        self.prefill_inputs = PrefillInputs()
+
+    def admissible_drafts(self, draft_ids: torch.Tensor, offered: torch.Tensor) -> torch.Tensor:
+        """How many of ``draft_ids [B, K]`` (``offered [B]``) the next forward may take: a first
+        forward that carries image features takes no draft equal to an image placeholder id."""
+        return self.prefill_inputs.admissible(draft_ids, offered) if self.is_first_iteration else offered
 
     # -- forward ------------------------------------------------------------------------------
     def forward(self, start: torch.Tensor) -> torch.Tensor:
@@ -154,7 +180,7 @@ class ModelState:
         real = (index >= 0) & (index < self.lengths[:, None])
         ids = self.tokens.gather(1, index.clamp(0, self.tokens.shape[1] - 1))
         ids = ids.masked_fill(~real, self.pad_token_id)  # [B, W]
-        positions = index.clamp_min(0)  # [B, W]
+        positions = self.positions(index)  # [B, W], or [3, B, W] for mRoPE
 
         first_needed = self.offsets + start - first_slot  # [B] chunk column of the first logits needed
         if bool((first_needed < 0).any()):
@@ -171,12 +197,12 @@ class ModelState:
             slots = torch.arange(first_slot + width, device=self.device)[None, :]
             mask = (slots >= self.offsets[:, None]) & (slots < ends[:, None])  # [B, T + W]
             kwargs["attention_mask"] = mask.long()
-        if self.is_first_iteration:
-            kwargs.update(self.prefill_inputs)
+        if self.is_first_iteration:  # a first forward starts at slot 0 unless it continues a prefix
+            kwargs.update(self.prefill_inputs.for_chunk(index, real))
         logits = self.model(**kwargs).logits  # [B, keep, V]
         self.forwards += 1
         self.is_first_iteration = False
-        self.prefill_inputs = {}
+        self.prefill_inputs = PrefillInputs()
         self.cached_slots = first_slot + width
         self._realign(ends)
 
