@@ -21,11 +21,10 @@ from __future__ import annotations
 import inspect
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from .generators import CandidateGenerator, DecodeContext, Feedback, NoDraft, Proposal
+from .generators import CandidateGenerator, DecodeContext, Feedback, NoDraft
 from .metrics import AcceptanceStats
 from .multimodal import PrefillSpec, Prefix, check_assistant, check_call
 from .registry import get_candidate_generator

@@ -1,7 +1,12 @@
+import os
+
 import pytest
 import torch
 
-torch.set_num_threads(2)
+# One intra-op thread by default: tiny models gain nothing from more, and on a 2-core machine
+# shared with other work two spinning threads per op were measured up to 10x slower.
+# SPECDEC_TEST_THREADS overrides it.
+torch.set_num_threads(int(os.environ.get("SPECDEC_TEST_THREADS", "1")))
 
 
 @pytest.fixture(scope="session")

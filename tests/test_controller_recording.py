@@ -34,13 +34,6 @@ from specdec.models import tiny_random
 from helpers import ForwardRecorder, left_pad, perturbed_copy, repetitive_prompt
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from intra-op threads; on a shared machine one thread is faster."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 class MarkedLlama(LlamaForCausalLM):

@@ -26,14 +26,6 @@ from specdec.models import PACKAGED_MODELS, TINY_ARCHS, ModelNotAvailableError, 
 NEW_TOKENS = 48
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: on a 2-core machine shared with other work, two spinning threads per
-    op were measured 10x slower for this model (and never more than 2x faster when idle)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import ast
 import re
 import sys
-import warnings
 from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 
@@ -36,13 +35,6 @@ ROOT = Path(__file__).resolve().parents[1]
 BUILT_INS = {"draft_model": "candidate_generators.draft_model", "prompt_lookup": "candidate_generators.prompt_lookup"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from intra-op threads; on a shared machine one thread is faster."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture

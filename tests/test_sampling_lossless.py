@@ -46,13 +46,6 @@ MAX_TV = 0.05
 N = 20_000
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from intra-op threads; on a shared machine one thread is faster."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def goodness_of_fit(observed: torch.Tensor, expected_probs: torch.Tensor) -> tuple[float, float]:

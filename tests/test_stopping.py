@@ -28,14 +28,6 @@ PROMPT_TEXT = "The quick brown fox jumps over the lazy dog. The quick brown"
 HORIZON = 40
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine two
-    spinning threads per forward can be 50x slower than one."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")

@@ -23,13 +23,6 @@ from specdec.models import byte_tokenizer, tiny_random
 from helpers import ForwardRecorder, left_pad, perturbed_copy, repetitive_prompt
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from intra-op threads; on a shared machine one thread is faster."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")

@@ -213,7 +213,7 @@ def render_markdown(meta: dict, rows: list[dict], all_summaries: list[Summary], 
         f"transformers {env.get('transformers', '?')}, specdec {env.get('specdec', '?')}. Started {meta.get('created', '?')}.",
         f"- Rows: {len(keys)} of {total} (method x question x turn)"
         + ("." if len(keys) >= total else " — **incomplete run**: rerun the command to resume."),
-        f"- Methods, interleaved per question after one warm-up each: "
+        "- Methods, interleaved per question after one warm-up each: "
         + "; ".join(f"`{m['name']}` = {m['generator']}" + (f" {m['options']}" if m["options"] else "")
                     + (f" draft `{m['draft']}`" if m.get("draft") else "") for m in methods) + ".",
         "",

@@ -46,7 +46,7 @@ from ..metrics import AcceptanceStats
 from ..models import load_model
 from ..prompts import encode_chat, load_questions, subtask_of
 from ..registry import get_candidate_generator
-from .config import (BASELINE, HF_ASSISTED, HF_PROMPT_LOOKUP, REFERENCE_OPTIONS, BenchConfig, ConfigError,
+from .config import (HF_ASSISTED, HF_PROMPT_LOOKUP, REFERENCE_OPTIONS, BenchConfig, ConfigError,
                      GenerationSettings, MethodConfig)
 
 RESULTS_FILE = "results.jsonl"
