@@ -40,12 +40,10 @@ SCRIPT = ("Hello the  world, \n\tthe café 日本語 😀 then   Hello théâtre
           "the wor ld of Hellos: 😀😀 日本 the end")
 
 
-@pytest.fixture(autouse=True)
-def one_thread(request):
-    """Tiny models run ~20x faster on one thread than on two when the cores are shared."""
-    if request.node.get_closest_marker("real_model"):
-        yield
-        return
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread: on the shared 2-core machine two spinning threads made tiny models
+    ~25x slower (measured), and the real pair no faster."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -341,8 +339,8 @@ def whole_characters_only(model, tokenizer, sharpen: float = 2.0):
     return model.register_forward_hook(hook, with_kwargs=True)
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, None, None), (0.8, 12, 0.95)])
-def test_sampling_matches_the_target_distribution(tokenizers, temperature, top_k, top_p):
+@pytest.mark.parametrize("temperature,top_k,top_p,min_confidence", [(1.0, None, None, 0.0), (0.8, 12, 0.95, 0.2)])
+def test_sampling_matches_the_target_distribution(tokenizers, temperature, top_k, top_p, min_confidence):
     """The joint law of the first two generated tokens, from 20,000 rows in one ``generate`` call.
 
     Three tokens are generated with three drafts per step, so the first two positions see every
@@ -361,12 +359,13 @@ def test_sampling_matches_the_target_distribution(tokenizers, temperature, top_k
     hooks = [whole_characters_only(target, target_tok), whole_characters_only(draft, draft_tok)]
     prompt = target_tok("a", return_tensors="pt").input_ids  # the same byte id in both vocabularies
     eos, pad = target_tok.eos_token_id, target_tok.pad_token_id
-    decoder = SpecDecoder(target, draft, tokenizer=target_tok, draft_tokenizer=draft_tok, num_tokens=3, schedule="fixed")
+    decoder = SpecDecoder(target, draft, tokenizer=target_tok, draft_tokenizer=draft_tok, num_tokens=3, schedule="fixed",
+                          min_confidence=min_confidence)
     out = decoder.generate(prompt.expand(N_SAMPLES, -1), max_new_tokens=3, do_sample=True, temperature=temperature,
                            top_k=top_k, top_p=top_p, generator=torch.Generator().manual_seed(11))
     stats = out.stats
     assert stats.drafted_tokens > N_SAMPLES and 0.05 < stats.acceptance_rate < 0.95, stats
-    assert len(stats.accepted_at_position) >= 2 and stats.accepted_at_position[1] > 300, stats
+    assert len(stats.accepted_at_position) >= 2 and stats.accepted_at_position[1] > 200, stats
     new = out.sequences[:, prompt.shape[1]: prompt.shape[1] + 2]  # [N, 2]
 
     vocab = target.get_output_embeddings().weight.shape[0]
@@ -432,3 +431,49 @@ def test_selection_and_errors(tokenizers):
                     draft_tokenizer=draft_tok).generate(prompt, max_new_tokens=4, position_ids=torch.arange(1)[None])
     with pytest.raises(TypeError, match="needs a draft model"):
         CrossTokenizerGenerator("not a model")
+
+
+# -- the real pair: Gemma-3-270M target, SmolLM2-135M draft ---------------------------------------
+REAL_PROMPTS = ["The capital of France is", "Question: Why is the sky blue?\nAnswer:",
+                "Le café de la gare, à côté du théâtre, est"]  # plain text: Gemma-3-270M is a base model
+REAL_NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    from specdec import load_model
+
+    return load_model("gemma3-270m")
+
+
+def _fingerprint(model) -> tuple:
+    """Cheap exact fingerprint of a model's weights, configs and head (no 1 GB copy)."""
+    with torch.no_grad():
+        sums = tuple(float(p.double().sum()) for p in model.parameters())
+    return (sums, model.config.to_dict(), model.generation_config.to_dict(), id(model.get_output_embeddings()),
+            model.get_output_embeddings().weight.shape)
+
+
+@pytest.mark.real_model
+def test_gemma3_target_with_smollm2_draft_is_exact(gemma3, smollm2):
+    """Greedy output identical to Gemma's own ``generate`` on three plain-text prompts (one with
+    accents, which the two tokenizers split differently), with drafts actually accepted, and
+    both models, tokenizers and configs unchanged afterwards."""
+    target, target_tok = gemma3
+    draft, draft_tok = smollm2
+    assert target_tok.get_vocab() != draft_tok.get_vocab()
+    before = (_fingerprint(target), _fingerprint(draft), len(target_tok), len(draft_tok))
+    decoder = SpecDecoder(target, draft, tokenizer=target_tok, draft_tokenizer=draft_tok)
+    assert isinstance(decoder.candidate_generator, CrossTokenizerGenerator)
+    accepted = drafted = 0
+    for text in REAL_PROMPTS:
+        prompt = target_tok(text, return_tensors="pt").input_ids
+        ref = target.generate(prompt, max_new_tokens=REAL_NEW_TOKENS, do_sample=False)
+        out = decoder.generate(prompt, max_new_tokens=REAL_NEW_TOKENS)
+        assert torch.equal(out.sequences, ref), (text, target_tok.decode(ref[0]), target_tok.decode(out.sequences[0]))
+        gen = decoder.candidate_generator
+        assert gen.counts["unaligned"] == 0
+        assert decode(draft_tok, gen.draft_sequence(0)) == target_tok.decode(ref[0], skip_special_tokens=True)
+        accepted, drafted = accepted + out.stats.accepted_tokens, drafted + out.stats.drafted_tokens
+    assert accepted > 0.2 * drafted, (accepted, drafted)  # the text alignment works on real tokenizers
+    assert (_fingerprint(target), _fingerprint(draft), len(target_tok), len(draft_tok)) == before
