@@ -157,16 +157,6 @@ def batch_inputs(family: str, prompts: list[tuple[torch.Tensor, dict]]):
     return ids, mask, {**inputs, **token_types(family, ids * mask)}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Matrices this small gain nothing from intra-op threads, and on a shared machine two threads
-    spin against other jobs (measured: 0.06 s vs 1.8 s for one tiny Gemma 3 generate)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 REFERENCES: dict = {}
 
 
