@@ -99,6 +99,7 @@ def language_model_copy(family: str, target):
     config = copy.deepcopy(target.config.text_config)
     if family == "qwen2_vl":  # mRoPE on text-only positions is plain RoPE: Qwen2 is its text-only twin
         config = Qwen2Config(**TEXT, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    config.tie_word_embeddings = False  # the target's head is its own (Gemma's text config would tie it)
     model = AutoModelForCausalLM.from_config(config).eval()
     model.model.load_state_dict(target.model.language_model.state_dict())
     model.lm_head.load_state_dict(target.lm_head.state_dict())
@@ -274,6 +275,10 @@ def test_prefill_only_inputs_reach_each_model_once(family):
     def carried(calls):  # [forward index carrying any prefill-only input]
         return [i for i, c in enumerate(calls) if prefill_only & c["kwargs"]]
 
+    weights = {k: v.clone() for k, v in target.state_dict().items()}
+    config = target.config.to_dict()
+    rope_deltas = getattr(target.model, "rope_deltas", None)  # Qwen2-VL: what transformers left there, if anything
+
     try:
         for draft in ("vlm", "text", "vlm"):  # three generate() calls, counted one by one
             for recorder in recorders.values():
@@ -290,6 +295,10 @@ def test_prefill_only_inputs_reach_each_model_once(family):
             else:
                 assert carried(calls["text"]) == [] and calls["vlm"] == []
                 assert towers == {"target": 1, "vlm": 0}
+        # and the user's model is left as it was
+        assert target.config.to_dict() == config
+        assert all(torch.equal(v, weights[k]) for k, v in target.state_dict().items())
+        assert getattr(target.model, "rope_deltas", None) is rope_deltas
     finally:
         for recorder in recorders.values():
             recorder.remove()
@@ -334,6 +343,9 @@ def test_continuation_from_a_prefix(family, draft_kind, monkeypatch):
     prefix_inputs = {**pixels(name, 11), **token_types(name, prefix_ids)}
     questions = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n))[None] for n in (7, 12)]
     decoder = decoder_for(target, drafts[draft_kind])
+    sentinel = torch.full((1, 1), -1234)
+    if name == "qwen2_vl":  # transformers' forward would store rope_deltas here; specdec never does
+        target.model.rope_deltas = sentinel
     prefix = decoder.prefill(prefix_ids, **prefix_inputs)
     assert isinstance(prefix, Prefix)
 
@@ -345,8 +357,6 @@ def test_continuation_from_a_prefix(family, draft_kind, monkeypatch):
     if name == "qwen2_vl":  # instrument (this test only) the target's own rope-index helper
         own = target.model.get_rope_index
         monkeypatch.setattr(target.model, "get_rope_index", lambda *a, **k: rope_calls.append(1) or own(*a, **k))
-        sentinel = torch.full((1, 1), -1234)
-        target.model.rope_deltas = sentinel
     recorder = ForwardRecorder(target)
     tower_calls = []
     handle = vision_tower(target).register_forward_hook(lambda *_: tower_calls.append(1))
@@ -370,6 +380,23 @@ def test_continuation_from_a_prefix(family, draft_kind, monkeypatch):
         # and the same as prefilling everything at once
         full_inputs = {**pixels(name, 11), **token_types(name, full)}
         assert torch.equal(out.sequences, greedy_reference(target, full, full_inputs))
+
+
+def test_batched_continuation_from_a_prefix(family):
+    """Two rows with prefixes of different lengths (left-padded) continue with questions of
+    different lengths; each row equals transformers' generate on its whole prompt alone."""
+    name, target, drafts = family
+    prompts = [image_prompt(name, seed, text=t) for seed, t in ((3, 4), (4, 12))]
+    decoder = decoder_for(target, drafts["vlm"])
+    prefix = decoder.prefill(*batch_inputs(name, prompts)[:2], **batch_inputs(name, prompts)[2])
+    rows = [torch.cat([p[0][0], torch.arange(5, 5 + n)]) for p, n in zip(prompts, (3, 7))]
+    ids, mask = left_pad(rows, PAD)
+    out = decoder.generate(ids, mask, prefix=prefix, max_new_tokens=16)
+    for b, (row, (_, inputs)) in enumerate(zip(rows, prompts)):
+        full = row[None]
+        ref = greedy_reference(target, full, {**pixels(name, (3, 4)[b]), **token_types(name, full)}, new=16)
+        got = out.sequences[b, ids.shape[1]:]
+        assert torch.equal(got[: ref.shape[1] - full.shape[1]], ref[0, full.shape[1]:]), f"row {b}"
 
 
 # -- 6. bad input: one clear error before any forward -----------------------------------------------
