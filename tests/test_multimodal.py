@@ -6,7 +6,7 @@ sharing the byte-level test tokenizer of ``specdec.models`` (ids 0-255 bytes, 25
 
 * ``llava``: LlavaForConditionalGeneration (CLIP tower, Llama text); 16 image tokens in the prompt;
 * ``qwen2_vl``: Qwen2VLForConditionalGeneration; a 4x6 patch grid merged to 2x3 = 6 image tokens;
-  3-D mRoPE positions, ``image_grid_thw`` and ``mm_token_type_ids``;
+  3-D mRoPE positions, ``image_grid_thw`` and ``mm_token_type_ids`` (and Qwen2.5-VL in one test);
 * ``gemma3``: Gemma3ForConditionalGeneration (SigLIP tower, sliding-window text layers); 16 image
   tokens; ``token_type_ids`` drive the bidirectional image mask.
 
@@ -200,6 +200,39 @@ def test_greedy_matches_generate(family, draft_kind):
     accepted, drafted = map(sum, zip(*rates))
     assert drafted > 0
     print(f"\nacceptance {name:9s} {draft_kind:13s} {accepted}/{drafted} = {accepted / drafted:.3f}")
+
+
+def test_qwen2_5_vl_greedy_matches_generate():
+    """Qwen2.5-VL (windowed vision attention; its get_rope_index also takes second_per_grid_ts)
+    goes through the same path: nothing in specdec names a model."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    text = dict(TEXT, rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0})
+    vision = dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=64, num_heads=2, patch_size=4,
+                  temporal_patch_size=2, spatial_merge_size=2, window_size=16, fullatt_block_indexes=[1])
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=301,
+                              vision_start_token_id=BLOCK_START, vision_end_token_id=BLOCK_END)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        target = Qwen2_5_VLForConditionalGeneration(config).eval()
+        with torch.no_grad():
+            target.lm_head.weight.mul_(8.0)
+            for key, weight in target.model.language_model.named_parameters():
+                if key.endswith(("q_proj.weight", "k_proj.weight")):
+                    weight.mul_(8.0)
+    for key, value in SPECIAL.items():
+        setattr(target.generation_config, key, value)
+    draft = perturbed_copy(target, DRAFT_NOISE, seed=7)
+    for seed in (0, 1):
+        ids, inputs = image_prompt("qwen2_vl", seed)
+        ref = greedy_reference(target, ids, inputs)
+        # positions matter on this model: plain 1-D positions would change the output
+        plain = target.generate(ids, **inputs, position_ids=torch.arange(ids.shape[1])[None],
+                                max_new_tokens=NEW_TOKENS, do_sample=False)
+        assert not torch.equal(plain, ref)
+        for drafter in (draft, "prompt_lookup"):
+            out = decoder_for(target, drafter).generate(ids, max_new_tokens=NEW_TOKENS, **inputs)
+            assert torch.equal(out.sequences, ref), f"prompt {seed}"
 
 
 def test_prompt_lookup_never_offers_a_placeholder_to_the_prefill(family):
