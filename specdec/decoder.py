@@ -18,7 +18,6 @@ by name beyond asking the registry.
 
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import dataclass
 
@@ -26,7 +25,7 @@ import torch
 
 from .generators import CandidateGenerator, DecodeContext, Feedback, NoDraft
 from .metrics import AcceptanceStats
-from .multimodal import PrefillSpec, Prefix, check_assistant, check_call
+from .multimodal import PrefillSpec, Prefix, check_assistant, check_call, declared_inputs
 from .registry import get_candidate_generator
 from .sampling import SamplingParams
 from .state import ModelState, cache_problem
@@ -43,12 +42,6 @@ CROSS_TOKENIZER_GENERATOR = "cross_tokenizer"
 class SpecOutput:
     sequences: torch.Tensor  # [B, prompt + new] like transformers' generate output
     stats: AcceptanceStats
-
-
-def explicit_forward_params(model) -> set[str]:
-    """Names ``model.forward`` declares (``**kwargs`` does not count as accepting anything)."""
-    params = inspect.signature(model.forward).parameters.values()
-    return {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
 
 
 def _eos_ids(eos_token_id, model) -> list[int]:
@@ -107,7 +100,8 @@ class SpecDecoder:
         """``model_inputs`` are prefill-only (pixel values, grids, token type ids, ...). With ``prefix``
         (from :meth:`prefill`) the prompt rows must extend the prefix rows and carry no such inputs."""
         started = time.perf_counter()
-        input_ids, attention_mask = self._check_prompt(input_ids, attention_mask)
+        input_ids, attention_mask, rows_tokens, lengths = self._prompt_rows(
+            input_ids, attention_mask, model_inputs, media_in_prompt=prefix is None)
         batch, width = input_ids.shape
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
@@ -117,19 +111,6 @@ class SpecDecoder:
             raise ValueError("stop_strings need a tokenizer: SpecDecoder(target, draft, tokenizer=...)")
         if streamer is not None and batch > 1:
             raise ValueError("a streamer needs batch size 1 (as in transformers)")
-        problem = cache_problem(self.target, batch)
-        if problem:
-            raise ValueError(f"target: {problem}")
-        if prefix is None:
-            check_call(self.target, input_ids, attention_mask, model_inputs)
-        accepted_inputs = explicit_forward_params(self.target)
-        unknown = sorted(k for k in model_inputs if k not in accepted_inputs)
-        if unknown:
-            raise ValueError(f"{type(self.target).__name__}.forward does not take {unknown}; "
-                             "extra keyword arguments are prefill-only model inputs (e.g. pixel_values)")
-        vocab = int(self.target.get_output_embeddings().weight.shape[0])
-        if int(input_ids.max()) >= vocab or int(input_ids.min()) < 0:
-            raise ValueError(f"input_ids hold ids outside the target's vocabulary [0, {vocab})")
 
         eos = _eos_ids(eos_token_id, self.target)
         pad = getattr(self.target.generation_config, "pad_token_id", None)
@@ -138,11 +119,6 @@ class SpecDecoder:
                           tokenizer=self.tokenizer, stopping_criteria=stopping_criteria)
 
         device = self.target.device
-        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        lengths = attention_mask.sum(1)  # [B]
-        # rows stored from column 0: strip the left padding
-        cols = (width - lengths)[:, None] + torch.arange(width, device=device)[None, :]
-        rows_tokens = input_ids.gather(1, cols.clamp(max=width - 1))
         capacity = width + max_new_tokens + 1
         if prefix is not None:
             prefix.check_continuation(self.target, rows_tokens, lengths, model_inputs)
@@ -239,20 +215,9 @@ class SpecDecoder:
         ``generate(prefix_ids + question_ids, prefix=prefix)`` continues from it, any number of
         times. Only the target's cache is kept: assistants prefill the whole prompt, once, in their
         own first forward (with the prefix's image inputs)."""
-        input_ids, attention_mask = self._check_prompt(input_ids, attention_mask)
-        batch, width = input_ids.shape
-        problem = cache_problem(self.target, batch)
-        if problem:
-            raise ValueError(f"target: {problem}")
-        check_call(self.target, input_ids, attention_mask, model_inputs)
-        unknown = sorted(set(model_inputs) - explicit_forward_params(self.target))
-        if unknown:
-            raise ValueError(f"{type(self.target).__name__}.forward does not take {unknown}")
-        device = self.target.device
-        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        lengths = attention_mask.sum(1)  # [B]
-        cols = (width - lengths)[:, None] + torch.arange(width, device=device)[None, :]
-        rows_tokens = input_ids.gather(1, cols.clamp(max=width - 1))  # [B, width] left-aligned rows
+        input_ids, attention_mask, rows_tokens, lengths = self._prompt_rows(
+            input_ids, attention_mask, model_inputs, media_in_prompt=True)
+        width = input_ids.shape[1]
         spec = PrefillSpec.from_call(rows_tokens, lengths, model_inputs)
         prefill, positions = spec.for_model(self.target)
         pad = getattr(self.target.generation_config, "pad_token_id", None)
@@ -269,6 +234,31 @@ class SpecDecoder:
         for b, o in enumerate(outputs):
             new[b, : o.numel()] = o
         return torch.cat([input_ids, new], dim=1)
+
+    def _prompt_rows(self, input_ids, attention_mask, model_inputs: dict, *, media_in_prompt: bool):
+        """Validate a prompt against the target (before any forward) and strip its left padding.
+
+        Returns (input_ids [B, P], attention_mask [B, P], rows [B, P] with row b's tokens from
+        column 0, lengths [B]), all on the target's device."""
+        input_ids, attention_mask = self._check_prompt(input_ids, attention_mask)
+        batch, width = input_ids.shape
+        problem = cache_problem(self.target, batch)
+        if problem:
+            raise ValueError(f"target: {problem}")
+        if media_in_prompt:
+            check_call(self.target, input_ids, attention_mask, model_inputs)
+        unknown = sorted(set(model_inputs) - declared_inputs(self.target))
+        if unknown:
+            raise ValueError(f"{type(self.target).__name__}.forward does not take {unknown}; "
+                             "extra keyword arguments are prefill-only model inputs (e.g. pixel_values)")
+        vocab = int(self.target.get_output_embeddings().weight.shape[0])
+        if int(input_ids.max()) >= vocab or int(input_ids.min()) < 0:
+            raise ValueError(f"input_ids hold ids outside the target's vocabulary [0, {vocab})")
+        device = self.target.device
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        lengths = attention_mask.sum(1)  # [B]
+        cols = (width - lengths)[:, None] + torch.arange(width, device=device)[None, :]
+        return input_ids, attention_mask, input_ids.gather(1, cols.clamp(max=width - 1)), lengths
 
     @staticmethod
     def _check_prompt(input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,7 +28,7 @@ from transformers import LlamaForCausalLM
 
 from candidate_generators.draft_model import DraftModelGenerator
 from specdec import AcceptanceStats, SpecDecoder
-from specdec.decoder import explicit_forward_params
+from specdec.multimodal import declared_inputs
 from specdec.models import tiny_random
 
 from helpers import ForwardRecorder, left_pad, perturbed_copy, repetitive_prompt
@@ -67,7 +67,7 @@ def pair():
     base, tokenizer = tiny_random("llama", seed=4)
     target = marked(base)
     draft = marked(perturbed_copy(base, 0.15, seed=9))
-    assert "marker" in explicit_forward_params(target)
+    assert "marker" in declared_inputs(target)
     return target, draft, tokenizer
 
 
