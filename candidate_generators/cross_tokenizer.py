@@ -181,21 +181,6 @@ def _as_list(ids) -> list[int]:
     return [int(ids)] if isinstance(ids, int) else [int(i) for i in ids]
 
 
-def _select_stale_cache_rows(state, rows: torch.Tensor) -> None:
-    """Work-around for ``ModelState.select_rows``, which leaves the cache alone when it holds 0 slots.
-
-    A draft sequence re-tokenized from its very first token (or one token long) rolls the cache
-    back to 0 slots, but the emptied layers keep the old batch size (``Cache.batch_select_indices``
-    is a no-op on empty layers) and the next forward fails. Only such empty, stale layers are
-    touched, so this is a no-op once the core handles the case."""
-    for layer in getattr(state.cache, "layers", []):
-        keys = getattr(layer, "keys", None)
-        if (isinstance(keys, torch.Tensor) and keys.dim() == 4 and keys.shape[-2] == 0
-                and keys.shape[0] != state.batch_size):
-            index = rows.to(keys.device)
-            layer.keys, layer.values = keys[index], layer.values[index]
-
-
 @dataclass
 class _Row:
     text: str  # committed text, whole characters
@@ -418,7 +403,6 @@ class CrossTokenizerGenerator(CandidateGenerator):
     def select_rows(self, rows: torch.Tensor) -> None:
         self.rows = [self.rows[i] for i in rows.tolist()]
         self.schedule.select_rows(rows)
-        _select_stale_cache_rows(self.state, rows)
 
     # -- introspection (tests, debugging) -------------------------------------------------------
     def draft_sequence(self, b: int) -> list[int]:

@@ -145,6 +145,8 @@ class ModelState:
         """Keep only ``rows`` (indices into the batch), e.g. once others have finished."""
         if self.cached_slots:
             self.cache.batch_select_indices(rows)
+        else:  # emptied layers keep their old batch size (batch_select_indices skips them)
+            self.cache = new_cache(self.model)
         self.tokens, self.lengths, self.offsets = self.tokens[rows], self.lengths[rows], self.offsets[rows]
         self.positions = self.positions.select_rows(rows)
         self._trim_left()

@@ -72,3 +72,16 @@ def test_batched_sampling_is_reproducible():
         runs.append(SpecDecoder(target, draft, num_tokens=3).generate(ids, mask, max_new_tokens=25, do_sample=True,
                                                                        temperature=0.8, top_k=50, generator=g).sequences)
     assert torch.equal(runs[0], runs[1])
+
+
+def test_select_rows_after_a_full_rollback():
+    """A state rolled back to 0 cached slots can still drop rows and run (regression)."""
+    target, _, _ = tiny_pair("llama")
+    state = ModelState(target, torch.tensor([[1, 2], [3, 4]]), torch.tensor([2, 2]), capacity=8)
+    state.forward(start=torch.tensor([1, 1]))
+    state.sync(torch.tensor([[5, 6], [7, 8]]), torch.tensor([2, 2]), since=torch.tensor([0, 0]))
+    assert state.cached_slots == 0
+    state.select_rows(torch.tensor([1]))
+    logits = state.forward(start=torch.tensor([1]))
+    alone = target(input_ids=torch.tensor([[7, 8]])).logits[:, -1]
+    assert torch.allclose(logits[:, 0], alone, atol=1e-5)
