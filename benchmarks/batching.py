@@ -20,16 +20,7 @@ from pathlib import Path
 import torch
 
 from specdec import SpecDecoder, load_model
-from specdec.prompts import DEFAULT_SPEC_BENCH, encode_chat, load_questions
-
-
-def left_pad(rows: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(r.numel() for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(rows):
-        ids[i, width - r.numel():], mask[i, width - r.numel():] = r, 1
-    return ids, mask
+from specdec.prompts import DEFAULT_SPEC_BENCH, encode_chat, left_pad, load_questions
 
 
 def real_new_tokens(new: torch.Tensor, eos: set[int]) -> list[torch.Tensor]:

@@ -37,3 +37,14 @@ def encode_chat(tokenizer, messages: list[dict]) -> torch.Tensor:
         return out["input_ids"]
     text = "\n\n".join(m["content"] for m in messages)
     return tokenizer(text, return_tensors="pt")["input_ids"]
+
+
+def left_pad(rows: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """1-D id rows -> left-padded ``input_ids [B, P]`` and ``attention_mask [B, P]`` for a batch."""
+    width = max(r.numel() for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - r.numel():] = r
+        mask[i, width - r.numel():] = 1
+    return ids, mask

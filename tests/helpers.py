@@ -7,6 +7,7 @@ import copy
 import torch
 
 from specdec.models import tiny_random
+from specdec.prompts import left_pad  # noqa: F401  (re-exported for the tests)
 
 
 def perturbed_copy(model, scale: float = 0.3, seed: int = 0):
@@ -24,17 +25,6 @@ def repetitive_prompt(length: int, seed: int = 0, vocab: int = 256) -> torch.Ten
     g = torch.Generator().manual_seed(seed)
     base = torch.randint(0, vocab, (length,), generator=g)
     return torch.cat([base, base[: length // 2], base])[None, :]
-
-
-def left_pad(rows: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """1-D id rows -> left-padded input_ids [B, P] and attention_mask [B, P]."""
-    width = max(r.numel() for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(rows):
-        ids[i, width - r.numel():] = r
-        mask[i, width - r.numel():] = 1
-    return ids, mask
 
 
 def tiny_pair(arch: str, seed: int = 1, noise: float = 0.3, **overrides):
