@@ -44,6 +44,23 @@ class SpecOutput:
     stats: AcceptanceStats
 
 
+#: generation_config fields that change greedy output in ``target.generate`` and their neutral values
+LOGITS_SETTINGS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "bad_words_ids": None,
+                   "suppress_tokens": None, "begin_suppress_tokens": None, "min_new_tokens": 0, "min_length": 0,
+                   "forced_eos_token_id": None, "sequence_bias": None, "exponential_decay_length_penalty": None}
+
+
+def unsupported_generation_settings(model) -> list[str]:
+    """``generation_config`` settings that ``target.generate`` would apply and specdec does not."""
+    config = model.generation_config
+    found = []
+    for name, neutral in LOGITS_SETTINGS.items():
+        value = getattr(config, name, None)
+        if value is not None and value != neutral and value != []:
+            found.append(f"{name}={value!r}")
+    return found
+
+
 def _eos_ids(eos_token_id, model) -> list[int]:
     if eos_token_id is None:
         eos_token_id = getattr(model.generation_config, "eos_token_id", None)
@@ -52,6 +69,15 @@ def _eos_ids(eos_token_id, model) -> list[int]:
     if isinstance(eos_token_id, torch.Tensor):
         eos_token_id = eos_token_id.tolist()
     return [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id]
+
+
+def _check_proposal(gen: CandidateGenerator, draft_ids: torch.Tensor, offered: torch.Tensor, vocab: int) -> None:
+    """A plugin's drafts must be target ids; say which plugin broke the contract."""
+    if draft_ids.numel():
+        valid = draft_ids[torch.arange(draft_ids.shape[1], device=draft_ids.device)[None, :] < offered[:, None]]
+        if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= vocab):
+            raise ValueError(f"candidate generator {gen.name or type(gen).__name__!r} proposed ids outside the "
+                             f"target's vocabulary [0, {vocab})")
 
 
 class SpecDecoder:
@@ -155,6 +181,7 @@ class SpecDecoder:
         gen.setup(ctx)  # validates and attaches assistants: still before any forward
 
         stats = AcceptanceStats()
+        vocab = ctx.target_vocab_size
         feed = StreamFeed(streamer)
         feed.prompt(input_ids)
         prompt_lengths = lengths.clone()
@@ -167,10 +194,11 @@ class SpecDecoder:
                 max_drafts = max_new_tokens - (target_state.lengths - prompt_lengths) - 1  # [B]
                 proposal = gen.propose(ctx, max_drafts)
                 drafted = time.perf_counter()
-                offered = torch.minimum(proposal.lengths.to(device), max_drafts)
+                offered = torch.minimum(proposal.lengths.to(device), max_drafts).clamp_min(0)
                 offered = target_state.admissible_drafts(proposal.token_ids.to(device), offered)
                 k = int(offered.max())
                 draft_ids = proposal.token_ids[:, :k].to(device)
+                _check_proposal(gen, draft_ids, offered, vocab)
                 committed = target_state.lengths.clone()
                 target_state.append(draft_ids, offered)
                 logits = target_state.forward(start=committed - 1)  # [B, k+1, V]
@@ -192,9 +220,11 @@ class SpecDecoder:
                 stats.verify_seconds += verified - drafted
                 if streamer is not None:
                     feed.tokens(target_state.tokens[0, int(committed[0]): int(target_state.lengths[0])])
+                synced = time.perf_counter()
                 for state in assistants:
                     state.sync(target_state.tokens, target_state.lengths, since=committed)
                 gen.observe(ctx, Feedback(offered, verdict.accepted))
+                stats.draft_seconds += time.perf_counter() - synced  # keeping drafts in step is drafting work
 
                 if bool(finished.any()):
                     for b in finished.nonzero().flatten().tolist():
@@ -245,6 +275,11 @@ class SpecDecoder:
         problem = cache_problem(self.target, batch)
         if problem:
             raise ValueError(f"target: {problem}")
+        unsupported = unsupported_generation_settings(self.target)
+        if unsupported:
+            raise ValueError(f"target.generation_config sets {', '.join(unsupported)}: logits processors that "
+                             "specdec does not apply, so its output would differ from target.generate(); unset them "
+                             "(e.g. on a copy of the generation config) to decode speculatively")
         if media_in_prompt:
             check_call(self.target, input_ids, attention_mask, model_inputs)
         unknown = sorted(set(model_inputs) - declared_inputs(self.target))

@@ -25,8 +25,8 @@ class SamplingParams:
         if not (self.temperature > 0):
             raise ValueError(f"do_sample=True needs temperature > 0, got {self.temperature}; "
                              "use do_sample=False for greedy decoding")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1 or None, got {self.top_k}")
+        if self.top_k is not None and self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 or None: no top-k), got {self.top_k}")
         if self.top_p is not None and not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
@@ -44,7 +44,7 @@ def warp_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
     if temperature != 1.0:
         logits = logits / temperature
     vocab = logits.shape[-1]
-    if top_k is not None and top_k < vocab:
+    if top_k and top_k < vocab:  # 0 or None: no top-k, as in transformers
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # [..., 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1.0:

@@ -89,6 +89,7 @@ class ModelState:
                                else PrefillInputs(dict(prefill_inputs or {})))
         self.positions = positions if positions is not None else TokenPositions()
         self.forwards = 0
+        self.vocab_limit = int(model.get_input_embeddings().weight.shape[0])
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
 
@@ -181,7 +182,9 @@ class ModelState:
         index = chunk_slots - self.offsets[:, None]  # [B, W] token index at each chunk slot
         real = (index >= 0) & (index < self.lengths[:, None])
         ids = self.tokens.gather(1, index.clamp(0, self.tokens.shape[1] - 1))
-        ids = ids.masked_fill(~real, self.pad_token_id)  # [B, W]
+        # ids a smaller (padded) embedding lacks can only come from the target's tokens: the
+        # model sees padding there, which can only change what an assistant proposes
+        ids = ids.masked_fill(~real | (ids >= self.vocab_limit), self.pad_token_id)  # [B, W]
         positions = self.positions(index)  # [B, W], or [3, B, W] for mRoPE
 
         first_needed = self.offsets + start - first_slot  # [B] chunk column of the first logits needed
@@ -201,7 +204,8 @@ class ModelState:
             kwargs["attention_mask"] = mask.long()
         if self.is_first_iteration:  # a first forward starts at slot 0 unless it continues a prefix
             kwargs.update(self.prefill_inputs.for_chunk(index, real))
-        logits = self.model(**kwargs).logits  # [B, keep, V]
+        logits = self.model(**kwargs).logits  # [B, keep, V] (all W columns if the model ignores logits_to_keep)
+        keep = logits.shape[1]
         self.forwards += 1
         self.is_first_iteration = False
         self.prefill_inputs = PrefillInputs()

@@ -94,7 +94,7 @@ CALL_CASES = {
                   "empty"),
     "temperature_zero": (dict(do_sample=True, temperature=0.0), "temperature"),
     "temperature_negative": (dict(do_sample=True, temperature=-1.0), "temperature"),
-    "top_k_zero": (dict(do_sample=True, top_k=0), "top_k"),
+    "top_k_negative": (dict(do_sample=True, top_k=-1), "top_k"),
     "top_p_out_of_range": (dict(do_sample=True, top_p=1.5), "top_p"),
     "stop_strings_without_tokenizer": (dict(stop_strings=["ab"]), "tokenizer"),
     "streamer_with_batch": (dict(input_ids=torch.tensor([[5, 6], [7, 8]]), streamer=object()),
