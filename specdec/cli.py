@@ -33,7 +33,11 @@ def _build_decoder(target, tokenizer, draft: str | None, options: dict):
     if draft is None or draft == "none":
         return SpecDecoder(target, None, tokenizer=tokenizer)
     if draft in available_generators():
-        return SpecDecoder(target, draft, tokenizer=tokenizer, **options)
+        try:
+            return SpecDecoder(target, draft, tokenizer=tokenizer, **options)
+        except TypeError as exc:
+            raise ValueError(f"{exc} (generators that draft with a model take the model's name as --draft, "
+                             "e.g. --draft gemma3-270m)") from None
     if draft in PACKAGED_MODELS or draft.startswith("tiny-random:") or "/" in draft:
         draft_model, draft_tokenizer = load_model(draft)
         return SpecDecoder(target, draft_model, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer, **options)
@@ -66,8 +70,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    """Plain decoding vs speculative decoding on a few Spec-Bench prompts, side by side."""
-    from .decoder import SpecDecoder
+    """Plain decoding (target.generate) vs speculative decoding on a few Spec-Bench prompts, side by side."""
     from .models import load_model
     from .prompts import encode_chat, load_questions
 
@@ -78,21 +81,24 @@ def cmd_demo(args) -> int:
     picked = []
     for category in ("summarization", "rag", "coding", "translation"):
         picked += [q for q in questions if q["category"] == category][: args.per_category]
-    plain = SpecDecoder(target, None, tokenizer=tokenizer)
     spec = _build_decoder(target, tokenizer, args.draft, _parse_options(args.option))
+
+    def plain(ids):  # the baseline is transformers' own greedy decoding
+        return target.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
+
     warm = encode_chat(tokenizer, [{"role": "user", "content": "Hello"}])
-    plain.generate(warm, max_new_tokens=4), spec.generate(warm, max_new_tokens=4)
+    target.generate(warm, max_new_tokens=4, do_sample=False), spec.generate(warm, max_new_tokens=4)
     total_plain = total_spec = 0.0
     all_same = True
     print(f"{'question':>10} {'category':>14} {'plain tok/s':>12} {'spec tok/s':>11} {'speedup':>8} {'accepted len':>13} {'identical':>10}")
     for q in picked:
         ids = encode_chat(tokenizer, [{"role": "user", "content": q["turns"][0]}])
         t0 = time.perf_counter()
-        ref = plain.generate(ids, max_new_tokens=args.max_new_tokens)
+        ref = plain(ids)
         t1 = time.perf_counter()
         out = spec.generate(ids, max_new_tokens=args.max_new_tokens)
         t2 = time.perf_counter()
-        same = torch.equal(ref.sequences, out.sequences)
+        same = torch.equal(ref, out.sequences)
         all_same &= same
         total_plain, total_spec = total_plain + (t1 - t0), total_spec + (t2 - t1)
         n = out.sequences.shape[1] - ids.shape[1]
