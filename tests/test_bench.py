@@ -15,9 +15,10 @@ import yaml
 
 from specdec.bench import cli
 from specdec.bench.config import ConfigError, load_config, parse_config
-from specdec.bench.report import draft_cost_ratio, load_run, summaries, summarize
+from specdec.bench.report import batch_summaries, draft_cost_ratio, gain_ends, load_run, summaries, summarize
 from specdec.bench.runner import (RESULTS_FILE, RUN_FILE, ResultsMismatchError, ResultStore, build_messages,
-                                  question_seed, row_key, run_benchmark, select_questions, spread)
+                                  config_hash, is_batched, load_selected_questions, question_seed, row_key,
+                                  run_benchmark, select_questions, spread)
 from specdec.metrics import AcceptanceStats, theoretical_speedup
 
 TINY_CONFIG = Path(__file__).parent / "data" / "bench_tiny.yaml"
@@ -98,7 +99,12 @@ def test_committed_tiny_config_is_valid():
     ({"dataset": {"per_subtask": -1}}, "dataset.per_subtask: Input should be greater than or equal to 1 (got -1)"),
     ({"generation": {"max_new_tokens": 0}}, "generation.max_new_tokens: Input should be greater than or equal to 1"),
     ({"dataset": {"subtasks": ["coding"]}}, "dataset.subtasks[0]: Input should be 'mt_bench', 'translation'"),
-    ({"batch_size": 2}, "batch_size: only batch_size 1 is supported (allowed: 1)"),
+    ({"batch_sizes": [1, 0]}, "batch_sizes: batch sizes must be positive integers (allowed: 1, 2, 3, ...), got 0"),
+    ({"batch_sizes": [-4]}, "batch_sizes: batch sizes must be positive integers (allowed: 1, 2, 3, ...), got -4"),
+    ({"batch_sizes": []}, "batch_sizes: List should have at least 1 item"),
+    ({"batch_sizes": [2, 2]}, "batch_sizes: duplicate batch size(s) [2]"),
+    ({"batch_size": 0}, "batch_sizes: batch sizes must be positive integers"),
+    ({"batch_size": 1, "batch_sizes": [1]}, "batch_size: give batch_sizes only"),
 ])
 def test_bad_config_one_clear_line_nothing_written(tmp_path, capsys, patch, expected):
     data = {"target": "tiny-random:llama", "methods": TWO_METHODS, **patch}
@@ -283,3 +289,114 @@ def test_malformed_dataset_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="is not Spec-Bench JSONL"):
         run(config, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+# -- batch sizes -------------------------------------------------------------------------------
+BATCH_METHODS = TWO_METHODS + [
+    {"name": "dm3", "generator": "draft_model", "draft": "tiny-random:llama", "options": {"num_tokens": 3}},
+    {"name": "hf_pl4", "generator": "hf_prompt_lookup", "options": {"num_tokens": 4}}]
+BATCHED = ["baseline", "pl3", "dm3"]  # hf_* are not run at batch size > 1
+
+
+@pytest.fixture(scope="module")
+def batch_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bench_batches")
+    config = tiny_config(folder, methods=BATCH_METHODS, batch_sizes=[1, 3])
+    return config, folder / "out", run(config, folder / "out")
+
+
+def test_batch_sizes_default_and_old_field_keep_the_hash(tmp_path):
+    plain = load_config(tiny_config(tmp_path, methods=TWO_METHODS))
+    old = load_config(tiny_config(tmp_path, methods=TWO_METHODS, batch_size=1))
+    batched = load_config(tiny_config(tmp_path, methods=TWO_METHODS, batch_sizes=[1, 3]))
+    assert plain.batch_sizes == old.batch_sizes == [1] and batched.batch_sizes == [1, 3]
+    questions = load_selected_questions(plain, tmp_path)
+    assert config_hash(plain, questions) == config_hash(old, questions) != config_hash(batched, questions)
+    # a config without batch sizes hashes as the single-size schema did (results written then still resume)
+    import hashlib
+    legacy = {**plain.model_dump(mode="json", exclude={"description", "batch_sizes"}), "batch_size": 1}
+    payload = json.dumps({"config": legacy, "questions": [q.question_id for q in questions]}, sort_keys=True)
+    assert config_hash(plain, questions) == hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def test_batch_rows_recorded_and_exact(batch_run):
+    _, out, result = batch_run
+    meta, rows = load_run(out)
+    singles = [r for r in rows if not is_batched(r)]
+    batched = [r for r in rows if is_batched(r)]
+    assert len(singles) == TURNS * len(BATCH_METHODS)
+    assert all("batch_size" not in r for r in singles)  # batch-size-1 rows keep their format
+    # 3 questions in batches of 3: one batch, first turns only, for each method that runs batches
+    assert sorted(row_key(r) for r in batched) == sorted((m, "batch", 3, 0) for m in BATCHED)
+    assert result.rows_total == result.rows_new == len(rows)
+    for r in batched:
+        assert r["question_ids"] == [1, 101, 501] and r["turn"] == 1 and r["seconds"] > 0
+        assert len(r["output_ids"]) == len(r["new_tokens"]) == 3
+        assert [len(o) for o in r["output_ids"]] == r["new_tokens"]
+        assert (r["stats"] is None) == (r["method"] == "baseline")
+    alone = {r["question_id"]: r["output_ids"] for r in singles if r["method"] == "baseline" and r["turn"] == 1}
+    for r in batched:  # each row equals decoding it alone, for every method
+        assert r["output_ids"] == [alone[q] for q in r["question_ids"]], r["method"]
+    by = {(b.method, b.batch_size): b for b in batch_summaries(meta, rows)}
+    assert set(by) == {(m["name"], 1) for m in BATCH_METHODS} | {(m, 3) for m in BATCHED}
+    for m in ("pl3", "dm3"):
+        for size in (1, 3):
+            assert by[(m, size)].exact_match == 1.0 and by[(m, size)].speedup is not None
+    assert by[("baseline", 3)].exact_match == 1.0 and by[("baseline", 3)].speedup == 1.0
+    assert by[("dm3", 3)].mean_accepted_length > 1.0
+    assert by[("pl3", 1)].prompts == by[("pl3", 3)].prompts == 3  # the same prompts in every column
+    # the per-question tables are unchanged by the batched rows
+    assert {s.method for s in summaries(meta, rows)} == {m["name"] for m in BATCH_METHODS}
+
+
+def test_batch_report_table_and_skipped_notes(batch_run):
+    _, out, _ = batch_run
+    report = (out / "report.md").read_text()
+    assert "## Throughput by batch size" in report and "| method | batch 1 | batch 3 |" in report
+    line = next(x for x in report.splitlines() if x.startswith("| `hf_pl4` |") and "not run" in x)
+    assert line.endswith("| not run |")
+    assert "`hf_pl4` not run" in report and "transformers refuses" in report
+    assert "first turns only" in report and "Where the gain ends" in report
+    assert "incomplete" not in report
+
+
+def test_batch_run_resumes(tmp_path):
+    config = tiny_config(tmp_path, methods=TWO_METHODS, batch_sizes=[1, 3], generation={"max_new_tokens": 6})
+    out = tmp_path / "out"
+    produced = []
+
+    def interrupt_in_the_batches(row):
+        produced.append(row_key(row))
+        if is_batched(row):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run(config, out, on_row=interrupt_in_the_batches)
+    assert produced[-1] == ("baseline", "batch", 3, 0) and len(produced) == TURNS * 2 + 1
+    again = []
+    result = run(config, out, on_row=lambda r: again.append(row_key(r)))
+    assert result.rows_done_before == TURNS * 2 + 1 and again == [("pl3", "batch", 3, 0)]
+    assert result.rows_total == TURNS * 2 + 2
+    assert run(config, out).rows_new == 0
+
+
+def test_batches_without_size_one_compare_with_the_batched_baseline(tmp_path):
+    config = tiny_config(tmp_path, methods=TWO_METHODS, batch_sizes=[2], generation={"max_new_tokens": 6})
+    result = run(config, tmp_path / "out")
+    meta, rows = load_run(tmp_path / "out")
+    assert result.rows_total == 4 and all(is_batched(r) for r in rows)  # batches [1, 101], [501]
+    assert [r["question_ids"] for r in rows if r["method"] == "pl3"] == [[1, 101], [501]]
+    by = {(b.method, b.batch_size): b for b in batch_summaries(meta, rows)}
+    assert by[("pl3", 2)].exact_match == 1.0 and by[("baseline", 2)].exact_match is None
+    assert "## Throughput by batch size" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_gain_ends_sentences():
+    from specdec.bench.report import BatchSummary
+    row = lambda m, b, s: BatchSummary(m, "x", b, 8, 80, 1.0, s, 2.0, 1.0)  # noqa: E731
+    lines = gain_ends([row("base", 1, 1.0), row("pl", 1, 1.6), row("pl", 4, 1.2), row("pl", 8, 0.9),
+                       row("dm", 1, 1.5), row("dm", 8, 1.1), row("hf", 1, 1.3), row("slow", 4, 0.8)], "base")
+    assert len(lines) == 3  # hf ran at batch size 1 only: nothing to say about batches
+    assert lines[0].startswith("- `pl`: the gain ends between batch size 4 and 8")
+    assert "faster than the batched baseline at every batch size measured (largest: 8)" in lines[1]
+    assert lines[2] == "- `slow`: no faster than the batched baseline at any batch size measured (speedup by batch size: 4: 0.80x)."

@@ -2,7 +2,7 @@
 
 A config names a target (a :func:`specdec.models.load_model` name), a dataset (Spec-Bench JSONL,
 filtered by subtask and category, with a per-subtask count), generation settings, run settings
-(threads, warm-up, batch size) and a list of methods. A method is either a registered candidate
+(threads, warm-up, batch sizes) and a list of methods. A method is either a registered candidate
 generator with its options (and a ``draft`` model name when the generator takes a model), or one
 of the reference methods that call ``transformers`` directly::
 
@@ -205,7 +205,9 @@ class BenchConfig(_Strict):
     methods: list[MethodConfig] = Field(min_length=1)
     threads: int = Field(2, ge=1, description="torch.set_num_threads for the whole run")
     warmup_new_tokens: int = Field(16, ge=1, description="each method generates this many tokens once, unrecorded")
-    batch_size: int = Field(1, ge=1, description="prompts per generate() call; only 1 is supported")
+    batch_sizes: list[int] = Field(default_factory=lambda: [1], min_length=1,
+                                   description="prompts per generate() call, one pass per size; 1 = per question, "
+                                               "both MT-Bench turns; > 1 = first turns in batches, left-padded")
 
     @field_validator("target")
     @classmethod
@@ -215,12 +217,27 @@ class BenchConfig(_Strict):
             raise ValueError(problem)
         return value
 
-    @field_validator("batch_size")
+    @model_validator(mode="before")
     @classmethod
-    def _batch_one(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError("only batch_size 1 is supported (allowed: 1); results are recorded per question and "
-                             "transformers' assisted and prompt-lookup generation refuse batches")
+    def _batch_size_alias(cls, data: Any) -> Any:
+        """``batch_size: N`` (the older single-size field) means ``batch_sizes: [N]``."""
+        if isinstance(data, dict) and "batch_size" in data:
+            data = dict(data)
+            if "batch_sizes" in data:
+                raise ValueError("batch_size: give batch_sizes only (batch_size is its older one-value spelling)")
+            value = data.pop("batch_size")
+            data["batch_sizes"] = value if isinstance(value, list) else [value]
+        return data
+
+    @field_validator("batch_sizes", mode="before")
+    @classmethod
+    def _positive_batch_sizes(cls, value: Any) -> Any:
+        items = value if isinstance(value, list) else [value]
+        bad = [v for v in items if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+        if bad:
+            raise ValueError(f"batch sizes must be positive integers (allowed: 1, 2, 3, ...), got {bad[0]!r}")
+        if len(set(items)) != len(items):
+            raise ValueError(f"duplicate batch size(s) {sorted({v for v in items if items.count(v) > 1})}")
         return value
 
     @model_validator(mode="after")

@@ -19,6 +19,15 @@ Groups are method x subtask, and method x all ("overall"). In a group, over the 
   theoretical speedup;
 * exact match = share of keys whose new token ids equal ``baseline``'s (greedy only; n/a when sampling).
 
+Batch sizes > 1 (rows with ``batch_size``) are kept out of the tables above and summarized in
+"throughput by batch size": per method and batch size, tokens/s = total real new tokens / total
+batch wall time; speedup over the batched ``baseline`` at the same batch size (same batches);
+mean accepted length from the merged ``AcceptanceStats`` (1.0 for ``baseline`` by definition);
+exact match per row against the batch-size-1 ``baseline`` output of the same question when that
+run has it (decoding the row alone), else against the batched ``baseline`` row. The batch-size-1
+column is computed from the first turns of the per-question rows, so every column covers the
+same prompts.
+
 Nothing here redefines a metric that ``specdec.metrics`` defines.
 """
 
@@ -30,7 +39,7 @@ from pathlib import Path
 
 from ..metrics import AcceptanceStats, theoretical_speedup
 from ..prompts import SUBTASKS
-from .runner import RESULTS_FILE, RUN_FILE, ResultStore, row_key
+from .runner import RESULTS_FILE, RUN_FILE, ResultStore, batch_groups, is_batched, row_key
 
 OVERALL = "overall"
 REPORT_FILE = "report.md"
@@ -133,6 +142,7 @@ def summarize(method: str, generator: str, subtask: str, rows: list[dict], basel
 def summaries(meta: dict, rows: list[dict]) -> list[Summary]:
     """Every method (config order) x every subtask present (Spec-Bench order), then ``overall``."""
     config = meta["config"]
+    rows = [r for r in rows if not is_batched(r)]
     greedy = not config["generation"]["do_sample"]
     methods = [(m["name"] or m["generator"], m["generator"]) for m in config["methods"]]
     base_name = next(name for name, gen in methods if gen == "baseline")
@@ -155,6 +165,126 @@ def pair_comparisons(meta: dict) -> list[tuple[str, str]]:
     methods = meta["config"]["methods"]
     return [(ours["name"], hf["name"]) for hf in methods if hf["generator"] == "hf_prompt_lookup"
             for ours in methods if ours["generator"] == "prompt_lookup"]
+
+
+# -- batch sizes -------------------------------------------------------------------------------
+BATCH_REFUSED = ("hf_prompt_lookup", "hf_assisted")
+
+
+def batch_sizes_of(config: dict) -> list[int]:
+    """The config's batch sizes (``batch_sizes``, or the older single ``batch_size``)."""
+    return list(config.get("batch_sizes") or [config.get("batch_size", 1)])
+
+
+@dataclass
+class BatchSummary:
+    """One method at one batch size, over all its batches (or, at size 1, all first turns)."""
+
+    method: str
+    generator: str
+    batch_size: int
+    prompts: int
+    new_tokens: int
+    seconds: float
+    speedup: float | None
+    mean_accepted_length: float | None
+    exact_match: float | None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+
+def batch_summaries(meta: dict, rows: list[dict]) -> list[BatchSummary]:
+    """Every method (config order) x every batch size (config order) it ran at."""
+    config = meta["config"]
+    greedy = not config["generation"]["do_sample"]
+    methods = [(m["name"] or m["generator"], m["generator"]) for m in config["methods"]]
+    base_name = next(name for name, gen in methods if gen == "baseline")
+    singles = [r for r in rows if not is_batched(r) and int(r["turn"]) == 1]
+    alone = {r["question_id"]: r["output_ids"] for r in singles if r["method"] == base_name}
+    out = []
+    for size in batch_sizes_of(config):
+        if size == 1:
+            base = {(r["question_id"], 1): r for r in singles if r["method"] == base_name}
+            for name, generator in methods:
+                mine = [r for r in singles if r["method"] == name]
+                if mine:
+                    s = summarize(name, generator, "first turns", mine, base, greedy, name == base_name)
+                    out.append(BatchSummary(name, generator, 1, len(mine), s.new_tokens, s.seconds, s.speedup,
+                                            s.mean_accepted_length, None if name == base_name else s.exact_match))
+            continue
+        batched = [r for r in rows if is_batched(r) and int(r["batch_size"]) == size]
+        base = {r["batch_index"]: r for r in batched if r["method"] == base_name}
+        for name, generator in methods:
+            mine = {r["batch_index"]: r for r in batched if r["method"] == name}
+            if not mine:
+                continue
+            tokens = lambda rs: sum(sum(r["new_tokens"]) for r in rs)  # noqa: E731
+            seconds = lambda rs: sum(r["seconds"] for r in rs)  # noqa: E731
+            shared = [i for i in mine if i in base]
+            speedup = None
+            if shared and seconds([base[i] for i in shared]) and tokens([base[i] for i in shared]):
+                speedup = ((tokens([mine[i] for i in shared]) / seconds([mine[i] for i in shared]))
+                           / (tokens([base[i] for i in shared]) / seconds([base[i] for i in shared])))
+            measured = [r["stats"] for r in mine.values() if r.get("stats") is not None]
+            mean_len = None
+            if name == base_name:
+                mean_len = 1.0  # plain decoding commits one token per row per forward
+            elif measured and len(measured) == len(mine):
+                stats = AcceptanceStats()
+                for d in measured:
+                    stats = stats.merge(AcceptanceStats.from_dict(d))
+                mean_len = stats.mean_accepted_length
+            exact = None
+            if greedy:
+                checks = []
+                for i, r in mine.items():
+                    for j, (qid, ids) in enumerate(zip(r["question_ids"], r["output_ids"])):
+                        if qid in alone:
+                            checks.append(ids == alone[qid])
+                        elif name != base_name and i in base:
+                            checks.append(ids == base[i]["output_ids"][j])
+                exact = sum(checks) / len(checks) if checks else None
+            out.append(BatchSummary(name, generator, size, sum(len(r["question_ids"]) for r in mine.values()),
+                                    tokens(mine.values()), seconds(mine.values()), speedup, mean_len, exact))
+    return out
+
+
+def gain_ends(batch: list[BatchSummary], base_name: str) -> list[str]:
+    """One sentence per drafting method: the batch sizes where it beats batched decoding, and where that ends."""
+    lines = []
+    for method in dict.fromkeys(b.method for b in batch if b.method != base_name):
+        points = sorted((b.batch_size, b.speedup) for b in batch if b.method == method and b.speedup is not None)
+        if not any(size > 1 for size, _ in points):
+            continue  # not run in batches (hf_*), or no batched baseline to compare with
+        shown = ", ".join(f"{size}: {speedup:.2f}x" for size, speedup in points)
+        ends = next((size for size, speedup in points if speedup <= 1.0), None)
+        if ends is None:
+            what = f"faster than the batched baseline at every batch size measured (largest: {points[-1][0]})"
+        elif all(speedup <= 1.0 for _, speedup in points):
+            what = "no faster than the batched baseline at any batch size measured"
+        elif ends == points[0][0]:
+            what = f"no faster than the batched baseline at batch size {ends}"
+        else:
+            last = max(size for size, speedup in points if size < ends)
+            what = f"the gain ends between batch size {last} and {ends}"
+        lines.append(f"- `{method}`: {what} (speedup by batch size: {shown}).")
+    return lines
+
+
+def planned_rows(meta: dict) -> int:
+    """Rows a complete run of this config writes."""
+    config = meta["config"]
+    methods = config["methods"]
+    total = 0
+    for size in batch_sizes_of(config):
+        if size == 1:
+            total += sum(q["turns"] for q in meta["questions"]) * len(methods)
+        else:
+            batches = len(batch_groups(meta["questions"], size))
+            total += batches * sum(m["generator"] not in BATCH_REFUSED for m in methods)
+    return total
 
 
 # -- rendering ---------------------------------------------------------------------------------
@@ -191,8 +321,11 @@ def render_markdown(meta: dict, rows: list[dict], all_summaries: list[Summary], 
     gen = config["generation"]
     methods = config["methods"]
     base_name = next(m["name"] for m in methods if m["generator"] == "baseline")
-    total = sum(q["turns"] for q in meta["questions"]) * len(methods)
+    total = planned_rows(meta)
     keys = {row_key(r) for r in rows}
+    sizes = batch_sizes_of(config)
+    batched_rows = [r for r in rows if is_batched(r)]
+    rows = [r for r in rows if not is_batched(r)]
     per_subtask = {}
     for q in meta["questions"]:
         per_subtask[q["subtask"]] = per_subtask.get(q["subtask"], 0) + 1
@@ -211,7 +344,9 @@ def render_markdown(meta: dict, rows: list[dict], all_summaries: list[Summary], 
         f"- Machine: {env.get('platform', '?')}, {env.get('processor', '?')}, {env.get('cpu_count', '?')} CPUs "
         f"({env.get('device', 'cpu')}), torch {env.get('torch', '?')} with {config['threads']} threads, "
         f"transformers {env.get('transformers', '?')}, specdec {env.get('specdec', '?')}. Started {meta.get('created', '?')}.",
-        f"- Rows: {len(keys)} of {total} (method x question x turn)"
+        f"- Rows: {len(keys)} of {total} (method x question x turn"
+        + (f"; method x batch at batch sizes {', '.join(str(b) for b in sizes if b > 1)})" if any(b > 1 for b in sizes)
+           else ")")
         + ("." if len(keys) >= total else " — **incomplete run**: rerun the command to resume."),
         "- Methods, interleaved per question after one warm-up each: "
         + "; ".join(f"`{m['name']}` = {m['generator']}" + (f" {m['options']}" if m["options"] else "")
@@ -243,6 +378,32 @@ def render_markdown(meta: dict, rows: list[dict], all_summaries: list[Summary], 
                       [[f"`{s.method}`"] + [f"{v:.2f}" for v in (s.stats.per_position_acceptance + [0.0] * width)[:width]]
                        for s in measured])
 
+    if any(b > 1 for b in sizes):
+        batch = batch_summaries(meta, rows + batched_rows)
+        out += ["", "## Throughput by batch size", "",
+                "First turns only, the same prompts in every column, grouped in order into left-padded batches. "
+                "Each cell: tokens/s; speedup over `" + base_name + "` at the same batch size (batched "
+                "`target.generate`); mean accepted length; exact match per row against decoding the row alone "
+                "(the batch-size-1 `" + base_name + "` output; against the batched `" + base_name
+                + "` when batch size 1 was not run).", ""]
+        bb = {(b.method, b.batch_size): b for b in batch}
+        body = []
+        for m in methods:
+            cells = []
+            for size in sizes:
+                b = bb.get((m["name"], size))
+                if b is None:
+                    cells.append("not run" if size > 1 and m["generator"] in BATCH_REFUSED else NA)
+                    continue
+                cells.append(f"{b.tokens_per_second:.1f} tok/s; {_f(b.speedup, '.2f', 'x')}; "
+                             f"{_f(b.mean_accepted_length, '.2f')}; "
+                             f"{'ref' if b.exact_match is None and m['name'] == base_name else _f(b.exact_match, '.0%')}")
+            body.append([f"`{m['name']}`"] + cells)
+        out += _table(["method"] + [f"batch {s}" for s in sizes], body)
+        ends = gain_ends(batch, base_name)
+        if ends:
+            out += ["", "Where the gain ends:", ""] + ends
+
     pairs = pair_comparisons(meta)
     if pairs:
         out += ["", "## Our prompt lookup vs transformers' prompt lookup", "",
@@ -267,8 +428,13 @@ def render_markdown(meta: dict, rows: list[dict], all_summaries: list[Summary], 
     if gen["do_sample"]:
         out.append("- Sampling: outputs of different methods are different samples, so exact match is n/a; "
                    "each (question, turn) uses the same seed in every method and every rerun.")
-    if config.get("batch_size", 1) != 1:  # pragma: no cover - the schema allows only 1 today
-        out.append("- batch_size > 1: transformers' assisted and prompt-lookup generation refuse batches; skipped.")
+    if any(b > 1 for b in sizes):
+        refused = [m["name"] for m in methods if m["generator"] in BATCH_REFUSED]
+        if refused:
+            out.append(f"- Batch size > 1: {', '.join(f'`{n}`' for n in refused)} not run (\"not run\" in the table): "
+                       "transformers refuses assisted and prompt-lookup generation for more than one sequence.")
+        out.append("- Batch size > 1 runs first turns only: an MT-Bench second turn is measured at batch size 1, "
+                   "where it follows the method's own first answer.")
     if figures:
         out += ["", "## Figures", ""] + [f"![{f}]({f})" for f in figures]
     return "\n".join(out) + "\n"

@@ -11,8 +11,20 @@ flushed and fsynced as soon as it is produced, so an interrupted run loses at mo
 flight. ``run.json`` holds the validated config, the selected question ids, a hash of both, and
 the machine it ran on.
 
+Batches. ``batch_sizes`` lists the passes: size 1 is the per-question run above (its rows have no
+``batch_size`` field, as before batches existed). For each size B > 1, in config order, the first
+turns of the selected questions are grouped in order into batches of B (the last may be smaller),
+left-padded (:func:`specdec.prompts.left_pad`) and run per batch, every method in config order:
+``baseline`` = batched ``target.generate(input_ids, attention_mask=...)``, SpecDecoder methods =
+``generate(input_ids, attention_mask, ...)``; ``hf_prompt_lookup`` and ``hf_assisted`` are skipped
+(transformers refuses assisted generation for more than one sequence). MT-Bench second turns run
+at batch size 1 only. One row is one (method, batch_size, batch_index): per-row question ids,
+prompt lengths and new token ids (each cut after its first EOS: the rest is padding), the batch's
+wall time, target forwards and ``AcceptanceStats``.
+
 Resume. A rerun whose hash matches skips rows already present (a torn last line is cut off
 first). A different hash is refused unless ``fresh=True``, which discards this directory's files.
+A config whose ``batch_sizes`` is ``[1]`` hashes as it did before the field existed.
 
 Measurement, the same for every method: wall time (``time.perf_counter``) around one
 ``generate()`` call; new tokens = tokens after the prompt; target forwards counted by a forward
@@ -44,9 +56,9 @@ import torch
 from ..decoder import SpecDecoder
 from ..metrics import AcceptanceStats
 from ..models import load_model
-from ..prompts import encode_chat, load_questions, subtask_of
+from ..prompts import encode_chat, left_pad, load_questions, subtask_of
 from ..registry import get_candidate_generator
-from .config import (HF_ASSISTED, HF_PROMPT_LOOKUP, REFERENCE_OPTIONS, BenchConfig, ConfigError,
+from .config import (BASELINE, HF_ASSISTED, HF_PROMPT_LOOKUP, REFERENCE_OPTIONS, BenchConfig, ConfigError,
                      GenerationSettings, MethodConfig)
 
 RESULTS_FILE = "results.jsonl"
@@ -121,16 +133,47 @@ def question_seed(seed: int, question_id: int, turn: int) -> int:
     return int.from_bytes(digest[:7], "little")
 
 
+def batch_seed(seed: int, batch_size: int, batch_index: int) -> int:
+    """Sampling seed of one batch, the same for every method, stable across reruns."""
+    digest = hashlib.sha256(f"{seed}:batch{batch_size}:{batch_index}".encode()).digest()
+    return int.from_bytes(digest[:7], "little")
+
+
 def config_hash(config: BenchConfig, questions: list[Question]) -> str:
-    """Identifies what the results depend on: the config (its free-text description aside) and the questions."""
-    payload = json.dumps({"config": config.model_dump(mode="json", exclude={"description"}),
-                          "questions": [q.question_id for q in questions]}, sort_keys=True)
+    """Identifies what the results depend on: the config (its free-text description aside) and the questions.
+
+    ``batch_sizes: [1]`` is hashed as the single-size field it replaced (``batch_size: 1``), so results
+    written before batch sizes existed still resume."""
+    dumped = config.model_dump(mode="json", exclude={"description", "batch_sizes"})
+    if config.batch_sizes == [1]:
+        dumped["batch_size"] = 1
+    else:
+        dumped["batch_sizes"] = config.batch_sizes
+    payload = json.dumps({"config": dumped, "questions": [q.question_id for q in questions]}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
 # -- the results file --------------------------------------------------------------------------
-def row_key(row: dict) -> tuple[str, int, int]:
+def is_batched(row: dict) -> bool:
+    """A row of a batch-size > 1 pass (one row per batch) rather than one (question, turn)."""
+    return int(row.get("batch_size", 1)) > 1
+
+
+def row_key(row: dict) -> tuple:
+    """(method, question_id, turn) for a batch-size-1 row; (method, "batch", batch_size, batch_index) for a batch."""
+    if is_batched(row):
+        return row["method"], "batch", int(row["batch_size"]), int(row["batch_index"])
     return row["method"], int(row["question_id"]), int(row["turn"])
+
+
+def batch_groups(questions: list[Question], batch_size: int) -> list[list[Question]]:
+    """Questions grouped in order into batches of ``batch_size`` (the last one may be smaller)."""
+    return [questions[i: i + batch_size] for i in range(0, len(questions), batch_size)]
+
+
+def runs_batched(method: MethodConfig) -> bool:
+    """transformers refuses assisted and prompt-lookup generation for more than one sequence."""
+    return method.generator not in (HF_ASSISTED, HF_PROMPT_LOOKUP)
 
 
 class ResultStore:
@@ -203,10 +246,13 @@ def hf_generation_kwargs(gen: GenerationSettings, target) -> dict:
 
 @dataclass
 class MethodRunner:
-    """One method, ready to run: ``run(input_ids [1, L], seed) -> (new token ids, stats or None)``."""
+    """One method, ready to run: ``run(input_ids [1, L], seed) -> (new token ids, stats or None)``;
+    ``run_batch(input_ids [B, P], attention_mask [B, P], seed) -> ([B, N] new ids, stats or None)``
+    (None for the methods transformers runs only at batch size 1)."""
 
     config: MethodConfig
     run: Callable[[torch.Tensor, int | None], tuple[list[int], AcceptanceStats | None]]
+    run_batch: Callable[[torch.Tensor, torch.Tensor, int | None], tuple[torch.Tensor, AcceptanceStats | None]] | None = None
 
 
 def _hf_runner(target, gen: GenerationSettings, extra: Callable[[], dict]):
@@ -217,6 +263,16 @@ def _hf_runner(target, gen: GenerationSettings, extra: Callable[[], dict]):
                               **hf_generation_kwargs(gen, target), **extra())
         return out[0, input_ids.shape[1]:].tolist(), None
     return run
+
+
+def _hf_batch_runner(target, gen: GenerationSettings):
+    """Plain batched ``target.generate`` on a left-padded batch (the ``baseline`` of a batched pass)."""
+    def run_batch(input_ids, attention_mask, seed):
+        if seed is not None:
+            torch.manual_seed(seed)
+        out = target.generate(input_ids, attention_mask=attention_mask, **hf_generation_kwargs(gen, target))
+        return out[:, input_ids.shape[1]:], None
+    return run_batch
 
 
 def _vocab_size(model) -> int:
@@ -264,7 +320,16 @@ def _spec_runner(method: MethodConfig, target, tokenizer, draft, gen: Generation
         out = decoder.generate(input_ids, max_new_tokens=gen.max_new_tokens, do_sample=gen.do_sample,
                                temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p, generator=generator)
         return out.sequences[0, input_ids.shape[1]:].tolist(), out.stats
-    return run
+
+    def run_batch(input_ids, attention_mask, seed):
+        generator = None
+        if seed is not None:
+            torch.manual_seed(seed)
+            generator = torch.Generator().manual_seed(seed)
+        out = decoder.generate(input_ids, attention_mask, max_new_tokens=gen.max_new_tokens, do_sample=gen.do_sample,
+                               temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p, generator=generator)
+        return out.sequences[:, input_ids.shape[1]:], out.stats
+    return run, run_batch
 
 
 def build_methods(config: BenchConfig, target, tokenizer, drafts: dict) -> list[MethodRunner]:
@@ -273,9 +338,10 @@ def build_methods(config: BenchConfig, target, tokenizer, drafts: dict) -> list[
         draft = drafts.get(m.draft) if m.draft else None
         if m.is_reference:
             run = _hf_runner(target, config.generation, _hf_extra(m, target, tokenizer, draft))
+            run_batch = _hf_batch_runner(target, config.generation) if m.generator == BASELINE else None
         else:
-            run = _spec_runner(m, target, tokenizer, draft, config.generation)
-        runners.append(MethodRunner(m, run))
+            run, run_batch = _spec_runner(m, target, tokenizer, draft, config.generation)
+        runners.append(MethodRunner(m, run, run_batch))
     return runners
 
 
@@ -340,15 +406,50 @@ def _load_drafts(config: BenchConfig) -> dict:
     return {name: load_model(name) for name in dict.fromkeys(m.draft for m in config.methods if m.draft)}
 
 
-def _warm_up(runners: list[MethodRunner], tokenizer) -> None:
+def _warm_up(runners: list[MethodRunner], tokenizer, batched: bool = False, pad_id: int = 0) -> None:
     """Run every method once, unrecorded: first-call costs (allocations, lazy inits) leave the timings, and
-    a method that cannot run at all (a mismatched draft) fails here, before anything is written."""
+    a method that cannot run at all (a mismatched draft) fails here, before anything is written. With
+    ``batched``, each method that runs batches also decodes one left-padded batch of two prompts."""
     ids = encode_chat(tokenizer, [{"role": "user", "content": WARMUP_PROMPT}])
     for r in runners:
         try:
             r.run(ids, None)
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"method {r.config.name!r} ({r.config.generator}) cannot run: {exc}") from None
+    if not batched:
+        return
+    short = encode_chat(tokenizer, [{"role": "user", "content": WARMUP_PROMPT.split(".")[0]}])
+    batch_ids, batch_mask = left_pad([ids[0], short[0]], pad_id)
+    for r in runners:
+        if r.run_batch is None:
+            continue
+        try:
+            r.run_batch(batch_ids, batch_mask, None)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"batch_sizes: method {r.config.name!r} ({r.config.generator}) cannot run a batch: "
+                              f"{exc}") from None
+
+
+def pad_token_id(target) -> int:
+    cfg = target.generation_config
+    pad = cfg.pad_token_id if cfg.pad_token_id is not None else cfg.eos_token_id
+    if isinstance(pad, list):
+        pad = pad[0]
+    return int(pad if pad is not None else 0)
+
+
+def eos_token_ids(target) -> set[int]:
+    eos = target.generation_config.eos_token_id
+    return set() if eos is None else {int(eos)} if isinstance(eos, int) else {int(e) for e in eos}
+
+
+def real_new_tokens(new: torch.Tensor, eos: set[int]) -> list[list[int]]:
+    """[B, N] generated ids -> per row, the ids up to and including the first EOS (the rest is padding)."""
+    rows = []
+    for row in new.tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        rows.append(row[:cut])
+    return rows
 
 
 def run_benchmark(config: BenchConfig, *, config_file: str | Path, out_dir: str | Path | None = None,
@@ -378,15 +479,23 @@ def run_benchmark(config: BenchConfig, *, config_file: str | Path, out_dir: str 
         runners = build_methods(config, target, tokenizer, drafts)
         warm = config.model_copy(update={"generation": config.generation.model_copy(
             update={"max_new_tokens": config.warmup_new_tokens})})
-        _warm_up(build_methods(warm, target, tokenizer, drafts), tokenizer)
+        batched_sizes = [b for b in config.batch_sizes if b > 1]
+        pad_id = pad_token_id(target)
+        _warm_up(build_methods(warm, target, tokenizer, drafts), tokenizer, batched=bool(batched_sizes), pad_id=pad_id)
 
         # -- from here on, files are written ------------------------------------------------------
         out_dir.mkdir(parents=True, exist_ok=True)
         prepare_out_dir(out_dir, digest, fresh)
         store = ResultStore(out_dir / RESULTS_FILE)
         done = {row_key(r): r for r in store.load(repair=True)}
-        total = sum(len(q.turns) for q in questions) * len(runners)
-        planned = {(r.config.name, q.question_id, t) for q in questions for r in runners for t in range(1, len(q.turns) + 1)}
+        planned = set()
+        if 1 in config.batch_sizes:
+            planned |= {(r.config.name, q.question_id, t) for q in questions for r in runners
+                        for t in range(1, len(q.turns) + 1)}
+        for b in batched_sizes:
+            planned |= {(r.config.name, "batch", b, i) for i in range(len(batch_groups(questions, b)))
+                        for r in runners if r.run_batch is not None}
+        total = len(planned)
         result = RunResult(out_dir, total, len(planned & set(done)))
         _write_run_file(out_dir, config, config_file, digest, questions, result.rows_done_before)
         if result.rows_done_before:
@@ -394,25 +503,40 @@ def run_benchmark(config: BenchConfig, *, config_file: str | Path, out_dir: str 
 
         bar = tqdm(total=total, initial=result.rows_done_before, unit="row", disable=not progress,
                    desc=Path(config_file).stem, dynamic_ncols=True)
+
+        def record(row: dict, label: str) -> None:
+            store.append(row)
+            done[row_key(row)] = row
+            result.rows_new += 1
+            bar.update(1)
+            bar.set_postfix_str(f"{row['method']} {label} {_total_tokens(row) / max(row['seconds'], 1e-9):.1f} tok/s")
+            if on_row is not None:
+                on_row(row)
+
         try:
-            for q in questions:
-                for runner in runners:
-                    answers: list[str] = []
-                    for turn in range(1, len(q.turns) + 1):
-                        key = (runner.config.name, q.question_id, turn)
-                        if key in done:
-                            answers.append(done[key]["text"])
+            if 1 in config.batch_sizes:
+                for q in questions:
+                    for runner in runners:
+                        answers: list[str] = []
+                        for turn in range(1, len(q.turns) + 1):
+                            key = (runner.config.name, q.question_id, turn)
+                            if key in done:
+                                answers.append(done[key]["text"])
+                                continue
+                            row = _run_one(runner, q, turn, answers, target, tokenizer, config.generation)
+                            answers.append(row["text"])
+                            record(row, q.subtask)
+            eos = eos_token_ids(target)
+            for b in batched_sizes:
+                for index, group in enumerate(batch_groups(questions, b)):
+                    prompts = None
+                    for runner in runners:
+                        if runner.run_batch is None or (runner.config.name, "batch", b, index) in done:
                             continue
-                        row = _run_one(runner, q, turn, answers, target, tokenizer, config.generation)
-                        store.append(row)
-                        done[key] = row
-                        answers.append(row["text"])
-                        result.rows_new += 1
-                        bar.update(1)
-                        bar.set_postfix_str(f"{runner.config.name} {q.subtask} "
-                                            f"{row['new_tokens'] / max(row['seconds'], 1e-9):.1f} tok/s")
-                        if on_row is not None:
-                            on_row(row)
+                        if prompts is None:
+                            prompts = [encode_chat(tokenizer, build_messages(q.turns[:1], []))[0] for q in group]
+                        row = _run_batch(runner, group, prompts, b, index, target, pad_id, eos, config.generation)
+                        record(row, f"batch {b} #{index}")
         finally:
             bar.close()
     finally:
@@ -436,4 +560,28 @@ def _run_one(runner: MethodRunner, q: Question, turn: int, answers: list[str], t
         "new_tokens": len(new_ids), "seconds": seconds, "target_forwards": forwards[0], "seed": seed,
         "stats": stats.as_dict() if stats is not None else None,
         "output_ids": new_ids, "text": tokenizer.decode(new_ids, skip_special_tokens=True),
+    }
+
+
+def _total_tokens(row: dict) -> int:
+    return sum(row["new_tokens"]) if isinstance(row["new_tokens"], list) else row["new_tokens"]
+
+
+def _run_batch(runner: MethodRunner, group: list[Question], prompts: list[torch.Tensor], batch_size: int,
+               batch_index: int, target, pad_id: int, eos: set[int], gen: GenerationSettings) -> dict:
+    """One left-padded batch of first turns through one method: one row with per-row outputs."""
+    input_ids, attention_mask = left_pad(prompts, pad_id)
+    seed = batch_seed(gen.seed, batch_size, batch_index) if gen.do_sample else None
+    with count_forwards(target) as forwards:
+        started = time.perf_counter()
+        new, stats = runner.run_batch(input_ids, attention_mask, seed)
+        seconds = time.perf_counter() - started
+    outputs = real_new_tokens(new, eos)
+    return {
+        "method": runner.config.name, "generator": runner.config.generator, "batch_size": batch_size,
+        "batch_index": batch_index, "question_ids": [q.question_id for q in group],
+        "categories": [q.category for q in group], "subtasks": [q.subtask for q in group], "turn": 1,
+        "prompt_tokens": [int(p.numel()) for p in prompts], "padded_width": int(input_ids.shape[1]),
+        "new_tokens": [len(o) for o in outputs], "seconds": seconds, "target_forwards": forwards[0], "seed": seed,
+        "stats": stats.as_dict() if stats is not None else None, "output_ids": outputs,
     }
