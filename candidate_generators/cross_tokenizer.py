@@ -45,7 +45,8 @@ from dataclasses import dataclass, field
 import torch
 from tokenizers import Tokenizer
 
-from specdec.generators import CandidateGenerator, DecodeContext, DraftLengthSchedule, Feedback, Proposal
+from specdec.generators import (CandidateGenerator, DecodeContext, DraftLengthSchedule, Feedback, Proposal,
+                                token_id_list)
 from specdec.registry import register_candidate_generator
 from specdec.sampling import sample
 
@@ -175,11 +176,6 @@ def leading_special_ids(tokenizer) -> list[int]:
     return []
 
 
-def _as_list(ids) -> list[int]:
-    if ids is None:
-        return []
-    return [int(ids)] if isinstance(ids, int) else [int(i) for i in ids]
-
 
 @dataclass
 class _Row:
@@ -234,10 +230,10 @@ class CrossTokenizerGenerator(CandidateGenerator):
         self.draft_vocab = min(len(self.draft_tokenizer), head_rows)  # ids past the tokenizer spell nothing
         self.target_vocab = ctx.target_vocab_size
         self.draft_stops = set(self.draft_tokenizer.all_special_ids)  # drafting text ends at any of these
-        self.draft_eos = set(_as_list(self.draft_tokenizer.eos_token_id))
-        self.draft_eos |= set(_as_list(getattr(self.draft.generation_config, "eos_token_id", None)))
-        target_eos = _as_list(getattr(ctx.target.generation_config, "eos_token_id", None)) \
-            or _as_list(self.target_tokenizer.eos_token_id)
+        self.draft_eos = set(token_id_list(self.draft_tokenizer.eos_token_id))
+        self.draft_eos |= set(token_id_list(getattr(self.draft.generation_config, "eos_token_id", None)))
+        target_eos = token_id_list(getattr(ctx.target.generation_config, "eos_token_id", None)) \
+            or token_id_list(self.target_tokenizer.eos_token_id)
         self.target_eos = target_eos[0] if target_eos else None
         self.lead = leading_special_ids(self.draft_tokenizer)
         fallback = self.draft_tokenizer.bos_token_id

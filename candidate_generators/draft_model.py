@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from specdec.generators import CandidateGenerator, DecodeContext, DraftLengthSchedule, Feedback, Proposal
+from specdec.generators import (CandidateGenerator, DecodeContext, DraftLengthSchedule, Feedback, Proposal,
+                                token_id_list)
 from specdec.registry import register_candidate_generator
 from specdec.sampling import sample
 
@@ -33,12 +34,10 @@ def tokenizer_mismatch(target, draft, tokenizer, draft_tokenizer) -> str | None:
     vt, vd = _vocab_size(target), _vocab_size(draft)
     if abs(vt - vd) > MAX_VOCAB_PADDING:
         return f"vocabulary sizes differ beyond padding ({vt} vs {vd})"
-    eos_t = target.generation_config.eos_token_id
-    eos_d = draft.generation_config.eos_token_id
-    if eos_t is not None and eos_d is not None:
-        as_set = lambda e: {e} if isinstance(e, int) else set(e)  # noqa: E731
-        if not as_set(eos_t) & as_set(eos_d):
-            return f"end-of-sequence ids differ ({eos_t} vs {eos_d})"
+    eos_t = token_id_list(target.generation_config.eos_token_id)
+    eos_d = token_id_list(draft.generation_config.eos_token_id)
+    if eos_t and eos_d and not set(eos_t) & set(eos_d):
+        return f"end-of-sequence ids differ ({eos_t} vs {eos_d})"
     return None
 
 

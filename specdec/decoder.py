@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .generators import CandidateGenerator, DecodeContext, Feedback, NoDraft
+from .generators import CandidateGenerator, DecodeContext, Feedback, NoDraft, token_id_list
 from .metrics import AcceptanceStats
 from .multimodal import PrefillSpec, Prefix, check_assistant, check_call, declared_inputs
 from .registry import get_candidate_generator
@@ -62,13 +62,10 @@ def unsupported_generation_settings(model) -> list[str]:
 
 
 def _eos_ids(eos_token_id, model) -> list[int]:
+    """The EOS ids to stop on: the argument, else the target's generation config (as generate())."""
     if eos_token_id is None:
         eos_token_id = getattr(model.generation_config, "eos_token_id", None)
-    if eos_token_id is None:
-        return []
-    if isinstance(eos_token_id, torch.Tensor):
-        eos_token_id = eos_token_id.tolist()
-    return [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id]
+    return token_id_list(eos_token_id)
 
 
 def _check_proposal(gen: CandidateGenerator, draft_ids: torch.Tensor, offered: torch.Tensor, vocab: int) -> None:

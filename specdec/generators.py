@@ -27,6 +27,15 @@ if TYPE_CHECKING:  # pragma: no cover
     from .state import ModelState
 
 
+def token_id_list(ids) -> list[int]:
+    """An id setting as found in configs and tokenizers (None, an int, a list or a tensor) -> list."""
+    if ids is None:
+        return []
+    if isinstance(ids, torch.Tensor):
+        ids = ids.tolist()
+    return [int(ids)] if isinstance(ids, int) else [int(i) for i in ids]
+
+
 @dataclass
 class Proposal:
     token_ids: torch.Tensor  # [B, K] long, padded past each row's length
