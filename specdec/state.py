@@ -10,7 +10,7 @@ before whatever is new. Rows therefore never hold holes or stale slots, which ke
 sliding-window layers exact: a window of W slots is W real tokens for every row.
 
 After a forward (or a rollback) rows may end at different slots. ``_realign`` restores the
-invariant: if the ends are within ``refeed_limit`` of each other the cache is cropped to the
+invariant: if the ends are within ``REFEED_LIMIT`` of each other the cache is cropped to the
 shortest and the others re-feed their few extra tokens next time; otherwise rows that lag are
 shifted right inside the cache (their left padding grows), so re-feeding stays bounded.
 Common left padding is trimmed, so memory is bounded by the longest row plus one block.
@@ -83,12 +83,10 @@ class ModelState:
         self.offsets = (self.lengths.max() - self.lengths).long()  # [B]
         self.cached_slots = 0
         self.pad_token_id = pad_token_id
-        self.refeed_limit = self.REFEED_LIMIT
         self.is_first_iteration = True
         self.prefill_inputs = (prefill_inputs if isinstance(prefill_inputs, PrefillInputs)
                                else PrefillInputs(dict(prefill_inputs or {})))
         self.positions = positions if positions is not None else TokenPositions()
-        self.forwards = 0
         self.vocab_limit = int(model.get_input_embeddings().weight.shape[0])
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -139,7 +137,8 @@ class ModelState:
         # the last token stays uncached: the next forward must produce the logits that follow it
         self.rollback(torch.minimum(common, lengths - 1))
         self.grow(tokens.shape[1])
-        self.tokens[:, : tokens.shape[1]] = tokens
+        first = int(since.min())  # rows already agree before `since`: copy only what may differ
+        self.tokens[:, first: tokens.shape[1]] = tokens[:, first:]
         self.lengths = lengths.clone()
 
     def select_rows(self, rows: torch.Tensor) -> None:
@@ -206,7 +205,6 @@ class ModelState:
             kwargs.update(self.prefill_inputs.for_chunk(index, real))
         logits = self.model(**kwargs).logits  # [B, keep, V] (all W columns if the model ignores logits_to_keep)
         keep = logits.shape[1]
-        self.forwards += 1
         self.is_first_iteration = False
         self.prefill_inputs = PrefillInputs()
         self.cached_slots = first_slot + width
@@ -221,8 +219,8 @@ class ModelState:
     def _realign(self, valid_ends: torch.Tensor) -> None:
         """Restore the invariant given each row's valid slot end ``valid_ends [B]``."""
         lo, hi = int(valid_ends.min()), int(valid_ends.max())
-        if hi - lo <= self.refeed_limit:
-            target = lo  # rows past `lo` re-feed at most refeed_limit tokens
+        if hi - lo <= self.REFEED_LIMIT:
+            target = lo  # rows past `lo` re-feed at most REFEED_LIMIT tokens
         else:
             target = hi
             shifts = hi - valid_ends  # [B] lagging rows move right
