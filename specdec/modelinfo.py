@@ -1,0 +1,94 @@
+"""Facts about a model that every part of specdec reads the same way: one definition each.
+
+* :func:`token_id_list`: an id setting as configs and tokenizers spell it -> ``list[int]``;
+* :func:`vocab_size`: the width of the model's logits (its output embedding rows);
+* :func:`eos_token_ids`: the ids generation stops on (an explicit argument, else the model's
+  ``generation_config``);
+* :func:`pad_token_id`: the filler id (``pad_token_id``, else the first EOS id, else 0);
+* :class:`ForwardTimer`: counts a module's forward calls and the wall time spent inside them.
+
+None of them modifies the model.
+"""
+
+from __future__ import annotations
+
+import numbers
+import time
+
+import torch
+
+#: the default of ``eos_token_id`` arguments: "not given", as distinct from an explicit None
+UNSET = object()
+
+
+def token_id_list(ids) -> list[int]:
+    """An id setting as found in configs and tokenizers (None, an int, a list or a tensor) -> list.
+
+    Strings, floats and booleans are refused: ``"12"`` is not the ids ``[1, 2]``."""
+    if ids is None:
+        return []
+    if isinstance(ids, torch.Tensor):
+        ids = ids.tolist()
+    values = [ids] if not isinstance(ids, (list, tuple, set)) else list(ids)
+    out = []
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(f"token ids must be ints, got {ids!r}")
+        if value < 0:
+            raise ValueError(f"token ids must be >= 0, got {ids!r}")
+        out.append(int(value))
+    return out
+
+
+def vocab_size(model) -> int:
+    """Rows of the model's output embedding: the width of its logits."""
+    head = model.get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{type(model).__name__} has no output embedding (a language-modelling head is needed)")
+    return int(head.weight.shape[0])
+
+
+def eos_token_ids(model, explicit=UNSET) -> list[int]:
+    """The EOS ids to stop on: ``explicit`` when given (None or [] meaning "none"), else the
+    model's ``generation_config.eos_token_id``, as ``transformers``' ``generate`` does."""
+    if explicit is UNSET:
+        explicit = getattr(model.generation_config, "eos_token_id", None)
+    return token_id_list(explicit)
+
+
+def pad_token_id(model, eos: list[int] | None = None) -> int:
+    """The id written where a row has no token: the model's pad id, else its first EOS id, else 0."""
+    pad = token_id_list(getattr(model.generation_config, "pad_token_id", None))
+    if pad:
+        return pad[0]
+    eos = eos_token_ids(model) if eos is None else eos
+    return eos[0] if eos else 0
+
+
+class ForwardTimer:
+    """Counts ``module``'s forward calls and sums the wall time spent inside them.
+
+    ``with ForwardTimer(model) as timer: ...`` then ``timer.calls``, ``timer.seconds``; hooks are
+    removed on exit (or by :meth:`remove`)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.calls, self.seconds, self._start = 0, 0.0, 0.0
+        self._handles = [module.register_forward_pre_hook(self._pre), module.register_forward_hook(self._post)]
+
+    def _pre(self, *_) -> None:
+        self._start = time.perf_counter()
+
+    def _post(self, *_) -> None:
+        self.calls += 1
+        self.seconds += time.perf_counter() - self._start
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def __enter__(self) -> "ForwardTimer":
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.remove()
