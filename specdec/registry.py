@@ -2,7 +2,14 @@
 
 Built-ins are declared in this project's ``pyproject.toml`` under the entry-point group
 ``specdec.candidate_generators``, exactly as a third-party package would declare its own; the
-core never imports them. Entry points are loaded lazily, the first time a name is looked up.
+core never imports them. Entry points are *loaded* lazily, the first time a name is looked up,
+but their *names* are read (cheaply, without importing anything) at the first registration, so a
+class registered under a name an installed entry point declares is refused at once, whichever
+comes first, instead of silently replacing the entry point's generator.
+
+One class may be registered under several names: each name then resolves to a class whose
+``name`` is that name (the first registration sets ``cls.name``; a later one registers a thin
+subclass of ``cls`` carrying the other name).
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ ENTRY_POINT_GROUP = "specdec.candidate_generators"
 
 _REGISTRY: dict[str, type] = {}
 _entry_points_loaded = False
+_entry_point_index: dict | None = None  # name -> EntryPoint, read once (names and values only)
+_loading: set[str] = set()  # entry-point names whose module is being imported right now
 
 
 class UnknownGeneratorError(KeyError):
@@ -23,16 +32,33 @@ class UnknownGeneratorError(KeyError):
 
 
 def register_candidate_generator(name: str):
-    """Class decorator: ``@register_candidate_generator("my_method")``."""
+    """Class decorator: ``@register_candidate_generator("my_method")``.
+
+    Refuses a name that another class holds, or that an installed entry point of the
+    ``specdec.candidate_generators`` group declares for another class."""
     if not name or not isinstance(name, str):
         raise ValueError("a candidate generator needs a non-empty string name")
 
     def decorator(cls):
         existing = _REGISTRY.get(name)
-        if existing is not None and existing is not cls and _qualname(existing) != _qualname(cls):
-            raise ValueError(f"candidate generator {name!r} is already registered by {_qualname(existing)}")
-        _REGISTRY[name] = cls
-        cls.name = name
+        if existing is cls or (existing is not None and existing.__dict__.get("_registry_alias_of") is cls):
+            return cls  # the same class (or its alias) again: harmless
+        if existing is not None and _qualname(existing.__dict__.get("_registry_alias_of", existing)) != _qualname(cls):
+            raise ValueError(_clash(name, cls, _describe_owner(name, existing)))
+        # (the same qualified name is a reloaded module's class: it replaces the old one)
+        ep = _declared_entry_points().get(name)
+        if ep is not None and not _is_entry_point_target(ep, cls):
+            raise ValueError(_clash(name, cls, _describe_entry_point(ep)))
+        own_name = cls.__dict__.get("name")
+        if own_name and own_name != name and _REGISTRY.get(own_name) is cls:
+            # already registered under another name: this name gets a subclass that says so
+            alias = type(cls.__name__, (cls,), {"name": name, "__module__": cls.__module__,
+                                                "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
+                                                "_registry_alias_of": cls})
+            _REGISTRY[name] = alias
+        else:
+            _REGISTRY[name] = cls
+            cls.name = name
         return cls
 
     return decorator
@@ -46,21 +72,59 @@ def _qualname(cls) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def _clash(name: str, cls: type, owner: str) -> str:
+    return (f"candidate generator {name!r} is already registered by {owner}; cannot register "
+            f"{_qualname(cls)} under the same name (choose another name)")
+
+
+def _describe_entry_point(ep) -> str:
+    dist = getattr(ep, "dist", None)
+    package = f" of package {dist.name!r}" if dist is not None and getattr(dist, "name", None) else ""
+    return f"the entry point {ep.name} = {ep.value}{package}"
+
+
+def _describe_owner(name: str, existing: type) -> str:
+    ep = _declared_entry_points().get(name)
+    if ep is not None and _is_entry_point_target(ep, existing):
+        return _describe_entry_point(ep)  # the same words whether or not the plugin is loaded yet
+    return _qualname(existing.__dict__.get("_registry_alias_of", existing))
+
+
+def _declared_entry_points() -> dict:
+    """Entry points of the group by name, read from package metadata without importing them."""
+    global _entry_point_index
+    if _entry_point_index is None:
+        _entry_point_index = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    return _entry_point_index
+
+
+def _is_entry_point_target(ep, cls: type) -> bool:
+    """``cls`` is what ``ep`` declares, judged without importing ``ep``'s module: the entry point
+    is being loaded now (its module registering its class), or it names ``cls``'s module (or a
+    package above it)."""
+    if ep.name in _loading:
+        return True
+    module = ep.value.split(":", 1)[0].strip()
+    return cls.__module__ == module or cls.__module__.startswith(module + ".")
+
+
 def _load_entry_points() -> None:
     global _entry_points_loaded
     if _entry_points_loaded:
         return
     _entry_points_loaded = True
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
+    for ep in _declared_entry_points().values():
         if ep.name in _REGISTRY:
             continue
+        _loading.add(ep.name)
         try:
             cls = ep.load()  # importing the module usually registers it through the decorator
+            if ep.name not in _REGISTRY:
+                register_candidate_generator(ep.name)(cls)
         except Exception as exc:  # one broken plugin must not hide the others
             warnings.warn(f"candidate generator plugin {ep.name!r} ({ep.value}) failed to load: {exc}", stacklevel=2)
-            continue
-        if ep.name not in _REGISTRY:
-            register_candidate_generator(ep.name)(cls)
+        finally:
+            _loading.discard(ep.name)
 
 
 def available_generators() -> list[str]:

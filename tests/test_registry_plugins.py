@@ -58,6 +58,7 @@ def fresh_registry(monkeypatch):
     """An empty registry whose entry points have not been loaded yet (restored afterwards)."""
     monkeypatch.setattr(registry, "_REGISTRY", {})
     monkeypatch.setattr(registry, "_entry_points_loaded", False)
+    monkeypatch.setattr(registry, "_entry_point_index", None)
     return registry
 
 
@@ -177,6 +178,83 @@ def test_duplicate_names_are_refused(cleanup):
     register_candidate_generator("test_reg_dup")(First)  # the same class again is harmless
     with pytest.raises(ValueError):
         register_candidate_generator("")
+
+
+def test_an_entry_point_name_is_refused_before_the_first_lookup_too(fresh_registry, monkeypatch):
+    """Registering a built-in's name before anything looked a generator up used to replace the
+    built-in silently (entry points load lazily and skipped names already taken)."""
+
+    class Impostor(CandidateGenerator):
+        pass
+
+    assert not fresh_registry._entry_points_loaded
+    with pytest.raises(ValueError) as before:
+        register_candidate_generator("prompt_lookup")(Impostor)
+    message = str(before.value)
+    assert "candidate_generators.prompt_lookup:PromptLookupGenerator" in message  # the entry point's target
+    assert f"{__name__}.{Impostor.__qualname__}" in message  # and the user's class
+    cls = get_candidate_generator("prompt_lookup")
+    assert cls.__module__ == "candidate_generators.prompt_lookup" and cls.name == "prompt_lookup"
+    with pytest.raises(ValueError) as after:  # once the entry points are loaded: the same error
+        register_candidate_generator("prompt_lookup")(Impostor)
+    assert str(after.value) == message
+    assert get_candidate_generator("prompt_lookup") is cls and "name" not in Impostor.__dict__
+
+
+def test_the_clash_check_reads_entry_point_names_without_importing_them(fresh_registry, monkeypatch):
+    lazy = EntryPoint("test_reg_lazy", "no_such_module_for_specdec_tests.sub:Lazy", ENTRY_POINT_GROUP)
+    monkeypatch.setattr(registry, "entry_points", lambda group: [lazy] if group == ENTRY_POINT_GROUP else [])
+
+    class Mine(CandidateGenerator):
+        pass
+
+    with pytest.raises(ValueError, match=r"test_reg_lazy = no_such_module_for_specdec_tests\.sub:Lazy"):
+        register_candidate_generator("test_reg_lazy")(Mine)  # an import would have failed differently
+    assert "no_such_module_for_specdec_tests" not in sys.modules
+    register_candidate_generator("test_reg_not_declared")(Mine)  # other names are free
+    assert fresh_registry._REGISTRY == {"test_reg_not_declared": Mine}
+
+    # the entry point's own module registering its class under its name is of course allowed
+    Lazy = type("Lazy", (CandidateGenerator,), {"__module__": "no_such_module_for_specdec_tests.sub"})
+    register_candidate_generator("test_reg_lazy")(Lazy)
+    assert fresh_registry._REGISTRY["test_reg_lazy"] is Lazy
+
+
+def test_one_class_under_two_names_keeps_each_name(llama, cleanup):
+    names, _ = cleanup
+
+    @register_candidate_generator("test_reg_name_one")
+    @register_candidate_generator("test_reg_name_two")
+    class Repeater(CandidateGenerator):
+        def __init__(self, *, num_tokens: int = 2):
+            self.num_tokens = num_tokens
+
+        def propose(self, ctx, max_drafts):
+            last = ctx.tokens[torch.arange(ctx.batch_size), ctx.lengths - 1]
+            k = self.num_tokens
+            return Proposal(last[:, None].repeat(1, k), max_drafts.clamp(0, k))
+
+    names.extend(["test_reg_name_one", "test_reg_name_two", "test_reg_name_three"])
+    register_candidate_generator("test_reg_name_three")(Repeater)
+    target, _ = llama
+    ids = repetitive_prompt(8, seed=7)
+    reference = target.generate(ids, max_new_tokens=12, do_sample=False)
+    for name in ("test_reg_name_one", "test_reg_name_two", "test_reg_name_three"):
+        cls = get_candidate_generator(name)
+        assert cls.name == name and issubclass(cls, Repeater)
+        decoder = SpecDecoder(target, name, num_tokens=3)
+        gen = decoder.candidate_generator
+        assert gen.name == name and isinstance(gen, Repeater) and gen.num_tokens == 3
+        assert torch.equal(decoder.generate(ids, max_new_tokens=12).sequences, reference)
+    assert Repeater.name == "test_reg_name_two"  # the first registration names the class itself
+    register_candidate_generator("test_reg_name_one")(Repeater)  # again: harmless, nothing changes
+    assert get_candidate_generator("test_reg_name_one").name == "test_reg_name_one"
+
+    class Other(CandidateGenerator):
+        pass
+
+    with pytest.raises(ValueError, match=r"test_reg_name_one.*Repeater.*Other"):
+        register_candidate_generator("test_reg_name_one")(Other)
 
 
 # -- a generator written at run time ---------------------------------------------------------------
