@@ -47,3 +47,29 @@ class ForwardRecorder:
 
     def remove(self) -> None:
         self._handle.remove()
+
+
+def chi_square_pooled(observed: torch.Tensor, expected_probs: torch.Tensor) -> tuple[float, float]:
+    """Pearson chi-square goodness of fit of ``observed`` counts to ``expected_probs`` (any shape,
+    compared cell by cell; the probabilities need not sum to 1), with every cell of expected count
+    < 5 pooled into one bin (the usual validity condition of the chi-square approximation).
+
+    Cells of probability 0 must be empty (asserted) and take no part in the test.
+    Returns ``(p_value, total_variation)``, the total variation distance between the observed
+    frequencies and the normalised probabilities."""
+    from scipy.stats import chisquare
+
+    observed, expected_probs = observed.double().flatten(), expected_probs.double().flatten()
+    impossible = expected_probs <= 0
+    assert float(observed[impossible].sum()) == 0, "sampled a token or sequence the target cannot produce"
+    n = float(observed.sum())
+    probs = expected_probs / expected_probs.sum()
+    expected = probs * n
+    small = (expected < 5) & ~impossible
+    big = ~small & ~impossible
+    obs, exp = observed[big], expected[big]
+    if bool(small.any()):  # pooled into one bin
+        obs, exp = torch.cat([obs, observed[small].sum()[None]]), torch.cat([exp, expected[small].sum()[None]])
+    p_value = float(chisquare(obs.numpy(), exp.numpy()).pvalue)
+    tv = 0.5 * float((observed / n - probs).abs().sum())
+    return p_value, tv

@@ -20,7 +20,6 @@ import copy
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from candidate_generators.cross_tokenizer import (
     DRAFT_WINDOW, CrossTokenizerGenerator, complete_text_after, continuation_ids, decode, encode, freeze_split)
@@ -28,7 +27,7 @@ from specdec import SpecDecoder
 from specdec.models import byte_tokenizer, tiny_random
 from specdec.sampling import SamplingParams
 
-from helpers import ForwardRecorder, left_pad, perturbed_copy
+from helpers import ForwardRecorder, chi_square_pooled, left_pad, perturbed_copy
 
 # same number of merges: both tokenizers then put <eos>/<pad> at the same ids (a perturbed copy of
 # the target keeps the target's generation config and serves as a draft in the sampling test)
@@ -302,18 +301,6 @@ N_SAMPLES = 20_000
 ALPHA = 1e-3
 
 
-def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """p-value of Pearson's chi-square; cells with expected count < 5 pooled into one."""
-    counts, probs = counts.double().flatten(), probs.double().flatten()
-    assert float(counts[probs <= 0].sum()) == 0, "sampled a sequence the target cannot produce"
-    expected = probs / probs.sum() * counts.sum()
-    big = expected >= 5
-    obs = torch.cat([counts[big], counts[~big].sum()[None]])
-    exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    keep = exp > 0
-    return float(chisquare(obs[keep].numpy(), exp[keep].numpy()).pvalue)
-
-
 def whole_characters_only(model, tokenizer, sharpen: float = 2.0):
     """Forward hook: ``model`` never emits a token that is not whole UTF-8 characters (or EOS),
     and its logits are scaled by ``sharpen``.
@@ -385,8 +372,8 @@ def test_sampling_matches_the_target_distribution(tokenizers, temperature, top_k
     assert bool((new[new[:, 0] == eos, 1] == pad).all())
     counts = torch.zeros(vocab, vocab + 1)
     counts.index_put_((new[:, 0], seconds), torch.ones(N_SAMPLES), accumulate=True)
-    assert _chi_square(counts, law(temperature)) >= ALPHA
-    assert _chi_square(counts, law(temperature * 1.1)) < 1e-6
+    assert chi_square_pooled(counts, law(temperature))[0] >= ALPHA
+    assert chi_square_pooled(counts, law(temperature * 1.1))[0] < 1e-6
     for hook in hooks:
         hook.remove()
 

@@ -21,7 +21,6 @@ import copy
 
 import pytest
 import torch
-from scipy.stats import chisquare
 from transformers import (AutoModelForCausalLM, CLIPVisionConfig, DynamicCache, Gemma3Config, Gemma3ForConditionalGeneration, LlamaConfig,
                           LlavaConfig, LlavaForConditionalGeneration, Qwen2Config, Qwen2VLConfig, Qwen2VLForConditionalGeneration,
                           SiglipVisionConfig)
@@ -33,7 +32,7 @@ from specdec.models import tiny_random
 from specdec.multimodal import Prefix
 from specdec.sampling import SamplingParams
 
-from helpers import ForwardRecorder, left_pad, perturbed_copy
+from helpers import ForwardRecorder, chi_square_pooled, left_pad, perturbed_copy
 
 FAMILIES = ("llava", "qwen2_vl", "gemma3")
 VOCAB, EOS, PAD = 320, 256, 257
@@ -550,12 +549,6 @@ def test_sampling_on_an_image_prompt_is_lossless():
     for i, cell in enumerate(cells):
         counts[i] = observed.get(cell, 0)
     probs = torch.tensor([exact[c] for c in cells], dtype=torch.float64)
-    expected = probs / probs.sum() * N_SAMPLES
-    small = expected < 5
-    obs, exp = counts[~small].double(), expected[~small]
-    if bool(small.any()):  # pooled into one bin
-        obs, exp = torch.cat([obs, counts[small].double().sum()[None]]), torch.cat([exp, expected[small].sum()[None]])
-    p_value = float(chisquare(obs.numpy(), exp.numpy()).pvalue)
-    tv = 0.5 * float((counts.double() / N_SAMPLES - probs / probs.sum()).abs().sum())
+    p_value, tv = chi_square_pooled(counts, probs)
     print(f"\nsampling on an image prompt: {len(cells)} cells, chi-square p = {p_value:.3f}, tv = {tv:.4f}")
     assert p_value > ALPHA and tv < MAX_TV

@@ -33,7 +33,6 @@ import copy
 
 import pytest
 import torch
-from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
@@ -41,33 +40,15 @@ from specdec import SpecDecoder
 from specdec.sampling import SamplingParams, warp_logits
 from specdec.verify import Verdict, speculative_sample
 
+from helpers import chi_square_pooled
+
 ALPHA = 1e-3
 MAX_TV = 0.05
 N = 20_000
 
 
-
-
-def goodness_of_fit(observed: torch.Tensor, expected_probs: torch.Tensor) -> tuple[float, float]:
-    """observed [cells] counts, expected_probs [cells] -> (chi-square p-value, total variation).
-
-    Cells with expected probability 0 must be empty; cells with expected count < 5 are pooled."""
-    observed, expected_probs = observed.double().flatten(), expected_probs.double().flatten()
-    n = float(observed.sum())
-    impossible = expected_probs <= 0
-    assert float(observed[impossible].sum()) == 0, "sampled a token the (warped) target cannot produce"
-    expected = expected_probs / expected_probs.sum() * n
-    small = (expected < 5) & ~impossible
-    big = ~small & ~impossible
-    obs = torch.cat([observed[big], observed[small].sum()[None]]) if small.any() else observed[big]
-    exp = torch.cat([expected[big], expected[small].sum()[None]]) if small.any() else expected[big]
-    p_value = float(chisquare(obs.numpy(), exp.numpy()).pvalue)
-    tv = 0.5 * float((observed / n - expected_probs / expected_probs.sum()).abs().sum())
-    return p_value, tv
-
-
 def assert_same_distribution(observed: torch.Tensor, expected_probs: torch.Tensor) -> None:
-    p_value, tv = goodness_of_fit(observed, expected_probs)
+    p_value, tv = chi_square_pooled(observed, expected_probs)
     assert p_value > ALPHA, f"chi-square p = {p_value:.2e} (tv {tv:.4f}): committed tokens are biased"
     assert tv < MAX_TV, f"total variation {tv:.4f}"
 
@@ -170,7 +151,7 @@ def naive_sample(target_probs, draft_ids, draft_lengths, draft_probs=None, gener
 def test_the_chi_square_check_catches_a_biased_sampler(one_hot):
     target_table, draft_table = markov_tables(SAMPLING[0])
     first = run_chain(target_table, draft_table, one_hot, seed=1, verify=naive_sample)
-    p_value, tv = goodness_of_fit(joint_counts(first, VOCAB), chain_joint(target_table))
+    p_value, tv = chi_square_pooled(joint_counts(first, VOCAB), chain_joint(target_table))
     assert p_value < 1e-10 and tv > 2 * MAX_TV
 
 
