@@ -20,16 +20,9 @@ from pathlib import Path
 import torch
 
 from specdec import SpecDecoder, load_model
+from specdec.bench.runner import real_new_tokens
+from specdec.modelinfo import eos_token_ids, pad_token_id
 from specdec.prompts import DEFAULT_SPEC_BENCH, encode_chat, left_pad, load_questions
-
-
-def real_new_tokens(new: torch.Tensor, eos: set[int]) -> list[torch.Tensor]:
-    """[B, N] generated ids -> per row, the ids up to and including the first EOS."""
-    rows = []
-    for row in new:
-        cut = next((i + 1 for i, t in enumerate(row.tolist()) if t in eos), row.numel())
-        rows.append(row[:cut])
-    return rows
 
 
 def main() -> None:
@@ -46,9 +39,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     target, tokenizer = load_model(args.target)
-    eos = set([target.generation_config.eos_token_id] if isinstance(target.generation_config.eos_token_id, int)
-              else target.generation_config.eos_token_id)
-    pad = target.generation_config.pad_token_id
+    eos = set(eos_token_ids(target))
+    pad = pad_token_id(target)
     questions = load_questions(args.dataset)
     largest = max(args.batch_sizes)
     per_category = -(-largest // len(args.categories))
@@ -86,8 +78,8 @@ def main() -> None:
                 outputs[name] = real_new_tokens(out.sequences[:, ids.shape[1]:], eos)
                 mal[name] = mal[name] + out.stats if name in mal else out.stats
             for name, rows in outputs.items():
-                tokens[name] += sum(r.numel() for r in rows)
-                exact[name] += sum(torch.equal(r, alone[batch_index * batch_size + i]) for i, r in enumerate(rows))
+                tokens[name] += sum(len(r) for r in rows)
+                exact[name] += sum(r == alone[batch_index * batch_size + i] for i, r in enumerate(rows))
         row = {"batch_size": batch_size, "rows": largest}
         for name in timings:
             row[name] = {"tokens_per_second": tokens[name] / timings[name], "seconds": timings[name],

@@ -39,21 +39,11 @@ import transformers
 
 from specdec import SpecDecoder, load_model
 from specdec.metrics import AcceptanceStats, theoretical_speedup
+from specdec.modelinfo import ForwardTimer
 from specdec.prompts import DEFAULT_SPEC_BENCH, SUBTASKS, load_questions, subtask_of
 
 METHODS = ("plain", "hf_uag", "specdec")
 DRAFTS = (2, 4, 8)
-
-
-class ForwardCounter:
-    """Counts calls of ``model.forward`` (one per target step, prefill included)."""
-
-    def __init__(self, model):
-        self.calls = 0
-        self.handle = model.register_forward_pre_hook(self._count)
-
-    def _count(self, *args):
-        self.calls += 1
 
 
 def forward_ms(model, positions: int, context: int = 128, reps: int = 5) -> float:
@@ -123,7 +113,7 @@ def main() -> None:
                 "min_confidence": gen.min_confidence}
     hf_keys = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
     hf_settings = {k: getattr(hf_draft.generation_config, k, None) for k in hf_keys}  # None: transformers' default
-    counter = ForwardCounter(target)
+    counter = ForwardTimer(target)  # target forwards: one per step, prefill included
     loaded = time.perf_counter() - started
 
     # what one draft token and one verification cost, relative to a plain target step

@@ -22,18 +22,10 @@ from pathlib import Path
 import torch
 
 from specdec import SpecDecoder, load_model
+from specdec.modelinfo import ForwardTimer
 from specdec.prompts import DEFAULT_SPEC_BENCH, encode_chat, load_questions
 
 CATEGORIES = ("summarization", "rag", "coding", "translation", "qa", "math_reasoning", "writing", "extraction")
-
-
-class ForwardTimer:
-    """Sums wall time spent inside ``model.forward`` (pre/post hooks)."""
-
-    def __init__(self, model):
-        self.seconds, self._start = 0.0, None
-        model.register_forward_pre_hook(lambda *a: setattr(self, "_start", time.perf_counter()))
-        model.register_forward_hook(lambda *a: setattr(self, "seconds", self.seconds + time.perf_counter() - self._start))
 
 
 def main() -> None:

@@ -6,13 +6,14 @@ several ModelState.REFEED_LIMIT values and generator options, with the mean forw
 import sys, time, torch
 torch.set_num_threads(2)
 from specdec import SpecDecoder, load_model
+from specdec.modelinfo import pad_token_id
 from specdec.state import ModelState
 from specdec.prompts import load_questions, encode_chat, left_pad
 m, tok = load_model("smollm2-135m")
 qs = load_questions()
 picked = [q for c in ("summarization", "rag") for q in [x for x in qs if x["category"] == c][:4]]
 rows = [encode_chat(tok, [{"role": "user", "content": q["turns"][0]}])[0] for q in picked]
-ids, mask = left_pad(rows, m.generation_config.pad_token_id)
+ids, mask = left_pad(rows, pad_token_id(m))
 m.generate(ids[:, -8:], attention_mask=torch.ones_like(ids[:, -8:]), max_new_tokens=2, do_sample=False)
 widths = []
 orig = ModelState.forward

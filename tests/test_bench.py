@@ -8,18 +8,26 @@ small runs with two methods.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from specdec.bench import cli
-from specdec.bench.config import ConfigError, load_config, parse_config
-from specdec.bench.report import batch_summaries, draft_cost_ratio, gain_ends, load_run, summaries, summarize
-from specdec.bench.runner import (RESULTS_FILE, RUN_FILE, ResultsMismatchError, ResultStore, build_messages,
-                                  config_hash, is_batched, load_selected_questions, question_seed, row_key,
-                                  run_benchmark, select_questions, spread)
+from specdec.bench.config import ConfigError, load_config, method_kind, parse_config
+from specdec.bench.report import (PLOTS_NEED_MATPLOTLIB, batch_summaries, draft_cost_ratio, gain_ends, load_run,
+                                  summaries, summarize)
+from specdec.bench.results import RESULTS_FILE, RUN_FILE, ResultStore, default_out_dir, is_batched, row_key
+from specdec.bench.runner import (ResultsMismatchError, build_messages, config_hash, load_selected_questions,
+                                  question_seed, run_benchmark, select_questions, spread)
 from specdec.metrics import AcceptanceStats, theoretical_speedup
+
+REPO = Path(__file__).resolve().parent.parent
 
 TINY_CONFIG = Path(__file__).parent / "data" / "bench_tiny.yaml"
 
@@ -393,10 +401,106 @@ def test_batches_without_size_one_compare_with_the_batched_baseline(tmp_path):
 
 def test_gain_ends_sentences():
     from specdec.bench.report import BatchSummary
-    row = lambda m, b, s: BatchSummary(m, "x", b, 8, 80, 1.0, s, 2.0, 1.0)  # noqa: E731
+    row = lambda m, b, s: BatchSummary(m, "baseline" if m == "base" else "x", b, 8, 80, 1.0, s, 2.0, 1.0)  # noqa: E731
     lines = gain_ends([row("base", 1, 1.0), row("pl", 1, 1.6), row("pl", 4, 1.2), row("pl", 8, 0.9),
-                       row("dm", 1, 1.5), row("dm", 8, 1.1), row("hf", 1, 1.3), row("slow", 4, 0.8)], "base")
+                       row("dm", 1, 1.5), row("dm", 8, 1.1), row("hf", 1, 1.3), row("slow", 4, 0.8)])
     assert len(lines) == 3  # hf ran at batch size 1 only: nothing to say about batches
     assert lines[0].startswith("- `pl`: the gain ends between batch size 4 and 8")
     assert "faster than the batched baseline at every batch size measured (largest: 8)" in lines[1]
     assert lines[2] == "- `slow`: no faster than the batched baseline at any batch size measured (speedup by batch size: 4: 0.80x)."
+
+
+# -- method kinds, where results go, without matplotlib, signals --------------------------------
+def test_method_kinds_are_data():
+    assert method_kind("baseline").baseline and method_kind("baseline").batched
+    assert not method_kind("hf_assisted").batched and method_kind("hf_assisted").reference
+    assert method_kind("hf_prompt_lookup").compared_with == "prompt_lookup"
+    assert method_kind("prompt_lookup") == method_kind("any_registered_plugin")  # drafting, batched, not a reference
+
+
+def test_default_results_directory(tmp_path):
+    assert default_out_dir(tmp_path / "exp" / "a.yaml") == tmp_path / "exp" / "results" / "a"
+    assert default_out_dir(tmp_path / "exp" / "configs" / "a.yaml") == tmp_path / "exp" / "results" / "a"
+    # the committed configs keep writing where their committed results are
+    assert default_out_dir(REPO / "benchmarks" / "configs" / "quick.yaml") == REPO / "benchmarks" / "results" / "quick"
+    assert (REPO / "benchmarks" / "results" / "quick" / RUN_FILE).is_file()
+
+
+def test_results_go_beside_a_config_outside_the_repository(tmp_path, monkeypatch, capsys):
+    folder = tmp_path / "experiment"
+    folder.mkdir()
+    config = tiny_config(folder, methods=TWO_METHODS, generation={"max_new_tokens": 4})
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert cli.main([str(config), "--no-progress"]) == 0
+    expected = folder / "results" / "bench"
+    captured = capsys.readouterr()
+    assert f"results: {expected}" in captured.err.splitlines()
+    assert f"report: {expected / 'report.md'}" in captured.out
+    assert (expected / "report.md").is_file() and len(ResultStore(expected / RESULTS_FILE).load()) == TURNS * 2
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_without_matplotlib_the_report_is_written_and_the_run_says_so_first(tmp_path, monkeypatch, capsys):
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")] + ["matplotlib"]:
+        monkeypatch.setitem(sys.modules, name, None)  # `import matplotlib(.pyplot)` raises ImportError
+    config = tiny_config(tmp_path, methods=TWO_METHODS, generation={"max_new_tokens": 4})
+    out = tmp_path / "out"
+    assert cli.main([str(config), "--out", str(out), "--no-progress"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err.count(PLOTS_NEED_MATPLOTLIB) == 1 and 'pip install "specdec[bench]"' in PLOTS_NEED_MATPLOTLIB
+    assert err.index(PLOTS_NEED_MATPLOTLIB) < next(i for i, line in enumerate(err) if line.startswith("loading"))
+    report = (out / "report.md").read_text()
+    assert "## Overall" in report and "No figures" in report and "## Figures" not in report
+    assert not list(out.glob("*.png"))
+    (out / "report.md").unlink()
+    assert cli.main(["report", str(out)]) == 0
+    assert (out / "report.md").read_text() == report
+    assert capsys.readouterr().err.splitlines() == [PLOTS_NEED_MATPLOTLIB]
+
+
+def _interrupted_run(tmp_path: Path, signals: list[int], gap: float = 0.05) -> tuple[subprocess.CompletedProcess, Path]:
+    """``specdec bench`` in a subprocess on a long tiny run; once its first row is on disk, send ``signals``
+    ``gap`` seconds apart; return the finished process and the output directory."""
+    questions = [{"question_id": 1000 + i, "category": "qa", "turns": [f"Question {i}: say it, say it again."]}
+                 for i in range(200)]
+    config = tiny_config(tmp_path, methods=TWO_METHODS, generation={"max_new_tokens": 8})
+    data = yaml.safe_load(config.read_text())
+    (tmp_path / "many.jsonl").write_text("".join(json.dumps(q) + "\n" for q in questions))
+    data["dataset"] = {"path": str(tmp_path / "many.jsonl"), "subtasks": ["qa"]}
+    config.write_text(yaml.safe_dump(data))
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.bench.cli", str(config), "--out", str(out), "--no-progress"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not ResultStore(out / RESULTS_FILE).load() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert proc.poll() is None, proc.communicate()
+        for i, sig in enumerate(signals):
+            if i:
+                time.sleep(gap)
+            proc.send_signal(sig)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), out
+
+
+def _assert_partial_report(done: subprocess.CompletedProcess, out: Path) -> None:
+    assert done.returncode == 130, done.stderr
+    rows = ResultStore(out / RESULTS_FILE).load()
+    assert 1 <= len(rows) < 400
+    report = (out / "report.md").read_text()
+    assert f"- Rows: {len(rows)} of 400 " in report and "incomplete run" in report
+    assert "| `baseline` |" in report
+    assert "interrupted; writing the report" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("signals", [[signal.SIGTERM], [signal.SIGINT, signal.SIGINT]], ids=["sigterm", "sigint-twice"])
+def test_interrupted_run_writes_a_partial_report(tmp_path, signals):
+    _assert_partial_report(*_interrupted_run(tmp_path, signals))

@@ -25,6 +25,7 @@ import difflib
 import inspect
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -74,6 +75,30 @@ REFERENCE_OPTIONS: dict[str, type[_Strict]] = {
     BASELINE: BaselineOptions, HF_ASSISTED: HFAssistedOptions, HF_PROMPT_LOOKUP: HFPromptLookupOptions}
 #: reference methods that need a draft model
 REFERENCE_NEEDS_DRAFT = {BASELINE: False, HF_ASSISTED: True, HF_PROMPT_LOOKUP: False}
+
+
+@dataclass(frozen=True)
+class MethodKind:
+    """What the runner and the report need to know about a method, as data: the one place that
+    maps generator names to roles, so that neither branches on a name."""
+
+    baseline: bool = False  # plain ``target.generate``: speedups and exact match are measured against it
+    reference: bool = False  # transformers runs it: no acceptance counts, target forwards counted instead
+    batched: bool = True  # runs at batch size > 1 (transformers refuses assisted generation for several rows)
+    compared_with: str | None = None  # the report sets it side by side with every method of this generator
+
+
+#: the kind of every reference method; every registered candidate generator is ``MethodKind()``
+REFERENCE_KINDS: dict[str, MethodKind] = {
+    BASELINE: MethodKind(baseline=True, reference=True),
+    HF_ASSISTED: MethodKind(reference=True, batched=False),
+    HF_PROMPT_LOOKUP: MethodKind(reference=True, batched=False, compared_with="prompt_lookup"),
+}
+
+
+def method_kind(generator: str) -> MethodKind:
+    """The :class:`MethodKind` of a method running ``generator`` (a reference method or a registered one)."""
+    return REFERENCE_KINDS.get(generator, MethodKind())
 
 
 # -- small pure checks -------------------------------------------------------------------------
@@ -193,8 +218,12 @@ class MethodConfig(_Strict):
         return self
 
     @property
+    def kind(self) -> MethodKind:
+        return method_kind(self.generator)
+
+    @property
     def is_reference(self) -> bool:
-        return self.generator in REFERENCE_METHODS
+        return self.kind.reference
 
 
 class BenchConfig(_Strict):
@@ -246,7 +275,7 @@ class BenchConfig(_Strict):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"methods: duplicate method name(s) {dupes}; give each a distinct 'name'")
-        baselines = [m.name for m in self.methods if m.generator == BASELINE]
+        baselines = [m.name for m in self.methods if m.kind.baseline]
         if len(baselines) != 1:
             raise ValueError(f"methods: need exactly one method with generator 'baseline' (speedups are measured "
                              f"against it), found {len(baselines)}")
@@ -254,7 +283,7 @@ class BenchConfig(_Strict):
 
     @property
     def baseline(self) -> MethodConfig:
-        return next(m for m in self.methods if m.generator == BASELINE)
+        return next(m for m in self.methods if m.kind.baseline)
 
     def dataset_path(self, config_dir: str | Path | None = None) -> Path:
         """The question file: the default Spec-Bench set, or ``dataset.path`` relative to the config."""

@@ -34,19 +34,36 @@ Nothing here redefines a metric that ``specdec.metrics`` defines.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from ..metrics import AcceptanceStats, theoretical_speedup
 from ..prompts import SUBTASKS
-from .runner import RESULTS_FILE, RUN_FILE, ResultStore, batch_groups, is_batched, row_key
+from .config import MethodKind, method_kind
+from .results import (ACCEPTANCE_PNG, REPORT_FILE, RESULTS_FILE, RUN_FILE, SPEEDUP_PNG, ResultStore, is_batched,
+                      planned_keys, row_key)
 
 OVERALL = "overall"
-REPORT_FILE = "report.md"
-SPEEDUP_PNG = "speedup.png"
-ACCEPTANCE_PNG = "acceptance_by_position.png"
 MAX_POSITIONS = 16  # per-position columns shown in the table
 NA = "n/a"
+INSTALL_PLOTS = 'pip install "specdec[bench]"'
+PLOTS_NEED_MATPLOTLIB = f"matplotlib is not installed: report.md is written without plots (plots need {INSTALL_PLOTS})"
+
+
+def plots_available() -> bool:
+    """Whether matplotlib imports (the ``bench`` extra); without it the report has no plots."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def baseline_name(methods: list[dict]) -> str:
+    """The name of the config's baseline method (``methods`` as in ``run.json``)."""
+    return next(m["name"] for m in methods if method_kind(m["generator"]).baseline)
 
 
 def draft_cost_ratio(stats: AcceptanceStats) -> float | None:
@@ -75,6 +92,10 @@ class Summary:
     forwards_only: bool  # mean accepted length from counted forwards, no acceptance counts
     stats: AcceptanceStats | None
     exact_match: float | None
+
+    @property
+    def kind(self) -> MethodKind:
+        return method_kind(self.generator)
 
     @property
     def tokens_per_second(self) -> float:
@@ -145,7 +166,7 @@ def summaries(meta: dict, rows: list[dict]) -> list[Summary]:
     rows = [r for r in rows if not is_batched(r)]
     greedy = not config["generation"]["do_sample"]
     methods = [(m["name"] or m["generator"], m["generator"]) for m in config["methods"]]
-    base_name = next(name for name, gen in methods if gen == "baseline")
+    base_name = baseline_name(config["methods"])
     present = {r["subtask"] for r in rows}
     groups = [s for s in SUBTASKS if s in present] + [OVERALL]
     out = []
@@ -156,21 +177,24 @@ def summaries(meta: dict, rows: list[dict]) -> list[Summary]:
             base = {(r["question_id"], r["turn"]): r for r in rows if r["method"] == base_name and in_group(r)}
             picked = [r for r in mine if in_group(r)]
             if picked:
-                out.append(summarize(name, generator, group, picked, base, greedy, name == base_name))
+                out.append(summarize(name, generator, group, picked, base, greedy, method_kind(generator).baseline))
     return out
 
 
-def pair_comparisons(meta: dict) -> list[tuple[str, str]]:
-    """(ours, transformers') pairs: every ``prompt_lookup`` method against every ``hf_prompt_lookup`` method."""
+def pair_comparisons(meta: dict) -> dict[str, list[tuple[str, str]]]:
+    """Our generator -> (ours, transformers') method-name pairs: every reference method whose kind names
+    a generator to compare with (``MethodKind.compared_with``) against every method of that generator."""
     methods = meta["config"]["methods"]
-    return [(ours["name"], hf["name"]) for hf in methods if hf["generator"] == "hf_prompt_lookup"
-            for ours in methods if ours["generator"] == "prompt_lookup"]
+    pairs: dict[str, list[tuple[str, str]]] = {}
+    for ref in methods:
+        ours_generator = method_kind(ref["generator"]).compared_with
+        for ours in methods:
+            if ours_generator is not None and ours["generator"] == ours_generator:
+                pairs.setdefault(ours_generator, []).append((ours["name"], ref["name"]))
+    return pairs
 
 
 # -- batch sizes -------------------------------------------------------------------------------
-BATCH_REFUSED = ("hf_prompt_lookup", "hf_assisted")
-
-
 def batch_sizes_of(config: dict) -> list[int]:
     """The config's batch sizes (``batch_sizes``, or the older single ``batch_size``)."""
     return list(config.get("batch_sizes") or [config.get("batch_size", 1)])
@@ -191,6 +215,10 @@ class BatchSummary:
     exact_match: float | None
 
     @property
+    def kind(self) -> MethodKind:
+        return method_kind(self.generator)
+
+    @property
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.seconds if self.seconds else 0.0
 
@@ -200,61 +228,77 @@ def batch_summaries(meta: dict, rows: list[dict]) -> list[BatchSummary]:
     config = meta["config"]
     greedy = not config["generation"]["do_sample"]
     methods = [(m["name"] or m["generator"], m["generator"]) for m in config["methods"]]
-    base_name = next(name for name, gen in methods if gen == "baseline")
+    base_name = baseline_name(config["methods"])
     singles = [r for r in rows if not is_batched(r) and int(r["turn"]) == 1]
     alone = {r["question_id"]: r["output_ids"] for r in singles if r["method"] == base_name}
     out = []
     for size in batch_sizes_of(config):
         if size == 1:
-            base = {(r["question_id"], 1): r for r in singles if r["method"] == base_name}
-            for name, generator in methods:
-                mine = [r for r in singles if r["method"] == name]
-                if mine:
-                    s = summarize(name, generator, "first turns", mine, base, greedy, name == base_name)
-                    out.append(BatchSummary(name, generator, 1, len(mine), s.new_tokens, s.seconds, s.speedup,
-                                            s.mean_accepted_length, None if name == base_name else s.exact_match))
+            out += _size_one_summaries(methods, singles, base_name, greedy)
             continue
         batched = [r for r in rows if is_batched(r) and int(r["batch_size"]) == size]
         base = {r["batch_index"]: r for r in batched if r["method"] == base_name}
         for name, generator in methods:
             mine = {r["batch_index"]: r for r in batched if r["method"] == name}
-            if not mine:
-                continue
-            tokens = lambda rs: sum(sum(r["new_tokens"]) for r in rs)  # noqa: E731
-            seconds = lambda rs: sum(r["seconds"] for r in rs)  # noqa: E731
-            shared = [i for i in mine if i in base]
-            speedup = None
-            if shared and seconds([base[i] for i in shared]) and tokens([base[i] for i in shared]):
-                speedup = ((tokens([mine[i] for i in shared]) / seconds([mine[i] for i in shared]))
-                           / (tokens([base[i] for i in shared]) / seconds([base[i] for i in shared])))
-            measured = [r["stats"] for r in mine.values() if r.get("stats") is not None]
-            mean_len = None
-            if name == base_name:
-                mean_len = 1.0  # plain decoding commits one token per row per forward
-            elif measured and len(measured) == len(mine):
-                stats = AcceptanceStats()
-                for d in measured:
-                    stats = stats.merge(AcceptanceStats.from_dict(d))
-                mean_len = stats.mean_accepted_length
-            exact = None
-            if greedy:
-                checks = []
-                for i, r in mine.items():
-                    for j, (qid, ids) in enumerate(zip(r["question_ids"], r["output_ids"])):
-                        if qid in alone:
-                            checks.append(ids == alone[qid])
-                        elif name != base_name and i in base:
-                            checks.append(ids == base[i]["output_ids"][j])
-                exact = sum(checks) / len(checks) if checks else None
-            out.append(BatchSummary(name, generator, size, sum(len(r["question_ids"]) for r in mine.values()),
-                                    tokens(mine.values()), seconds(mine.values()), speedup, mean_len, exact))
+            if mine:
+                out.append(_batched_summary(name, generator, size, mine, base, alone if greedy else None))
     return out
 
 
-def gain_ends(batch: list[BatchSummary], base_name: str) -> list[str]:
+def _size_one_summaries(methods: list[tuple[str, str]], singles: list[dict], base_name: str,
+                        greedy: bool) -> list[BatchSummary]:
+    """The batch-size-1 column: each method over the first turns of its per-question rows."""
+    base = {(r["question_id"], 1): r for r in singles if r["method"] == base_name}
+    out = []
+    for name, generator in methods:
+        mine = [r for r in singles if r["method"] == name]
+        if mine:
+            baseline = method_kind(generator).baseline
+            s = summarize(name, generator, "first turns", mine, base, greedy, baseline)
+            out.append(BatchSummary(name, generator, 1, len(mine), s.new_tokens, s.seconds, s.speedup,
+                                    s.mean_accepted_length, None if baseline else s.exact_match))
+    return out
+
+
+def _batched_summary(name: str, generator: str, size: int, mine: dict[int, dict], base: dict[int, dict],
+                     alone: dict[int, list[int]] | None) -> BatchSummary:
+    """One method at one batch size > 1. ``mine``, ``base``: batch index -> row of this method, of the
+    baseline; ``alone``: question id -> the batch-size-1 baseline output (None when sampling: no exact match)."""
+    kind = method_kind(generator)
+    tokens = lambda rs: sum(sum(r["new_tokens"]) for r in rs)  # noqa: E731
+    seconds = lambda rs: sum(r["seconds"] for r in rs)  # noqa: E731
+    shared = [i for i in mine if i in base]
+    speedup = None
+    if shared and seconds([base[i] for i in shared]) and tokens([base[i] for i in shared]):
+        speedup = ((tokens([mine[i] for i in shared]) / seconds([mine[i] for i in shared]))
+                   / (tokens([base[i] for i in shared]) / seconds([base[i] for i in shared])))
+    measured = [r["stats"] for r in mine.values() if r.get("stats") is not None]
+    mean_len = None
+    if kind.baseline:
+        mean_len = 1.0  # plain decoding commits one token per row per forward
+    elif measured and len(measured) == len(mine):
+        stats = AcceptanceStats()
+        for d in measured:
+            stats = stats.merge(AcceptanceStats.from_dict(d))
+        mean_len = stats.mean_accepted_length
+    exact = None
+    if alone is not None:
+        checks = []
+        for i, r in mine.items():
+            for j, (qid, ids) in enumerate(zip(r["question_ids"], r["output_ids"])):
+                if qid in alone:
+                    checks.append(ids == alone[qid])
+                elif not kind.baseline and i in base:
+                    checks.append(ids == base[i]["output_ids"][j])
+        exact = sum(checks) / len(checks) if checks else None
+    return BatchSummary(name, generator, size, sum(len(r["question_ids"]) for r in mine.values()),
+                        tokens(mine.values()), seconds(mine.values()), speedup, mean_len, exact)
+
+
+def gain_ends(batch: list[BatchSummary]) -> list[str]:
     """One sentence per drafting method: the batch sizes where it beats batched decoding, and where that ends."""
     lines = []
-    for method in dict.fromkeys(b.method for b in batch if b.method != base_name):
+    for method in dict.fromkeys(b.method for b in batch if not b.kind.baseline):
         points = sorted((b.batch_size, b.speedup) for b in batch if b.method == method and b.speedup is not None)
         if not any(size > 1 for size, _ in points):
             continue  # not run in batches (hf_*), or no batched baseline to compare with
@@ -276,15 +320,8 @@ def gain_ends(batch: list[BatchSummary], base_name: str) -> list[str]:
 def planned_rows(meta: dict) -> int:
     """Rows a complete run of this config writes."""
     config = meta["config"]
-    methods = config["methods"]
-    total = 0
-    for size in batch_sizes_of(config):
-        if size == 1:
-            total += sum(q["turns"] for q in meta["questions"]) * len(methods)
-        else:
-            batches = len(batch_groups(meta["questions"], size))
-            total += batches * sum(m["generator"] not in BATCH_REFUSED for m in methods)
-    return total
+    return len(planned_keys([(m["name"], method_kind(m["generator"]).batched) for m in config["methods"]],
+                            [(q["question_id"], q["turns"]) for q in meta["questions"]], batch_sizes_of(config)))
 
 
 # -- rendering ---------------------------------------------------------------------------------
@@ -297,17 +334,17 @@ def _table(header: list[str], body: list[list[str]]) -> list[str]:
     return lines + ["| " + " | ".join(row) + " |" for row in body]
 
 
-def _metric_cells(s: Summary, is_baseline: bool) -> list[str]:
-    dash = "—"
+def _metric_cells(s: Summary) -> list[str]:
+    dash, baseline = "—", s.kind.baseline
     return [
         str(s.turns), str(s.new_tokens), _f(s.tokens_per_second, ".1f"), _f(s.speedup, ".2f", "x"),
         _f(s.mean_accepted_length, ".2f", "†" if s.forwards_only and s.mean_accepted_length is not None else ""),
-        dash if is_baseline else _f(s.acceptance_rate, ".1%"),
-        dash if is_baseline else _f(s.k_per_step, ".2f"),
-        dash if is_baseline else _f(s.cost_ratio, ".3f"),
-        dash if is_baseline else _f(s.theoretical_speedup, ".2f", "x"),
-        dash if is_baseline else _f(s.efficiency, ".0%"),
-        "ref" if is_baseline else _f(s.exact_match, ".0%"),
+        dash if baseline else _f(s.acceptance_rate, ".1%"),
+        dash if baseline else _f(s.k_per_step, ".2f"),
+        dash if baseline else _f(s.cost_ratio, ".3f"),
+        dash if baseline else _f(s.theoretical_speedup, ".2f", "x"),
+        dash if baseline else _f(s.efficiency, ".0%"),
+        "ref" if baseline else _f(s.exact_match, ".0%"),
     ]
 
 
@@ -315,27 +352,22 @@ METRIC_HEADER = ["turns", "new tokens", "tokens/s", "speedup", "mean accepted le
                  "drafts/step K", "draft cost c", "theoretical speedup", "efficiency", "exact match"]
 
 
-def render_markdown(meta: dict, rows: list[dict], all_summaries: list[Summary], figures: list[str]) -> str:
-    config = meta["config"]
-    env = meta.get("environment", {})
-    gen = config["generation"]
-    methods = config["methods"]
-    base_name = next(m["name"] for m in methods if m["generator"] == "baseline")
+def _header(meta: dict, rows: list[dict]) -> list[str]:
+    """Title, description, and what was run where: command, target, dataset, machine, rows, methods."""
+    config, env = meta["config"], meta.get("environment", {})
+    gen, methods, sizes = config["generation"], config["methods"], batch_sizes_of(config)
     total = planned_rows(meta)
-    keys = {row_key(r) for r in rows}
-    sizes = batch_sizes_of(config)
-    batched_rows = [r for r in rows if is_batched(r)]
-    rows = [r for r in rows if not is_batched(r)]
-    per_subtask = {}
+    done = len({row_key(r) for r in rows})
+    per_subtask: dict[str, int] = {}
     for q in meta["questions"]:
         per_subtask[q["subtask"]] = per_subtask.get(q["subtask"], 0) + 1
     mode = ("greedy" if not gen["do_sample"] else
             f"sampling (temperature {gen['temperature']}, top_k {gen['top_k']}, top_p {gen['top_p']}, seed {gen['seed']})")
-    name = Path(meta["config_file"]).stem
-    out = [f"# Benchmark `{name}`", ""]
+    batched = [str(b) for b in sizes if b > 1]
+    out = [f"# Benchmark `{Path(meta['config_file']).stem}`", ""]
     if config.get("description"):
         out += [config["description"].strip(), ""]
-    out += [
+    return out + [
         f"- Command: `specdec bench {meta['config_file']}`; rebuild this page from the JSON lines with "
         f"`specdec bench report <this directory>`.",
         f"- Target: `{config['target']}`. Dataset: {len(meta['questions'])} questions "
@@ -344,31 +376,28 @@ def render_markdown(meta: dict, rows: list[dict], all_summaries: list[Summary], 
         f"- Machine: {env.get('platform', '?')}, {env.get('processor', '?')}, {env.get('cpu_count', '?')} CPUs "
         f"({env.get('device', 'cpu')}), torch {env.get('torch', '?')} with {config['threads']} threads, "
         f"transformers {env.get('transformers', '?')}, specdec {env.get('specdec', '?')}. Started {meta.get('created', '?')}.",
-        f"- Rows: {len(keys)} of {total} (method x question x turn"
-        + (f"; method x batch at batch sizes {', '.join(str(b) for b in sizes if b > 1)})" if any(b > 1 for b in sizes)
-           else ")")
-        + ("." if len(keys) >= total else " — **incomplete run**: rerun the command to resume."),
+        f"- Rows: {done} of {total} (method x question x turn"
+        + (f"; method x batch at batch sizes {', '.join(batched)})" if batched else ")")
+        + ("." if done >= total else " — **incomplete run**: rerun the command to resume."),
         "- Methods, interleaved per question after one warm-up each: "
         + "; ".join(f"`{m['name']}` = {m['generator']}" + (f" {m['options']}" if m["options"] else "")
                     + (f" draft `{m['draft']}`" if m.get("draft") else "") for m in methods) + ".",
-        "",
-        "## Overall", "",
     ]
-    overall = [s for s in all_summaries if s.subtask == OVERALL]
-    out += _table(["method"] + METRIC_HEADER, [[f"`{s.method}`"] + _metric_cells(s, s.method == base_name) for s in overall])
 
-    subtasks = [g for g in SUBTASKS if any(s.subtask == g for s in all_summaries)]
-    out += ["", "## Speedup over baseline by subtask", ""]
+
+def _subtask_tables(meta: dict, all_summaries: list[Summary], subtasks: list[str]) -> list[str]:
+    """Overall, speedup by subtask, per subtask, and per-position acceptance (when any method drafted)."""
+    overall = [s for s in all_summaries if s.subtask == OVERALL]
     by = {(s.method, s.subtask): s for s in all_summaries}
+    out = ["", "## Overall", ""]
+    out += _table(["method"] + METRIC_HEADER, [[f"`{s.method}`"] + _metric_cells(s) for s in overall])
+    out += ["", "## Speedup over baseline by subtask", ""]
     out += _table(["method"] + subtasks + [OVERALL],
                   [[f"`{m['name']}`"] + [_f(by[(m["name"], g)].speedup, ".2f", "x") if (m["name"], g) in by else NA
-                                         for g in subtasks + [OVERALL]] for m in methods])
-
+                                         for g in subtasks + [OVERALL]] for m in meta["config"]["methods"]])
     out += ["", "## Per subtask", ""]
     out += _table(["subtask", "method"] + METRIC_HEADER,
-                  [[g, f"`{s.method}`"] + _metric_cells(s, s.method == base_name)
-                   for g in subtasks for s in all_summaries if s.subtask == g])
-
+                  [[g, f"`{s.method}`"] + _metric_cells(s) for g in subtasks for s in all_summaries if s.subtask == g])
     measured = [s for s in overall if s.stats is not None and s.stats.accepted_at_position]
     if measured:
         width = min(MAX_POSITIONS, max(len(s.stats.per_position_acceptance) for s in measured))
@@ -377,36 +406,47 @@ def render_markdown(meta: dict, rows: list[dict], all_summaries: list[Summary], 
         out += _table(["method"] + [str(i + 1) for i in range(width)],
                       [[f"`{s.method}`"] + [f"{v:.2f}" for v in (s.stats.per_position_acceptance + [0.0] * width)[:width]]
                        for s in measured])
+    return out
 
-    if any(b > 1 for b in sizes):
-        batch = batch_summaries(meta, rows + batched_rows)
-        out += ["", "## Throughput by batch size", "",
-                "First turns only, the same prompts in every column, grouped in order into left-padded batches. "
-                "Each cell: tokens/s; speedup over `" + base_name + "` at the same batch size (batched "
-                "`target.generate`); mean accepted length; exact match per row against decoding the row alone "
-                "(the batch-size-1 `" + base_name + "` output; against the batched `" + base_name
-                + "` when batch size 1 was not run).", ""]
-        bb = {(b.method, b.batch_size): b for b in batch}
-        body = []
-        for m in methods:
-            cells = []
-            for size in sizes:
-                b = bb.get((m["name"], size))
-                if b is None:
-                    cells.append("not run" if size > 1 and m["generator"] in BATCH_REFUSED else NA)
-                    continue
-                cells.append(f"{b.tokens_per_second:.1f} tok/s; {_f(b.speedup, '.2f', 'x')}; "
-                             f"{_f(b.mean_accepted_length, '.2f')}; "
-                             f"{'ref' if b.exact_match is None and m['name'] == base_name else _f(b.exact_match, '.0%')}")
-            body.append([f"`{m['name']}`"] + cells)
-        out += _table(["method"] + [f"batch {s}" for s in sizes], body)
-        ends = gain_ends(batch, base_name)
-        if ends:
-            out += ["", "Where the gain ends:", ""] + ends
 
-    pairs = pair_comparisons(meta)
-    if pairs:
-        out += ["", "## Our prompt lookup vs transformers' prompt lookup", "",
+def _batch_cell(b: BatchSummary | None, size: int, kind: MethodKind) -> str:
+    if b is None:
+        return "not run" if size > 1 and not kind.batched else NA
+    exact = "ref" if b.exact_match is None and kind.baseline else _f(b.exact_match, ".0%")
+    return (f"{b.tokens_per_second:.1f} tok/s; {_f(b.speedup, '.2f', 'x')}; {_f(b.mean_accepted_length, '.2f')}; "
+            f"{exact}")
+
+
+def _batch_section(meta: dict, rows: list[dict]) -> list[str]:
+    """Throughput by batch size (only when a size > 1 was configured) and where each method's gain ends."""
+    config = meta["config"]
+    methods, sizes, base_name = config["methods"], batch_sizes_of(config), baseline_name(config["methods"])
+    if not any(b > 1 for b in sizes):
+        return []
+    batch = batch_summaries(meta, rows)
+    out = ["", "## Throughput by batch size", "",
+           "First turns only, the same prompts in every column, grouped in order into left-padded batches. "
+           "Each cell: tokens/s; speedup over `" + base_name + "` at the same batch size (batched "
+           "`target.generate`); mean accepted length; exact match per row against decoding the row alone "
+           "(the batch-size-1 `" + base_name + "` output; against the batched `" + base_name
+           + "` when batch size 1 was not run).", ""]
+    bb = {(b.method, b.batch_size): b for b in batch}
+    body = [[f"`{m['name']}`"] + [_batch_cell(bb.get((m["name"], size)), size, method_kind(m["generator"]))
+                                  for size in sizes] for m in methods]
+    out += _table(["method"] + [f"batch {s}" for s in sizes], body)
+    ends = gain_ends(batch)
+    if ends:
+        out += ["", "Where the gain ends:", ""] + ends
+    return out
+
+
+def _pairs_section(meta: dict, rows: list[dict], all_summaries: list[Summary], subtasks: list[str]) -> list[str]:
+    """Our implementation of an algorithm against transformers' (``MethodKind.compared_with``), per subtask."""
+    by = {(s.method, s.subtask): s for s in all_summaries}
+    out = []
+    for generator, pairs in pair_comparisons(meta).items():
+        label = generator.replace("_", " ")
+        out += ["", f"## Our {label} vs transformers' {label}", "",
                 "Same prompts. Each cell: our tokens/s / transformers' tokens/s (above 1.00x: ours is faster). "
                 "identical = share of (question, turn) whose outputs are token-for-token equal.", ""]
         body = []
@@ -418,25 +458,41 @@ def render_markdown(meta: dict, rows: list[dict], all_summaries: list[Summary], 
                 cells.append(_f(a.tokens_per_second / b.tokens_per_second if ok else None, ".2f", "x"))
             body.append([f"`{ours}` / `{hf}`"] + cells + [_f(_identical_share(rows, ours, hf), ".0%")])
         out += _table(["ours / transformers"] + subtasks + [OVERALL, "identical"], body)
+    return out
 
-    out += ["", "## Notes", "",
-            "- Definitions and formulas: `docs/benchmarks.md` (every metric comes from `specdec.metrics`).",
-            "- † mean accepted length from counted target forwards (new tokens / forwards): transformers runs this "
-            "method and exposes no acceptance counts, so its acceptance rate, K, c and theoretical speedup are n/a.",
-            "- Theoretical speedup: Leviathan et al. (1 - a^(K+1)) / ((1 - a)(K c + 1)) with the measured acceptance "
-            "rate a, drafts per step K and draft cost c; efficiency = measured speedup / theoretical speedup."]
-    if gen["do_sample"]:
+
+def _notes(meta: dict, figures: list[str], plots_skipped: bool) -> list[str]:
+    config = meta["config"]
+    out = ["", "## Notes", "",
+           "- Definitions and formulas: `docs/benchmarks.md` (every metric comes from `specdec.metrics`).",
+           "- † mean accepted length from counted target forwards (new tokens / forwards): transformers runs this "
+           "method and exposes no acceptance counts, so its acceptance rate, K, c and theoretical speedup are n/a.",
+           "- Theoretical speedup: Leviathan et al. (1 - a^(K+1)) / ((1 - a)(K c + 1)) with the measured acceptance "
+           "rate a, drafts per step K and draft cost c; efficiency = measured speedup / theoretical speedup."]
+    if config["generation"]["do_sample"]:
         out.append("- Sampling: outputs of different methods are different samples, so exact match is n/a; "
                    "each (question, turn) uses the same seed in every method and every rerun.")
-    if any(b > 1 for b in sizes):
-        refused = [m["name"] for m in methods if m["generator"] in BATCH_REFUSED]
+    if any(b > 1 for b in batch_sizes_of(config)):
+        refused = [m["name"] for m in config["methods"] if not method_kind(m["generator"]).batched]
         if refused:
             out.append(f"- Batch size > 1: {', '.join(f'`{n}`' for n in refused)} not run (\"not run\" in the table): "
                        "transformers refuses assisted and prompt-lookup generation for more than one sequence.")
         out.append("- Batch size > 1 runs first turns only: an MT-Bench second turn is measured at batch size 1, "
                    "where it follows the method's own first answer.")
+    if plots_skipped:
+        out.append(f"- No figures: matplotlib was not installed when this page was written (`{INSTALL_PLOTS}`, "
+                   "then `specdec bench report <this directory>`).")
     if figures:
         out += ["", "## Figures", ""] + [f"![{f}]({f})" for f in figures]
+    return out
+
+
+def render_markdown(meta: dict, rows: list[dict], all_summaries: list[Summary], figures: list[str],
+                    plots_skipped: bool = False) -> str:
+    subtasks = [g for g in SUBTASKS if any(s.subtask == g for s in all_summaries)]
+    single = [r for r in rows if not is_batched(r)]
+    out = (_header(meta, rows) + _subtask_tables(meta, all_summaries, subtasks) + _batch_section(meta, rows)
+           + _pairs_section(meta, single, all_summaries, subtasks) + _notes(meta, figures, plots_skipped))
     return "\n".join(out) + "\n"
 
 
@@ -454,7 +510,7 @@ def plot_speedup(all_summaries: list[Summary], base_name: str, path: Path) -> bo
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    methods = list(dict.fromkeys(s.method for s in all_summaries if s.method != base_name))
+    methods = list(dict.fromkeys(s.method for s in all_summaries if not s.kind.baseline))
     groups = list(dict.fromkeys(s.subtask for s in all_summaries))
     if not methods:
         return False
@@ -512,19 +568,26 @@ def load_run(out_dir: str | Path) -> tuple[dict, list[dict]]:
     return meta, list(latest.values())
 
 
-def write_report(out_dir: str | Path) -> Path:
-    """(Re)build ``report.md`` and the plots in ``out_dir`` from its JSON lines; return the report path."""
+def write_report(out_dir: str | Path, log: Callable[[str], None] | None = lambda msg: print(msg, file=sys.stderr)) -> Path:
+    """(Re)build ``report.md`` and the plots in ``out_dir`` from its JSON lines; return the report path.
+
+    Without matplotlib the plots are skipped, ``log`` (None: silent) is told so, and report.md is
+    written all the same."""
     out_dir = Path(out_dir)
     meta, rows = load_run(out_dir)
     all_summaries = summaries(meta, rows)
-    base_name = next(m["name"] for m in meta["config"]["methods"] if m["generator"] == "baseline")
     figures = []
-    for name, draw in ((SPEEDUP_PNG, lambda p: plot_speedup(all_summaries, base_name, p)),
-                       (ACCEPTANCE_PNG, lambda p: plot_acceptance(all_summaries, p))):
-        if draw(out_dir / name):
-            figures.append(name)
+    plots = plots_available()
+    if plots:
+        base_name = baseline_name(meta["config"]["methods"])
+        for name, draw in ((SPEEDUP_PNG, lambda p: plot_speedup(all_summaries, base_name, p)),
+                           (ACCEPTANCE_PNG, lambda p: plot_acceptance(all_summaries, p))):
+            if draw(out_dir / name):
+                figures.append(name)
+    elif log is not None:
+        log(PLOTS_NEED_MATPLOTLIB)
     path = out_dir / REPORT_FILE
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(render_markdown(meta, rows, all_summaries, figures))
+    tmp.write_text(render_markdown(meta, rows, all_summaries, figures, plots_skipped=not plots))
     tmp.replace(path)
     return path

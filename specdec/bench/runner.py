@@ -32,6 +32,10 @@ hook on the target (public ``nn.Module`` API), so methods that ``transformers`` 
 ``hf_*``) get an honest mean accepted length (new tokens / target forwards). SpecDecoder methods
 also record their :class:`~specdec.metrics.AcceptanceStats`.
 
+Where: ``--out`` (``out_dir``) when given, else :func:`~specdec.bench.results.default_out_dir`
+(``results/<config stem>/`` beside the config, or beside its ``configs/`` folder); the run logs
+the directory before it starts.
+
 Before anything is written: the config is valid, the dataset exists and yields questions, every
 model loads, every method is built and warmed up once. So a bad config or a mismatched draft
 leaves no half-written directory.
@@ -55,16 +59,15 @@ import torch
 
 from ..decoder import SpecDecoder
 from ..metrics import AcceptanceStats
+from ..modelinfo import ForwardTimer, eos_token_ids, pad_token_id
 from ..models import load_model
 from ..prompts import encode_chat, left_pad, load_questions, subtask_of
 from ..registry import get_candidate_generator
-from .config import (BASELINE, HF_ASSISTED, HF_PROMPT_LOOKUP, REFERENCE_OPTIONS, BenchConfig, ConfigError,
-                     GenerationSettings, MethodConfig)
-
-RESULTS_FILE = "results.jsonl"
-RUN_FILE = "run.json"
-#: files this tool writes into an output directory (the only ones ``fresh`` removes)
-OWN_FILES = (RESULTS_FILE, RUN_FILE, "report.md", "speedup.png", "acceptance_by_position.png")
+from .config import (HF_ASSISTED, HF_PROMPT_LOOKUP, REFERENCE_OPTIONS, BenchConfig, ConfigError, GenerationSettings,
+                     MethodConfig)
+from .report import PLOTS_NEED_MATPLOTLIB, plots_available, write_report
+from .results import (OWN_FILES, RESULTS_FILE, RUN_FILE, ResultStore, batch_groups, default_out_dir, planned_keys,
+                      row_key, shown_path)
 WARMUP_PROMPT = "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox"
 
 
@@ -153,60 +156,6 @@ def config_hash(config: BenchConfig, questions: list[Question]) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
-# -- the results file --------------------------------------------------------------------------
-def is_batched(row: dict) -> bool:
-    """A row of a batch-size > 1 pass (one row per batch) rather than one (question, turn)."""
-    return int(row.get("batch_size", 1)) > 1
-
-
-def row_key(row: dict) -> tuple:
-    """(method, question_id, turn) for a batch-size-1 row; (method, "batch", batch_size, batch_index) for a batch."""
-    if is_batched(row):
-        return row["method"], "batch", int(row["batch_size"]), int(row["batch_index"])
-    return row["method"], int(row["question_id"]), int(row["turn"])
-
-
-def batch_groups(questions: list[Question], batch_size: int) -> list[list[Question]]:
-    """Questions grouped in order into batches of ``batch_size`` (the last one may be smaller)."""
-    return [questions[i: i + batch_size] for i in range(0, len(questions), batch_size)]
-
-
-def runs_batched(method: MethodConfig) -> bool:
-    """transformers refuses assisted and prompt-lookup generation for more than one sequence."""
-    return method.generator not in (HF_ASSISTED, HF_PROMPT_LOOKUP)
-
-
-class ResultStore:
-    """``results.jsonl``: one JSON object per line, appended and synced row by row."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-
-    def load(self, repair: bool = False) -> list[dict]:
-        """Rows in the file; with ``repair``, cut a torn last line (an interrupted write) off the file."""
-        if not self.path.exists():
-            return []
-        data = self.path.read_bytes()
-        end = data.rfind(b"\n") + 1
-        if repair and end < len(data):
-            with self.path.open("r+b") as f:
-                f.truncate(end)
-        rows = []
-        for line in data[:end].splitlines():
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue  # a torn line in the middle (two writers): skip it, its row is redone
-        return rows
-
-    def append(self, row: dict) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-
-
 def environment() -> dict:
     import transformers
 
@@ -219,25 +168,10 @@ def environment() -> dict:
 
 
 # -- methods -----------------------------------------------------------------------------------
-@contextmanager
-def count_forwards(model) -> Iterator[list[int]]:
-    """Count ``model``'s forward calls inside the block: ``with count_forwards(m) as n: ...; n[0]``."""
-    counter = [0]
-    handle = model.register_forward_hook(lambda *_: counter.__setitem__(0, counter[0] + 1))
-    try:
-        yield counter
-    finally:
-        handle.remove()
-
-
 def hf_generation_kwargs(gen: GenerationSettings, target) -> dict:
     """``generate()`` settings for transformers, neutral processors spelled out so that the model's
     own generation_config cannot add any (top_k would default to 50, for one)."""
-    cfg = target.generation_config
-    pad = cfg.pad_token_id if cfg.pad_token_id is not None else cfg.eos_token_id
-    if isinstance(pad, list):
-        pad = pad[0]
-    kwargs = dict(max_new_tokens=gen.max_new_tokens, do_sample=gen.do_sample, pad_token_id=pad,
+    kwargs = dict(max_new_tokens=gen.max_new_tokens, do_sample=gen.do_sample, pad_token_id=pad_token_id(target),
                   repetition_penalty=1.0, no_repeat_ngram_size=0, min_new_tokens=0)
     if gen.do_sample:
         kwargs.update(temperature=gen.temperature, top_k=gen.top_k or 0, top_p=1.0 if gen.top_p is None else gen.top_p)
@@ -338,7 +272,7 @@ def build_methods(config: BenchConfig, target, tokenizer, drafts: dict) -> list[
         draft = drafts.get(m.draft) if m.draft else None
         if m.is_reference:
             run = _hf_runner(target, config.generation, _hf_extra(m, target, tokenizer, draft))
-            run_batch = _hf_batch_runner(target, config.generation) if m.generator == BASELINE else None
+            run_batch = _hf_batch_runner(target, config.generation) if m.kind.baseline else None
         else:
             run, run_batch = _spec_runner(m, target, tokenizer, draft, config.generation)
         runners.append(MethodRunner(m, run, run_batch))
@@ -354,15 +288,6 @@ class RunResult:
     rows_new: int = 0
     report: Path | None = None
     notes: list[str] = field(default_factory=list)
-
-
-def default_out_dir(config_path: str | Path) -> Path:
-    """``benchmarks/results/<stem>/``: beside ``benchmarks/configs/`` when the config lives there,
-    else under the current directory."""
-    path = Path(config_path).resolve()
-    if path.parent.name == "configs" and path.parent.parent.name == "benchmarks":
-        return path.parent.parent / "results" / path.stem
-    return Path("benchmarks") / "results" / path.stem
 
 
 def prepare_out_dir(out_dir: Path, digest: str, fresh: bool) -> None:
@@ -430,19 +355,6 @@ def _warm_up(runners: list[MethodRunner], tokenizer, batched: bool = False, pad_
                               f"{exc}") from None
 
 
-def pad_token_id(target) -> int:
-    cfg = target.generation_config
-    pad = cfg.pad_token_id if cfg.pad_token_id is not None else cfg.eos_token_id
-    if isinstance(pad, list):
-        pad = pad[0]
-    return int(pad if pad is not None else 0)
-
-
-def eos_token_ids(target) -> set[int]:
-    eos = target.generation_config.eos_token_id
-    return set() if eos is None else {int(eos)} if isinstance(eos, int) else {int(e) for e in eos}
-
-
 def real_new_tokens(new: torch.Tensor, eos: set[int]) -> list[list[int]]:
     """[B, N] generated ids -> per row, the ids up to and including the first EOS (the rest is padding)."""
     rows = []
@@ -452,14 +364,114 @@ def real_new_tokens(new: torch.Tensor, eos: set[int]) -> list[list[int]]:
     return rows
 
 
+@dataclass
+class _Models:
+    """The loaded target and the methods built on it, ready to run."""
+
+    target: torch.nn.Module
+    tokenizer: object
+    runners: list[MethodRunner]
+    pad_id: int
+    eos: set[int]
+
+
+def _load_and_warm_up(config: BenchConfig, log: Callable[[str], None]) -> _Models:
+    """Load the target and drafts, build every method, warm each up once (nothing is written)."""
+    log(f"loading {config.target} ...")
+    target, tokenizer = load_model(config.target)
+    drafts = _load_drafts(config)
+    runners = build_methods(config, target, tokenizer, drafts)
+    warm = config.model_copy(update={"generation": config.generation.model_copy(
+        update={"max_new_tokens": config.warmup_new_tokens})})
+    pad_id = pad_token_id(target)
+    _warm_up(build_methods(warm, target, tokenizer, drafts), tokenizer, batched=any(b > 1 for b in config.batch_sizes),
+             pad_id=pad_id)
+    return _Models(target, tokenizer, runners, pad_id, set(eos_token_ids(target)))
+
+
+@contextmanager
+def _process_settings(threads: int) -> Iterator[None]:
+    """torch threads and transformers' log level for the run; restored after, so that a library call
+    leaves the process as it found it."""
+    from transformers.utils import logging as hf_logging
+
+    previous_threads, verbosity = torch.get_num_threads(), hf_logging.get_verbosity()
+    torch.set_num_threads(threads)
+    hf_logging.set_verbosity_error()  # per-call generation notices would drown the progress bar
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        torch.set_num_threads(previous_threads)
+
+
+class _Recorder:
+    """Appends rows to the store (synced), keeps ``done`` and the progress bar up to date."""
+
+    def __init__(self, store: ResultStore, done: dict, result: RunResult, bar, on_row: Callable[[dict], None] | None):
+        self.store, self.done, self.result, self.bar, self.on_row = store, done, result, bar, on_row
+
+    def __call__(self, row: dict, label: str) -> None:
+        self.store.append(row)
+        self.done[row_key(row)] = row
+        self.result.rows_new += 1
+        self.bar.update(1)
+        self.bar.set_postfix_str(f"{row['method']} {label} {_total_tokens(row) / max(row['seconds'], 1e-9):.1f} tok/s")
+        if self.on_row is not None:
+            self.on_row(row)
+
+
+def _open_results(out_dir: Path, config: BenchConfig, config_file: str, digest: str, questions: list[Question],
+                  runners: list[MethodRunner], fresh: bool, log: Callable[[str], None]) -> tuple[ResultStore, dict, RunResult]:
+    """Create (or resume) the output directory: the store, the rows already done, the run's counts."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    prepare_out_dir(out_dir, digest, fresh)
+    store = ResultStore(out_dir / RESULTS_FILE)
+    done = {row_key(r): r for r in store.load(repair=True)}
+    planned = planned_keys([(r.config.name, r.run_batch is not None) for r in runners],
+                           [(q.question_id, len(q.turns)) for q in questions], config.batch_sizes)
+    result = RunResult(out_dir, len(planned), len(planned & set(done)))
+    _write_run_file(out_dir, config, config_file, digest, questions, result.rows_done_before)
+    if result.rows_done_before:
+        log(f"resuming: {result.rows_done_before}/{result.rows_total} rows already in {store.path}")
+    return store, done, result
+
+
+def _run_per_question(models: _Models, questions: list[Question], gen: GenerationSettings, done: dict,
+                      record: _Recorder) -> None:
+    """The batch-size-1 pass: every question, every method in order, every turn in order."""
+    for q in questions:
+        for runner in models.runners:
+            answers: list[str] = []
+            for turn in range(1, len(q.turns) + 1):
+                key = (runner.config.name, q.question_id, turn)
+                if key in done:
+                    answers.append(done[key]["text"])
+                    continue
+                row = _run_one(runner, q, turn, answers, models, gen)
+                answers.append(row["text"])
+                record(row, q.subtask)
+
+
+def _run_batches(models: _Models, questions: list[Question], batch_size: int, gen: GenerationSettings, done: dict,
+                 record: _Recorder) -> None:
+    """One batch-size > 1 pass: first turns, left-padded batches, every method that runs batches."""
+    for index, group in enumerate(batch_groups(questions, batch_size)):
+        prompts = None
+        for runner in models.runners:
+            if runner.run_batch is None or (runner.config.name, "batch", batch_size, index) in done:
+                continue
+            if prompts is None:
+                prompts = [encode_chat(models.tokenizer, build_messages(q.turns[:1], []))[0] for q in group]
+            row = _run_batch(runner, group, prompts, batch_size, index, models, gen)
+            record(row, f"batch {batch_size} #{index}")
+
+
 def run_benchmark(config: BenchConfig, *, config_file: str | Path, out_dir: str | Path | None = None,
                   fresh: bool = False, progress: bool = True, on_row: Callable[[dict], None] | None = None,
                   log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr)) -> RunResult:
     """Run (or resume) ``config``; return where the results are. See the module docstring."""
     from tqdm.auto import tqdm
-    from transformers.utils import logging as hf_logging
-
-    from .report import write_report
 
     config_file = str(config_file)
     out_dir = Path(out_dir) if out_dir is not None else default_out_dir(config_file)
@@ -467,97 +479,38 @@ def run_benchmark(config: BenchConfig, *, config_file: str | Path, out_dir: str 
     digest = config_hash(config, questions)
     if not fresh:
         prepare_out_dir(out_dir, digest, fresh=False)  # refuse early, before loading any model
+    log(f"results: {shown_path(out_dir)}")
+    if not plots_available():
+        log(PLOTS_NEED_MATPLOTLIB)
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(config.threads)
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # per-call generation notices would drown the progress bar
-    try:
-        log(f"loading {config.target} ...")
-        target, tokenizer = load_model(config.target)
-        drafts = _load_drafts(config)
-        runners = build_methods(config, target, tokenizer, drafts)
-        warm = config.model_copy(update={"generation": config.generation.model_copy(
-            update={"max_new_tokens": config.warmup_new_tokens})})
-        batched_sizes = [b for b in config.batch_sizes if b > 1]
-        pad_id = pad_token_id(target)
-        _warm_up(build_methods(warm, target, tokenizer, drafts), tokenizer, batched=bool(batched_sizes), pad_id=pad_id)
-
+    with _process_settings(config.threads):
+        models = _load_and_warm_up(config, log)
         # -- from here on, files are written ------------------------------------------------------
-        out_dir.mkdir(parents=True, exist_ok=True)
-        prepare_out_dir(out_dir, digest, fresh)
-        store = ResultStore(out_dir / RESULTS_FILE)
-        done = {row_key(r): r for r in store.load(repair=True)}
-        planned = set()
-        if 1 in config.batch_sizes:
-            planned |= {(r.config.name, q.question_id, t) for q in questions for r in runners
-                        for t in range(1, len(q.turns) + 1)}
-        for b in batched_sizes:
-            planned |= {(r.config.name, "batch", b, i) for i in range(len(batch_groups(questions, b)))
-                        for r in runners if r.run_batch is not None}
-        total = len(planned)
-        result = RunResult(out_dir, total, len(planned & set(done)))
-        _write_run_file(out_dir, config, config_file, digest, questions, result.rows_done_before)
-        if result.rows_done_before:
-            log(f"resuming: {result.rows_done_before}/{total} rows already in {store.path}")
-
-        bar = tqdm(total=total, initial=result.rows_done_before, unit="row", disable=not progress,
-                   desc=Path(config_file).stem, dynamic_ncols=True)
-
-        def record(row: dict, label: str) -> None:
-            store.append(row)
-            done[row_key(row)] = row
-            result.rows_new += 1
-            bar.update(1)
-            bar.set_postfix_str(f"{row['method']} {label} {_total_tokens(row) / max(row['seconds'], 1e-9):.1f} tok/s")
-            if on_row is not None:
-                on_row(row)
-
-        try:
+        store, done, result = _open_results(out_dir, config, config_file, digest, questions, models.runners, fresh, log)
+        with tqdm(total=result.rows_total, initial=result.rows_done_before, unit="row", disable=not progress,
+                  desc=Path(config_file).stem, dynamic_ncols=True) as bar:
+            record = _Recorder(store, done, result, bar, on_row)
             if 1 in config.batch_sizes:
-                for q in questions:
-                    for runner in runners:
-                        answers: list[str] = []
-                        for turn in range(1, len(q.turns) + 1):
-                            key = (runner.config.name, q.question_id, turn)
-                            if key in done:
-                                answers.append(done[key]["text"])
-                                continue
-                            row = _run_one(runner, q, turn, answers, target, tokenizer, config.generation)
-                            answers.append(row["text"])
-                            record(row, q.subtask)
-            eos = eos_token_ids(target)
-            for b in batched_sizes:
-                for index, group in enumerate(batch_groups(questions, b)):
-                    prompts = None
-                    for runner in runners:
-                        if runner.run_batch is None or (runner.config.name, "batch", b, index) in done:
-                            continue
-                        if prompts is None:
-                            prompts = [encode_chat(tokenizer, build_messages(q.turns[:1], []))[0] for q in group]
-                        row = _run_batch(runner, group, prompts, b, index, target, pad_id, eos, config.generation)
-                        record(row, f"batch {b} #{index}")
-        finally:
-            bar.close()
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        torch.set_num_threads(threads)  # a library call leaves the process as it found it
-    result.report = write_report(out_dir)
+                _run_per_question(models, questions, config.generation, done, record)
+            for size in (b for b in config.batch_sizes if b > 1):
+                _run_batches(models, questions, size, config.generation, done, record)
+    result.report = write_report(out_dir, log=None)  # a missing matplotlib was reported at the start
     return result
 
 
-def _run_one(runner: MethodRunner, q: Question, turn: int, answers: list[str], target, tokenizer,
+def _run_one(runner: MethodRunner, q: Question, turn: int, answers: list[str], models: _Models,
              gen: GenerationSettings) -> dict:
+    tokenizer = models.tokenizer
     input_ids = encode_chat(tokenizer, build_messages(q.turns[:turn], answers))  # [1, L]
     seed = question_seed(gen.seed, q.question_id, turn) if gen.do_sample else None
-    with count_forwards(target) as forwards:
+    with ForwardTimer(models.target) as forwards:
         started = time.perf_counter()
         new_ids, stats = runner.run(input_ids, seed)
         seconds = time.perf_counter() - started
     return {
         "method": runner.config.name, "generator": runner.config.generator, "question_id": q.question_id,
         "category": q.category, "subtask": q.subtask, "turn": turn, "prompt_tokens": int(input_ids.shape[1]),
-        "new_tokens": len(new_ids), "seconds": seconds, "target_forwards": forwards[0], "seed": seed,
+        "new_tokens": len(new_ids), "seconds": seconds, "target_forwards": forwards.calls, "seed": seed,
         "stats": stats.as_dict() if stats is not None else None,
         "output_ids": new_ids, "text": tokenizer.decode(new_ids, skip_special_tokens=True),
     }
@@ -568,20 +521,20 @@ def _total_tokens(row: dict) -> int:
 
 
 def _run_batch(runner: MethodRunner, group: list[Question], prompts: list[torch.Tensor], batch_size: int,
-               batch_index: int, target, pad_id: int, eos: set[int], gen: GenerationSettings) -> dict:
+               batch_index: int, models: _Models, gen: GenerationSettings) -> dict:
     """One left-padded batch of first turns through one method: one row with per-row outputs."""
-    input_ids, attention_mask = left_pad(prompts, pad_id)
+    input_ids, attention_mask = left_pad(prompts, models.pad_id)
     seed = batch_seed(gen.seed, batch_size, batch_index) if gen.do_sample else None
-    with count_forwards(target) as forwards:
+    with ForwardTimer(models.target) as forwards:
         started = time.perf_counter()
         new, stats = runner.run_batch(input_ids, attention_mask, seed)
         seconds = time.perf_counter() - started
-    outputs = real_new_tokens(new, eos)
+    outputs = real_new_tokens(new, models.eos)
     return {
         "method": runner.config.name, "generator": runner.config.generator, "batch_size": batch_size,
         "batch_index": batch_index, "question_ids": [q.question_id for q in group],
         "categories": [q.category for q in group], "subtasks": [q.subtask for q in group], "turn": 1,
         "prompt_tokens": [int(p.numel()) for p in prompts], "padded_width": int(input_ids.shape[1]),
-        "new_tokens": [len(o) for o in outputs], "seconds": seconds, "target_forwards": forwards[0], "seed": seed,
+        "new_tokens": [len(o) for o in outputs], "seconds": seconds, "target_forwards": forwards.calls, "seed": seed,
         "stats": stats.as_dict() if stats is not None else None, "output_ids": outputs,
     }
