@@ -3,7 +3,8 @@
 * :mod:`.config`: the pydantic schema (unknown fields refused, one-line errors);
 * :mod:`.runner`: runs every method on the same prompts, interleaved per question, one JSON line
   per (method, question, turn), resumable;
-* :mod:`.report`: Markdown tables and PNG plots rebuilt from the JSON lines;
+* :mod:`.results`: the output directory (where it is, its files, row keys), shared by both below;
+* :mod:`.report`: Markdown tables and PNG plots rebuilt from the JSON lines (plots need matplotlib);
 * :mod:`.cli`: the command line.
 """
 

@@ -28,7 +28,10 @@ run has it (decoding the row alone), else against the batched ``baseline`` row. 
 column is computed from the first turns of the per-question rows, so every column covers the
 same prompts.
 
-Nothing here redefines a metric that ``specdec.metrics`` defines.
+Nothing here redefines a metric that ``specdec.metrics`` defines, and nothing tests a method's
+name: which method is the baseline, which run in batches and which are set side by side with
+transformers' come from :func:`specdec.bench.config.method_kind`. Plots need matplotlib (the
+``bench`` extra); without it report.md is written alone.
 """
 
 from __future__ import annotations

@@ -209,7 +209,9 @@ def _hf_batch_runner(target, gen: GenerationSettings):
     return run_batch
 
 
-def _vocab_size(model) -> int:
+def _config_vocab_size(model) -> int:
+    """The config's vocabulary size: what transformers compares to decide whether an assistant needs
+    tokenizers (not :func:`specdec.modelinfo.vocab_size`, the logits width, which may be padded)."""
     return model.config.get_text_config().vocab_size
 
 
@@ -220,7 +222,7 @@ def _hf_extra(method: MethodConfig, target, tokenizer, draft) -> Callable[[], di
         return lambda: {"prompt_lookup_num_tokens": options.num_tokens, "max_matching_ngram_size": options.max_ngram}
     if method.generator == HF_ASSISTED:
         model, draft_tokenizer = draft
-        same_vocab = _vocab_size(model) == _vocab_size(target)  # transformers' own test for a universal assistant
+        same_vocab = _config_vocab_size(model) == _config_vocab_size(target)  # transformers' test for a universal assistant
 
         def extra():
             # transformers reads these from the assistant's generation_config and, under "heuristic",
