@@ -1,20 +1,66 @@
-"""Command line: ``specdec generate | demo | list | bench``."""
+"""Command line: ``specdec generate | demo | list | bench``.
+
+Every argument is checked before a model loads (loading a packaged model takes seconds to tens of
+seconds): numbers, model names, the generator name and its ``--option`` keys (against the
+generator's ``__init__``), a generator that drafts without a model is even built first.
+"""
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import inspect
 import sys
 import time
+from dataclasses import dataclass, field
 
 import torch
+
+
+class UsageError(ValueError):
+    """A command-line argument that cannot work; reported as ``specdec: error: ...``, exit status 2."""
+
+
+# -- argument types ------------------------------------------------------------------------------------
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
 
 
 def _parse_options(pairs: list[str]) -> dict:
     options = {}
     for pair in pairs or []:
-        if "=" not in pair:
-            raise SystemExit(f"--option expects key=value, got {pair!r}")
-        key, value = pair.split("=", 1)
+        key, sep, value = pair.partition("=")
+        key = key.strip()
+        if not sep or not key.isidentifier():
+            raise UsageError(f"--option expects KEY=VALUE, got {pair!r}")
+        if key in options:
+            raise UsageError(f"--option {key} given twice")
         for cast in (int, float):
             try:
                 value = cast(value)
@@ -25,42 +71,176 @@ def _parse_options(pairs: list[str]) -> dict:
     return options
 
 
-def _build_decoder(target, tokenizer, draft: str | None, options: dict):
-    from .decoder import SpecDecoder
-    from .models import PACKAGED_MODELS, load_model
-    from .registry import available_generators
+def _did_you_mean(name: str, known) -> str:
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+# -- the draft: checked before any model loads ------------------------------------------------------------
+@dataclass
+class DraftPlan:
+    """What ``--draft`` and ``--option`` resolved to: nothing, a generator built already (one that
+    drafts without a model), or a draft model to load (``model``) with generator ``options``."""
+
+    generator: object = None
+    model: str | None = None
+    options: dict = field(default_factory=dict)
+
+
+def generator_options(cls, takes_model: bool) -> tuple[dict, bool]:
+    """The options of generator class ``cls``: ``{name: inspect.Parameter}`` of its ``__init__``
+    parameters that can be passed by keyword (the draft model, passed first by position, left
+    out when ``takes_model``), and whether it also takes ``**kwargs``."""
+    if cls.__init__ is object.__init__:
+        return {}, False
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:]  # without self
+    if takes_model and params and params[0].kind in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
+        params = params[1:]
+    named = {p.name: p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return named, any(p.kind == p.VAR_KEYWORD for p in params)
+
+
+def _describe_options(params: dict) -> str:
+    if not params:
+        return "it takes no options"
+    shown = [name if p.default is p.empty else f"{name}={p.default!r}" for name, p in params.items()]
+    return f"its options (with defaults): {', '.join(shown)}"
+
+
+def _needs_model(cls) -> bool:
+    """``cls.__init__`` has a required positional parameter: the draft model."""
+    if cls.__init__ is object.__init__:
+        return False
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    return bool(params) and params[0].kind in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD) \
+        and params[0].default is params[0].empty
+
+
+def _check_option_names(label: str, params: dict, var_kw: bool, options: dict) -> None:
+    if var_kw:
+        return
+    for key in options:
+        if key not in params:
+            raise UsageError(f"{label} has no option {key!r}.{_did_you_mean(key, params)} "
+                             f"{_describe_options(params).capitalize()}.")
+    missing = [n for n, p in params.items() if p.default is p.empty and n not in options]
+    if missing:
+        raise UsageError(f"{label} needs " + ", ".join(f"--option {n}=VALUE" for n in missing))
+
+
+def plan_draft(draft: str | None, options: dict) -> DraftPlan:
+    """Check ``--draft`` and ``--option`` without loading a model (see :class:`DraftPlan`)."""
+    from .decoder import CROSS_TOKENIZER_GENERATOR, MODEL_DRAFT_GENERATOR
+    from .models import PACKAGED_MODELS, ModelNotAvailableError, check_model_name
+    from .registry import available_generators, get_candidate_generator
 
     if draft is None or draft == "none":
-        return SpecDecoder(target, None, tokenizer=tokenizer)
-    if draft in available_generators():
+        if options:
+            raise UsageError(f"--option {', '.join(options)}: plain decoding (--draft none) takes no options")
+        return DraftPlan()
+    generators = available_generators()
+    if draft in generators:
+        cls = get_candidate_generator(draft)
+        label = f"candidate generator {draft!r}"
+        if _needs_model(cls):
+            raise UsageError(f"{label} drafts with a model: give the draft model's name as --draft instead "
+                             f"(e.g. --draft smollm2-135m; see `specdec list`)")
+        params, var_kw = generator_options(cls, takes_model=False)
+        _check_option_names(label, params, var_kw, options)
         try:
-            return SpecDecoder(target, draft, tokenizer=tokenizer, **options)
-        except TypeError as exc:
-            raise ValueError(f"{exc} (generators that draft with a model take the model's name as --draft, "
-                             "e.g. --draft gemma3-270m)") from None
-    if draft in PACKAGED_MODELS or draft.startswith("tiny-random:") or "/" in draft:
-        draft_model, draft_tokenizer = load_model(draft)
-        return SpecDecoder(target, draft_model, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer, **options)
-    from .registry import get_candidate_generator
+            return DraftPlan(generator=cls(**options))
+        except (TypeError, ValueError) as exc:
+            raise UsageError(f"{label}: {exc}") from None
+    try:
+        check_model_name(draft)
+    except ModelNotAvailableError as exc:
+        if not (draft.startswith("tiny-random:") or "/" in draft or draft in PACKAGED_MODELS):
+            hint = _did_you_mean(draft, [*generators, *PACKAGED_MODELS])
+            raise UsageError(f"--draft {draft!r} is neither a candidate generator nor a model.{hint} "
+                             f"Generators: {', '.join(generators)}; models: see `specdec list`") from None
+        raise UsageError(f"--draft: {exc}") from None
+    # a draft model: draft_model drafts with it, or cross_tokenizer when its tokenizer differs
+    # from the target's (known only once both are loaded), so options valid for either are allowed
+    classes = {n: get_candidate_generator(n) for n in (MODEL_DRAFT_GENERATOR, CROSS_TOKENIZER_GENERATOR)
+               if n in generators}
+    params, var_kw = {}, False
+    for cls in classes.values():
+        p, v = generator_options(cls, takes_model=True)
+        params.update({k: val for k, val in p.items() if k not in params})
+        var_kw |= v
+    if not var_kw:
+        for key in options:
+            if key not in params:
+                raise UsageError(f"a draft model (generators {' / '.join(classes)}) has no option {key!r}."
+                                 f"{_did_you_mean(key, params)} {_describe_options(params).capitalize()}.")
+    errors = []
+    for name, cls in classes.items():  # values too, with a stand-in for the model where the names fit
+        p, v = generator_options(cls, takes_model=True)
+        if v or set(options) <= set(p):
+            try:
+                cls(torch.nn.Module(), **options)
+                errors = []
+                break
+            except ValueError as exc:
+                errors.append(f"{name}: {exc}")
+            except Exception:  # needs the real model to tell: checked once it is loaded
+                errors = []
+                break
+    if errors:
+        raise UsageError(f"--option: {errors[0]}")
+    return DraftPlan(model=draft, options=options)
 
-    get_candidate_generator(draft)  # raises with "did you mean"
-    raise AssertionError  # pragma: no cover
+
+def check_target(name: str) -> None:
+    from .models import ModelNotAvailableError, check_model_name
+
+    try:
+        check_model_name(name)
+    except ModelNotAvailableError as exc:
+        raise UsageError(f"--target: {exc}") from None
+
+
+def build_decoder(target, tokenizer, plan: DraftPlan):
+    """The ``SpecDecoder`` of a checked plan (loads the draft model, if any)."""
+    from .decoder import SpecDecoder
+    from .models import load_model
+
+    if plan.model is None:
+        return SpecDecoder(target, plan.generator, tokenizer=tokenizer)
+    draft_model, draft_tokenizer = load_model(plan.model)
+    try:
+        return SpecDecoder(target, draft_model, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer, **plan.options)
+    except TypeError as exc:
+        raise UsageError(str(exc)) from None
+
+
+# -- commands ---------------------------------------------------------------------------------------
+def _status(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def cmd_generate(args) -> int:
     from .models import load_model
     from .prompts import encode_chat
 
+    if not args.sample and (args.temperature is not None or args.top_k is not None or args.top_p is not None):
+        raise UsageError("--temperature, --top-k and --top-p apply only with --sample")
+    check_target(args.target)
+    plan = plan_draft(args.draft, _parse_options(args.option))
     torch.set_num_threads(args.threads)
     target, tokenizer = load_model(args.target)
-    decoder = _build_decoder(target, tokenizer, args.draft, _parse_options(args.option))
+    if tokenizer is None:
+        raise UsageError(f"--target {args.target!r} has no tokenizer to encode the prompt with")
+    decoder = build_decoder(target, tokenizer, plan)
     if args.raw or not getattr(tokenizer, "chat_template", None):
         input_ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
     else:
         input_ids = encode_chat(tokenizer, [{"role": "user", "content": args.prompt}])
     generator = torch.Generator().manual_seed(args.seed) if args.sample else None
+    sampling = dict(temperature=1.0 if args.temperature is None else args.temperature, top_k=args.top_k,
+                    top_p=args.top_p) if args.sample else {}
     out = decoder.generate(input_ids, max_new_tokens=args.max_new_tokens, do_sample=args.sample,
-                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, generator=generator)
+                           generator=generator, **sampling)
     print(tokenizer.decode(out.sequences[0, input_ids.shape[1]:], skip_special_tokens=True))
     s = out.stats
     print(f"\n-- {s.tokens_per_second:.1f} tokens/s | mean accepted length {s.mean_accepted_length:.2f} | "
@@ -69,35 +249,58 @@ def cmd_generate(args) -> int:
     return 0
 
 
+DEMO_CATEGORIES = ("summarization", "rag", "coding", "translation")
+
+
 def cmd_demo(args) -> int:
-    """Plain decoding (target.generate) vs speculative decoding on a few Spec-Bench prompts, side by side."""
+    """Plain decoding (target.generate) vs speculative decoding on a few Spec-Bench prompts, side by side.
+
+    The table goes to stdout; what it is doing (loading, each prompt and method) to stderr."""
     from .models import load_model
     from .prompts import encode_chat, load_questions
 
-    torch.set_num_threads(args.threads)
-    print(f"loading {args.target} ...", flush=True)
-    target, tokenizer = load_model(args.target)
-    questions = load_questions(args.dataset)
+    check_target(args.target)
+    if args.draft is None or args.draft == "none":
+        raise UsageError("the demo compares a draft with plain decoding: give a --draft other than 'none'")
+    plan = plan_draft(args.draft, _parse_options(args.option))
+    try:
+        questions = load_questions(args.dataset)
+    except FileNotFoundError as exc:
+        raise UsageError(f"{exc} (set SPECDEC_SPEC_BENCH or pass --dataset)") from None
     picked = []
-    for category in ("summarization", "rag", "coding", "translation"):
-        picked += [q for q in questions if q["category"] == category][: args.per_category]
-    spec = _build_decoder(target, tokenizer, args.draft, _parse_options(args.option))
+    for category in DEMO_CATEGORIES:
+        picked += [q for q in questions if q.get("category") == category][: args.per_category]
+    if not picked:
+        raise UsageError(f"{args.dataset} has no question in the categories {', '.join(DEMO_CATEGORIES)}")
+
+    torch.set_num_threads(args.threads)
+    _status(f"loading {args.target} ...")
+    target, tokenizer = load_model(args.target)
+    if plan.model is not None:
+        _status(f"loading the draft {plan.model} ...")
+    spec = build_decoder(target, tokenizer, plan)
 
     def plain(ids):  # the baseline is transformers' own greedy decoding
         return target.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
 
+    _status("warming up ...")
     warm = encode_chat(tokenizer, [{"role": "user", "content": "Hello"}])
     target.generate(warm, max_new_tokens=4, do_sample=False), spec.generate(warm, max_new_tokens=4)
     total_plain = total_spec = 0.0
     all_same = True
-    print(f"{'question':>10} {'category':>14} {'plain tok/s':>12} {'spec tok/s':>11} {'speedup':>8} {'accepted len':>13} {'identical':>10}")
-    for q in picked:
+    print(f"{'question':>10} {'category':>14} {'plain tok/s':>12} {'spec tok/s':>11} {'speedup':>8} {'accepted len':>13} {'identical':>10}",
+          flush=True)
+    for i, q in enumerate(picked, 1):
+        where = f"[{i}/{len(picked)}] {q['category']} (question {q['question_id']})"
         ids = encode_chat(tokenizer, [{"role": "user", "content": q["turns"][0]}])
+        _status(f"{where}: plain decoding, up to {args.max_new_tokens} tokens ...")
         t0 = time.perf_counter()
         ref = plain(ids)
         t1 = time.perf_counter()
+        _status(f"{where}: plain decoding took {t1 - t0:.1f}s; speculative decoding ({args.draft}) ...")
         out = spec.generate(ids, max_new_tokens=args.max_new_tokens)
         t2 = time.perf_counter()
+        _status(f"{where}: speculative decoding took {t2 - t1:.1f}s")
         same = torch.equal(ref, out.sequences)
         all_same &= same
         total_plain, total_spec = total_plain + (t1 - t0), total_spec + (t2 - t1)
@@ -142,23 +345,23 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--target", default="smollm2-135m", help="model name (see `specdec list`) or a local folder")
         p.add_argument("--draft", default="prompt_lookup", help="generator name, draft model name, or 'none'")
         p.add_argument("--option", action="append", metavar="KEY=VALUE", help="generator option, repeatable")
-        p.add_argument("--max-new-tokens", type=int, default=128)
-        p.add_argument("--threads", type=int, default=2)
+        p.add_argument("--max-new-tokens", type=_positive_int, default=128)
+        p.add_argument("--threads", type=_positive_int, default=2)
 
     g = sub.add_parser("generate", help="generate text for one prompt")
     common(g)
     g.add_argument("prompt")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--temperature", type=_positive_float, default=None, help="with --sample (default 1.0)")
+    g.add_argument("--top-k", type=_positive_int, default=None, help="with --sample")
+    g.add_argument("--top-p", type=_probability, default=None, help="with --sample")
     g.add_argument("--seed", type=int, default=0)
     g.set_defaults(func=cmd_generate)
 
     d = sub.add_parser("demo", help="speedup over plain decoding on a few Spec-Bench prompts")
     common(d)
-    d.add_argument("--per-category", type=int, default=1)
+    d.add_argument("--per-category", type=_positive_int, default=1)
     d.add_argument("--dataset", default=None, help="Spec-Bench question.jsonl (default: ../shared/spec_bench)")
     d.set_defaults(func=cmd_demo)
 
@@ -172,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, TypeError, KeyError, FileNotFoundError, RuntimeError) as exc:
-        if type(exc).__name__ in ("ModelNotAvailableError", "UnknownGeneratorError", "ValueError", "FileNotFoundError"):
+        if type(exc).__name__ in ("UsageError", "ModelNotAvailableError", "UnknownGeneratorError", "ValueError",
+                                  "FileNotFoundError"):
             print(f"specdec: error: {exc}", file=sys.stderr)
             return 2
         raise
