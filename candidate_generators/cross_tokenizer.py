@@ -16,7 +16,7 @@ history and of randomness the verifier does not use, which is what the draft's s
 no step of the text alignment below can change the output distribution: a misalignment only
 costs acceptance.
 
-State kept per row, between steps (``_Row``):
+State kept per row, between steps (:class:`RowText`):
 
 * ``text``: the committed text, whole characters only, and ``read``: how many committed target
   tokens it covers. Target tokens past ``read`` end inside a multi-byte character (byte-fallback
@@ -29,7 +29,7 @@ State kept per row, between steps (``_Row``):
 * ``frozen``/``frozen_chars``: the draft's token sequence is ``frozen tokens + encode(text[frozen_chars:])``.
   Only the tail (about ``DRAFT_WINDOW`` tokens plus the new text) is re-tokenized after a step,
   so a merge that straddles the old end is redone; tokens move into the frozen part only at a
-  split that re-encodes to the very same tokens on both sides. ``ModelState.sync`` then keeps the
+  split that re-encodes to the very same tokens on both sides. ``Assistant.rewrite`` then keeps the
   longest common prefix cached: accepted drafts that re-tokenize to themselves are never fed
   again, and nothing is re-encoded from the start of the text.
 
@@ -39,14 +39,15 @@ Batches of any size work: every row has its own text, marks and draft sequence.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 
 import torch
 from tokenizers import Tokenizer
 
 from specdec.generators import (CandidateGenerator, DecodeContext, DraftLengthSchedule, Feedback, Proposal,
-                                token_id_list)
+                                token_id_list, vocab_size)
+from specdec.modelinfo import eos_token_ids, pad_token_id
+from specdec.multimodal import declared_inputs
 from specdec.registry import register_candidate_generator
 from specdec.sampling import sample
 
@@ -178,12 +179,64 @@ def leading_special_ids(tokenizer) -> list[int]:
 
 
 @dataclass
-class _Row:
+class RowText:
+    """One row's committed text and its draft-token bookkeeping (see the module docstring)."""
+
     text: str  # committed text, whole characters
     read: int  # committed target tokens covered by `text`
     marks: list[tuple[int, int]] = field(default_factory=list)  # (target index, char offset), last = (read, len(text))
     frozen: int = 0  # draft tokens that never change again
     frozen_chars: int = 0  # characters of `text` they spell
+
+    @classmethod
+    def start(cls, target_tokenizer, ids: list[int]) -> "RowText":
+        """The row for committed target tokens ``ids`` (a prompt)."""
+        text, read = complete_text_after(target_tokenizer, ids, 0)
+        marks = []
+        for back in range(1, UTF8_MAX_BYTES + 1):  # one more clean boundary, a few tokens back
+            end = read - back
+            if end <= 0:
+                break
+            head = decode(target_tokenizer, ids[:end])
+            if not head.endswith(REPLACEMENT) and text.startswith(head):
+                marks.append((end, len(head)))
+                break
+        marks.append((read, len(text)))
+        return cls(text, read, marks)
+
+    def retokenize(self, draft_tokenizer) -> tuple[list[int], int]:
+        """Draft ids for ``text[frozen_chars:]`` (they follow the frozen tokens); moves the frozen
+        split forward where that changes nothing. Returns the ids and the old frozen count."""
+        tail = self.text[self.frozen_chars:]
+        ids, offsets = encode_with_offsets(draft_tokenizer, tail)
+        before = self.frozen
+        if len(ids) > DRAFT_WINDOW:
+            tokens, chars = freeze_split(draft_tokenizer, tail, ids, offsets, DRAFT_WINDOW)
+            self.frozen += tokens
+            self.frozen_chars += chars
+        return ids, before
+
+    def advance(self, target_tokenizer, committed: list[int]) -> None:
+        """Append the whole characters of newly committed target tokens (``committed``: the row's
+        committed tokens) to ``text``."""
+        start = self.marks[-2][0] if len(self.marks) > 1 else self.read  # a little decode context
+        text, n = complete_text_after(target_tokenizer, committed[start:], self.read - start)
+        if n:
+            self.text += text
+            self.read += n
+            self.marks = (self.marks + [(self.read, len(self.text))])[-MARKS_KEPT:]
+
+    def continuation(self, target_tokenizer, committed: list[int], text: str) -> tuple[list[int] | None, str]:
+        """Target ids that spell ``text`` after the committed tokens, and how they were found
+        (``anchored``, ``unanchored``, or ``unaligned`` with None)."""
+        count = len(committed)
+        candidates = [m for m in self.marks[:-1] if count - m[0] <= MAX_ANCHOR][-1:] + [self.marks[-1]]
+        for index, chars in candidates:
+            anchor_ids = committed[index:]
+            ids = continuation_ids(target_tokenizer, anchor_ids, self.text[chars:], text)
+            if ids is not None:
+                return ids, "anchored" if anchor_ids else "unanchored"
+        return None, "unaligned"
 
 
 @register_candidate_generator("cross_tokenizer")
@@ -196,7 +249,8 @@ class CrossTokenizerGenerator(CandidateGenerator):
     below ``min_confidence`` (0 = never): a proposal may depend on anything but the target's
     randomness, so this is as lossless as the rest. The defaults (6, adaptive, 0.5) were the best
     of five settings tried on Gemma-3-270M + SmolLM2-135M, where every draft token and every
-    verified position is expensive (docs/cross_tokenizer.md).
+    verified position is expensive (docs/cross_tokenizer.md). ``report()`` counts steps, proposed
+    target tokens and how each proposal was aligned (``anchored``, ``unanchored``, ``unaligned``).
     """
 
     def __init__(self, draft_model, *, num_tokens: int = 6, schedule: str = "adaptive", max_tokens: int = 16,
@@ -209,81 +263,48 @@ class CrossTokenizerGenerator(CandidateGenerator):
         self.draft = draft_model
         self.min_confidence = float(min_confidence)
         self.schedule = DraftLengthSchedule(num_tokens, schedule, max_tokens)
-        self.state = None
-        self.rows: list[_Row] = []
-        self.counts: dict[str, int] = {}
+        self.assistant = None
+        self.rows: list[RowText] = []
+        self.counts = {"steps": 0, "proposed": 0, "anchored": 0, "unanchored": 0, "unaligned": 0}
 
     # -- setup ---------------------------------------------------------------------------------
     def setup(self, ctx: DecodeContext) -> None:
-        if ctx.tokenizer is None or ctx.draft_tokenizer is None:
-            raise ValueError("cross_tokenizer needs both tokenizers: SpecDecoder(target, draft_model, "
-                             "tokenizer=target_tokenizer, draft_tokenizer=draft_tokenizer)")
-        params = {p.name for p in inspect.signature(self.draft.forward).parameters.values()
-                  if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
-        clash = sorted(k for k in ctx.model_inputs if k in params)
-        if clash:
-            raise ValueError(f"model inputs {clash} are laid out in the target's tokens and cannot be routed to a "
-                             "draft with another tokenizer; cross_tokenizer drafts from text only")
-        self.target_tokenizer, self.draft_tokenizer = ctx.tokenizer, ctx.draft_tokenizer
+        self._check(ctx)
         self.target_fast, self.draft_fast = fast(ctx.tokenizer), fast(ctx.draft_tokenizer)
-        head_rows = int(self.draft.get_output_embeddings().weight.shape[0])
-        self.draft_vocab = min(len(self.draft_tokenizer), head_rows)  # ids past the tokenizer spell nothing
+        self.draft_vocab = min(len(ctx.draft_tokenizer), vocab_size(self.draft))  # ids past the tokenizer spell nothing
         self.target_vocab = ctx.target_vocab_size
-        self.draft_stops = set(self.draft_tokenizer.all_special_ids)  # drafting text ends at any of these
-        self.draft_eos = set(token_id_list(self.draft_tokenizer.eos_token_id))
-        self.draft_eos |= set(token_id_list(getattr(self.draft.generation_config, "eos_token_id", None)))
-        target_eos = token_id_list(getattr(ctx.target.generation_config, "eos_token_id", None)) \
-            or token_id_list(self.target_tokenizer.eos_token_id)
+        self.draft_stops = set(ctx.draft_tokenizer.all_special_ids)  # drafting text ends at any of these
+        self.draft_eos = set(token_id_list(ctx.draft_tokenizer.eos_token_id)) | set(eos_token_ids(self.draft))
+        target_eos = eos_token_ids(ctx.target) or token_id_list(ctx.tokenizer.eos_token_id)
         self.target_eos = target_eos[0] if target_eos else None
-        self.lead = leading_special_ids(self.draft_tokenizer)
-        fallback = self.draft_tokenizer.bos_token_id
-        fallback = fallback if fallback is not None else self.draft_tokenizer.eos_token_id
-        pad = self.draft_tokenizer.pad_token_id
-        pad = int(pad if pad is not None else (fallback if fallback is not None else 0))
+        lead = leading_special_ids(ctx.draft_tokenizer)
+        pad = pad_token_id(self.draft)
+        bos_or_eos = token_id_list(ctx.draft_tokenizer.bos_token_id) or token_id_list(ctx.draft_tokenizer.eos_token_id)
 
-        self.counts = {"steps": 0, "proposed": 0, "anchored": 0, "unanchored": 0, "unaligned": 0}
         self.rows, sequences = [], []
         for b in range(ctx.batch_size):
-            ids = ctx.tokens[b, : int(ctx.lengths[b])].tolist()
-            row = self._start_row(ids)
-            lead = self.lead or ([int(fallback if fallback is not None else 0)] if not row.text else [])
-            row.frozen = len(lead)
-            tail, _ = self._retokenize(row)
-            sequences.append(lead + tail)
+            row = RowText.start(self.target_fast, ctx.tokens[b, : int(ctx.lengths[b])].tolist())
+            row_lead = lead or ((bos_or_eos or [pad])[:1] if not row.text else [])  # an empty text needs one token
+            row.frozen = len(row_lead)
+            tail, _ = row.retokenize(self.draft_fast)
+            sequences.append(row_lead + tail)
             self.rows.append(row)
         width = max(len(s) for s in sequences)
         tokens = torch.full((ctx.batch_size, width), pad, dtype=torch.long, device=ctx.tokens.device)
         for b, s in enumerate(sequences):
             tokens[b, : len(s)] = torch.tensor(s, dtype=torch.long)
         lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long, device=ctx.tokens.device)
-        self.state = ctx.attach(self.draft, tokens, lengths, pad_token_id=pad)
+        self.assistant = ctx.attach(self.draft, tokens, lengths, pad_token_id=pad)
         self.schedule.reset(ctx.batch_size)
 
-    def _start_row(self, ids: list[int]) -> _Row:
-        text, read = complete_text_after(self.target_fast, ids, 0)
-        marks = []
-        for back in range(1, UTF8_MAX_BYTES + 1):  # one more clean boundary, a few tokens back
-            end = read - back
-            if end <= 0:
-                break
-            head = decode(self.target_fast, ids[:end])
-            if not head.endswith(REPLACEMENT) and text.startswith(head):
-                marks.append((end, len(head)))
-                break
-        marks.append((read, len(text)))
-        return _Row(text, read, marks)
-
-    def _retokenize(self, row: _Row) -> tuple[list[int], int]:
-        """Draft ids for ``row.text[row.frozen_chars:]`` (they follow the frozen tokens); moves the
-        frozen split forward where that changes nothing. Returns the ids and the old frozen count."""
-        tail = row.text[row.frozen_chars:]
-        ids, offsets = encode_with_offsets(self.draft_fast, tail)
-        before = row.frozen
-        if len(ids) > DRAFT_WINDOW:
-            tokens, chars = freeze_split(self.draft_fast, tail, ids, offsets, DRAFT_WINDOW)
-            row.frozen += tokens
-            row.frozen_chars += chars
-        return ids, before
+    def _check(self, ctx: DecodeContext) -> None:
+        if ctx.tokenizer is None or ctx.draft_tokenizer is None:
+            raise ValueError("cross_tokenizer needs both tokenizers: SpecDecoder(target, draft_model, "
+                             "tokenizer=target_tokenizer, draft_tokenizer=draft_tokenizer)")
+        clash = sorted(set(ctx.model_inputs) & declared_inputs(self.draft))
+        if clash:
+            raise ValueError(f"model inputs {clash} are laid out in the target's tokens and cannot be routed to a "
+                             "draft with another tokenizer; cross_tokenizer drafts from text only")
 
     # -- drafting ------------------------------------------------------------------------------
     def propose(self, ctx: DecodeContext, max_drafts: torch.Tensor) -> Proposal:
@@ -292,44 +313,42 @@ class CrossTokenizerGenerator(CandidateGenerator):
         k = int(counts.max()) if counts.numel() else 0
         if k == 0:
             return Proposal.empty(ctx.batch_size, device)
-        base = self.state.lengths.clone()  # [B] draft tokens before this step's drafts
+        base = self.assistant.lengths  # [B] draft tokens before this step's drafts
+        drafted, taken = self._draft(ctx, counts)
+        proposals = []
+        for b, row in enumerate(self.rows):
+            ids = self._target_drafts(ctx, b, row, drafted[b][: int(taken[b])], int(base[b]))
+            proposals.append(ids[: max(int(max_drafts[b]), 0)])
+        proposal = Proposal.from_rows(proposals, device)
+        self.counts["steps"] += 1
+        self.counts["proposed"] += int(proposal.lengths.sum())
+        return proposal
+
+    def _draft(self, ctx: DecodeContext, counts: torch.Tensor) -> tuple[list[list[int]], torch.Tensor]:
+        """Run the draft until every row has ``counts[b]`` tokens or stopped early; -> (per-row
+        draft-token ids, taken [B])."""
         taken = torch.zeros_like(counts)  # [B] drafts each row keeps
         active = counts > 0  # [B] rows still drafting
-        stops = torch.tensor(sorted(self.draft_stops), dtype=torch.long, device=device)
+        stops = torch.tensor(sorted(self.draft_stops), dtype=torch.long, device=counts.device)
         drafted = []
         while bool(active.any()):
-            logits = self.state.forward(start=self.state.lengths - 1)[:, -1, : self.draft_vocab]  # [B, Vd]
+            logits = self.assistant.next_logits()[:, : self.draft_vocab]  # [B, Vd]
             if ctx.sampling.do_sample:
                 probs = ctx.sampling.probs(logits)  # [B, Vd]
                 token = sample(probs, ctx.generator)
             else:
                 probs, token = None, logits.argmax(-1)
             drafted.append(token)
-            self.state.append(token[:, None])
+            self.assistant.feed(token)
             taken += active.long()
             # a row stops at its count, at a special token, or (optionally) where the draft is unsure
             active &= (taken < counts) & ~torch.isin(token, stops)
             if self.min_confidence > 0:
                 probs = probs if probs is not None else torch.softmax(logits.float(), dim=-1)
                 active &= probs.gather(1, token[:, None]).squeeze(1) >= self.min_confidence
-        drafted_ids = torch.stack(drafted, dim=1).tolist()  # [B, rounds]
+        return torch.stack(drafted, dim=1).tolist(), taken
 
-        proposals = []
-        for b, row in enumerate(self.rows):
-            limit = int(max_drafts[b])
-            ids = self._target_drafts(ctx, b, row, drafted_ids[b][: int(taken[b])], int(base[b]))
-            proposals.append(ids[: max(limit, 0)])
-        width = max(len(p) for p in proposals)
-        token_ids = torch.zeros(len(proposals), width, dtype=torch.long, device=device)
-        for b, p in enumerate(proposals):
-            if p:
-                token_ids[b, : len(p)] = torch.tensor(p, dtype=torch.long)
-        lengths = torch.tensor([len(p) for p in proposals], dtype=torch.long, device=device)
-        self.counts["steps"] += 1
-        self.counts["proposed"] += int(lengths.sum())
-        return Proposal(token_ids, lengths)
-
-    def _target_drafts(self, ctx: DecodeContext, b: int, row: _Row, drafted: list[int], base: int) -> list[int]:
+    def _target_drafts(self, ctx: DecodeContext, b: int, row: RowText, drafted: list[int], base: int) -> list[int]:
         """Row b's drafted draft-token ids -> target ids spelling the same text after the committed tokens."""
         ends = False
         for i, t in enumerate(drafted):
@@ -337,11 +356,15 @@ class CrossTokenizerGenerator(CandidateGenerator):
                 ends = t in self.draft_eos
                 drafted = drafted[:i]
                 break
-        context = self.state.tokens[b, max(0, base - DECODE_CONTEXT): base].tolist()
+        context = self.assistant.row(b, max(0, base - DECODE_CONTEXT), base)
         text = text_after(self.draft_fast, context + drafted, len(context)).rstrip(REPLACEMENT) if drafted else ""
-        ids = self._continuation(ctx, b, row, text) if text else []
-        if ids is None:
-            return []
+        if not text:
+            ids = []
+        else:
+            ids, how = row.continuation(self.target_fast, ctx.tokens[b, : int(ctx.lengths[b])].tolist(), text)
+            self.counts[how] += 1
+            if ids is None:
+                return []
         if ends and self.target_eos is not None:
             ids = ids + [self.target_eos]
         for i, t in enumerate(ids):  # a tokenizer may know ids the target's head does not have
@@ -349,58 +372,25 @@ class CrossTokenizerGenerator(CandidateGenerator):
                 return ids[:i]
         return ids
 
-    def _continuation(self, ctx: DecodeContext, b: int, row: _Row, text: str) -> list[int] | None:
-        committed = int(ctx.lengths[b])
-        candidates = [m for m in row.marks[:-1] if committed - m[0] <= MAX_ANCHOR][-1:] + [row.marks[-1]]
-        for index, chars in candidates:
-            anchor_ids = ctx.tokens[b, index:committed].tolist()
-            ids = continuation_ids(self.target_fast, anchor_ids, row.text[chars:], text)
-            if ids is not None:
-                self.counts["anchored" if anchor_ids else "unanchored"] += 1
-                return ids
-        self.counts["unaligned"] += 1
-        return None
-
     # -- after verification --------------------------------------------------------------------
     def observe(self, ctx: DecodeContext, feedback: Feedback) -> None:
         self.schedule.update(feedback)
-        new_tails, since = [], []
+        tails, since = [], []
         for b, row in enumerate(self.rows):
-            self._advance_text(ctx, b, row)
-            ids, before = self._retokenize(row)
-            new_tails.append(ids)
+            row.advance(self.target_fast, ctx.tokens[b, : int(ctx.lengths[b])].tolist())
+            ids, before = row.retokenize(self.draft_fast)
+            tails.append(ids)
             since.append(before)
-        state, device = self.state, self.state.device
-        since_t = torch.tensor(since, dtype=torch.long, device=device)  # [B]
-        counts = torch.tensor([len(t) for t in new_tails], dtype=torch.long, device=device)  # [B]
-        lengths = since_t + counts
-        widest = int(counts.max())
-        tails = torch.tensor([t + [state.pad_token_id] * (widest - len(t)) for t in new_tails],
-                             dtype=torch.long, device=device)  # [B, widest]
-        tokens = state.tokens.new_full((len(self.rows), max(int(lengths.max()), state.tokens.shape[1])), state.pad_token_id)
-        tokens[:, : state.tokens.shape[1]] = state.tokens
-        cols = since_t[:, None] + torch.arange(widest, device=device)[None, :]  # [B, widest]
-        valid = torch.arange(widest, device=device)[None, :] < counts[:, None]
-        rows = torch.arange(len(self.rows), device=device)[:, None].expand_as(cols)
-        tokens[rows[valid], cols[valid]] = tails[valid]
-        state.sync(tokens, lengths, since=since_t)
-
-    def _advance_text(self, ctx: DecodeContext, b: int, row: _Row) -> None:
-        """Append the newly committed target tokens' whole characters to ``row.text``."""
-        committed = int(ctx.lengths[b])
-        start = row.marks[-2][0] if len(row.marks) > 1 else row.read  # a little decode context
-        ids = ctx.tokens[b, start:committed].tolist()
-        text, n = complete_text_after(self.target_fast, ids, row.read - start)
-        if n:
-            row.text += text
-            row.read += n
-            row.marks = (row.marks + [(row.read, len(row.text))])[-MARKS_KEPT:]
+        self.assistant.rewrite(since, tails)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.rows = [self.rows[i] for i in rows.tolist()]
         self.schedule.select_rows(rows)
 
+    def report(self) -> dict[str, int]:
+        return dict(self.counts)
+
     # -- introspection (tests, debugging) -------------------------------------------------------
     def draft_sequence(self, b: int) -> list[int]:
         """Row b's current draft-token sequence (after a step: the committed text, re-tokenized)."""
-        return self.state.tokens[b, : int(self.state.lengths[b])].tolist()
+        return self.assistant.row(b)

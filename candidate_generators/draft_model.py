@@ -1,9 +1,10 @@
 """``draft_model``: a smaller causal LM with the target's tokenizer drafts K tokens.
 
-The assistant is attached to the controller, which owns its cache: it is prefilled once, on the
-first call to ``propose``, then drafts one token per forward on its own cache. After every
-verification the controller rolls it back to the committed prefix, so it is never fed a token it
-already holds (only the target's new token, and the last draft when all were accepted).
+The assistant is attached to the controller, which owns its cache; the generator holds only an
+:class:`~specdec.assistant.Assistant` handle. The assistant is prefilled once, on the first call
+to ``propose``, then drafts one token per forward on its own cache. After every verification the
+controller brings it to the committed prefix, so it is never fed a token it already holds (only
+the target's new token, and the last draft when all were accepted).
 
 Vocabularies may be padded to different sizes; drafts are restricted to the ids both models
 have. A draft with a different tokenizer is refused (that needs a cross-tokenizer generator).
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from specdec.generators import (CandidateGenerator, DecodeContext, DraftLengthSchedule, Feedback, Proposal,
-                                token_id_list)
+                                token_id_list, vocab_size)
 from specdec.registry import register_candidate_generator
 from specdec.sampling import sample
 
@@ -22,16 +23,12 @@ from specdec.sampling import sample
 MAX_VOCAB_PADDING = 1024
 
 
-def _vocab_size(model) -> int:
-    return int(model.get_output_embeddings().weight.shape[0])
-
-
 def tokenizer_mismatch(target, draft, tokenizer, draft_tokenizer) -> str | None:
     """Why ``draft`` cannot draft for ``target`` token for token, or None."""
     if tokenizer is not None and draft_tokenizer is not None and tokenizer is not draft_tokenizer:
         if tokenizer.get_vocab() != draft_tokenizer.get_vocab():
             return "the target and draft tokenizers have different vocabularies"
-    vt, vd = _vocab_size(target), _vocab_size(draft)
+    vt, vd = vocab_size(target), vocab_size(draft)
     if abs(vt - vd) > MAX_VOCAB_PADDING:
         return f"vocabulary sizes differ beyond padding ({vt} vs {vd})"
     eos_t = token_id_list(target.generation_config.eos_token_id)
@@ -48,16 +45,16 @@ class DraftModelGenerator(CandidateGenerator):
             raise TypeError("draft_model needs a draft model: SpecDecoder(target, draft_model)")
         self.draft = draft
         self.schedule = DraftLengthSchedule(num_tokens, schedule, max_tokens)
-        self.state = None
+        self.assistant = None
 
     def setup(self, ctx: DecodeContext) -> None:
         problem = tokenizer_mismatch(ctx.target, self.draft, ctx.tokenizer, ctx.draft_tokenizer)
         if problem:
             raise ValueError(f"draft_model needs the target's tokenizer: {problem}. A draft with another "
                              "tokenizer needs the cross-tokenizer generator (pass tokenizer= and draft_tokenizer=).")
-        self.shared_vocab = min(_vocab_size(ctx.target), _vocab_size(self.draft))
+        self.shared_vocab = min(vocab_size(ctx.target), vocab_size(self.draft))
         self.target_vocab = ctx.target_vocab_size
-        self.state = ctx.attach(self.draft)
+        self.assistant = ctx.attach(self.draft)
         self.schedule.reset(ctx.batch_size)
 
     def propose(self, ctx: DecodeContext, max_drafts: torch.Tensor) -> Proposal:
@@ -67,7 +64,7 @@ class DraftModelGenerator(CandidateGenerator):
             return Proposal.empty(ctx.batch_size, max_drafts.device)
         ids, probs = [], []
         for i in range(k):
-            logits = self.state.forward(start=self.state.lengths - 1)[:, -1, : self.shared_vocab]  # [B, V]
+            logits = self.assistant.next_logits()[:, : self.shared_vocab]  # [B, V]
             if ctx.sampling.do_sample:
                 p = ctx.sampling.probs(logits)
                 token = sample(p, ctx.generator)
@@ -75,8 +72,8 @@ class DraftModelGenerator(CandidateGenerator):
             else:
                 token = logits.argmax(dim=-1)
             ids.append(token)
-            if i + 1 < k:
-                self.state.append(token[:, None])
+            if i + 1 < k:  # the last draft is fed next step, and only if the target accepts it
+                self.assistant.feed(token)
         token_ids = torch.stack(ids, dim=1)  # [B, k]
         return Proposal(token_ids, lengths, torch.stack(probs, dim=1) if probs else None)
 

@@ -48,11 +48,7 @@ class PromptLookupGenerator(CandidateGenerator):
         tokens, lengths = ctx.tokens, ctx.lengths.tolist()
         found = [lookup(tokens[b, : lengths[b]], self.max_ngram, self.min_ngram, budget[b]) if budget[b] > 0
                  else tokens.new_empty(0) for b in range(len(lengths))]
-        counts = [f.numel() for f in found]
-        token_ids = tokens.new_zeros(len(found), max(counts, default=0))
-        for b, f in enumerate(found):
-            token_ids[b, : f.numel()] = f
-        return Proposal(token_ids, torch.tensor(counts, dtype=torch.long, device=tokens.device))
+        return Proposal.from_rows(found, tokens.device)
 
     def observe(self, ctx: DecodeContext, feedback: Feedback) -> None:
         self.schedule.update(feedback)

@@ -1,39 +1,38 @@
 """The candidate-generator protocol: what a plugin implements and what it is given.
 
-A generator is created once per ``SpecDecoder`` and used for every ``generate()`` call:
+A generator instance is the *configuration* the user built (``SpecDecoder(target, "name",
+**options)``). Each ``generate()`` call works on its own *session*: ``generator.session()``,
+by default a fresh instance built with the same constructor arguments, so per-call state never
+leaks between calls and one decoder serves several calls at once (from different threads).
+A generator holding something built once and shared (a quantized model copy) overrides
+``session()``. On the session, in order:
 
-1. ``setup(ctx)`` at the start of each call, with a :class:`DecodeContext`: the target, the
-   tokenizers, the sampling parameters, the committed tokens, and ``ctx.attach(model)`` which
-   hands an assistant model to the controller (the controller then owns its cache, prefill-only
-   inputs and roll-back, exactly as for the target).
+1. ``setup(ctx)`` once, before any forward, with a :class:`DecodeContext`: the target, the
+   tokenizers, the sampling parameters, the committed tokens, and ``ctx.attach(model)``, which
+   hands an assistant model to the controller and returns an
+   :class:`~specdec.assistant.Assistant` handle (the controller owns its cache).
 2. ``propose(ctx, max_drafts) -> Proposal`` before every target forward. ``max_drafts [B]`` is the
    most each row may offer (so output never runs past ``max_new_tokens``).
 3. ``observe(ctx, feedback)`` after every verification, with per-row offered/accepted counts.
 4. ``select_rows(rows)`` when finished rows leave the batch (per-row state must follow).
+5. ``report() -> dict`` at the end: counters the generator wants in ``stats.generator``.
 
-Built-in generators live in ``candidate_generators/`` and use nothing beyond this module.
+Built-in generators live in ``candidate_generators/`` and use nothing beyond the public core.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
 
+from .modelinfo import token_id_list, vocab_size  # noqa: F401  (re-exported for plugins)
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .assistant import Assistant
     from .state import ModelState
-
-
-def token_id_list(ids) -> list[int]:
-    """An id setting as found in configs and tokenizers (None, an int, a list or a tensor) -> list."""
-    if ids is None:
-        return []
-    if isinstance(ids, torch.Tensor):
-        ids = ids.tolist()
-    return [int(ids)] if isinstance(ids, int) else [int(i) for i in ids]
 
 
 @dataclass
@@ -46,6 +45,16 @@ class Proposal:
     def empty(cls, batch: int, device: torch.device | str = "cpu") -> "Proposal":
         return cls(torch.zeros(batch, 0, dtype=torch.long, device=device),
                    torch.zeros(batch, dtype=torch.long, device=device))
+
+    @classmethod
+    def from_rows(cls, rows: list[list[int]] | list[torch.Tensor], device: torch.device | str = "cpu") -> "Proposal":
+        """Point-mass drafts from per-row lists (or 1-D tensors) of ids, padded with 0."""
+        counts = [len(r) for r in rows]
+        token_ids = torch.zeros(len(rows), max(counts, default=0), dtype=torch.long, device=device)
+        for b, r in enumerate(rows):
+            if counts[b]:
+                token_ids[b, : counts[b]] = torch.as_tensor(r, dtype=torch.long, device=device)
+        return cls(token_ids, torch.tensor(counts, dtype=torch.long, device=device))
 
 
 @dataclass
@@ -63,37 +72,37 @@ class DecodeContext:
     draft_tokenizer: Any
     sampling: SamplingParams
     generator: torch.Generator | None
-    target_state: "ModelState"
     model_inputs: dict[str, Any]
-    _attach: Any = None
+    _target_state: "ModelState" = field(repr=False)
+    _attach: Callable[..., "Assistant"] = field(repr=False)
 
     @property
     def tokens(self) -> torch.Tensor:
-        """[B, capacity] committed tokens, row b valid in ``[:lengths[b]]`` (prompt included)."""
-        return self.target_state.tokens
+        """[B, L] committed tokens (read only), row b valid in ``[:lengths[b]]`` (prompt included)."""
+        return self._target_state.tokens
 
     @property
     def lengths(self) -> torch.Tensor:
         """[B] committed length per row. During ``propose`` the target holds no drafts yet."""
-        return self.target_state.lengths
+        return self._target_state.lengths
 
     @property
     def batch_size(self) -> int:
-        return self.target_state.batch_size
+        return self._target_state.batch_size
 
     @property
     def target_vocab_size(self) -> int:
-        return int(self.target.get_output_embeddings().weight.shape[0])
+        return vocab_size(self.target)
 
     def attach(self, model, tokens: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
-               pad_token_id: int | None = None) -> "ModelState":
-        """Hand an assistant model to the controller and get its :class:`ModelState`.
+               pad_token_id: int | None = None) -> "Assistant":
+        """Hand an assistant model to the controller; get an :class:`~specdec.assistant.Assistant`.
 
-        Without ``tokens`` the assistant shares the target's token ids: the controller rolls it
-        back to the committed prefix after every verification. With ``tokens [B, L]`` and
-        ``lengths [B]`` (another tokenizer's ids) the generator keeps it in sync itself, with
-        ``state.sync`` / ``state.rollback`` / ``state.append``. Either way the controller builds
-        its cache, routes prefill-only inputs to its first forward, and drops finished rows.
+        Without ``tokens`` the assistant shares the target's token ids and the controller keeps it
+        at the committed prefix after every verification. With ``tokens [B, L]`` and ``lengths
+        [B]`` (another tokenizer's ids) the generator keeps it in step with ``rewrite``. Either way
+        the controller builds its cache, routes prefill-only inputs to its first forward, and drops
+        finished rows.
         """
         return self._attach(model, tokens, lengths, pad_token_id)
 
@@ -103,8 +112,19 @@ class CandidateGenerator:
 
     name: ClassVar[str] = ""
 
+    def __new__(cls, *args, **kwargs):
+        self = super().__new__(cls)
+        self._init_args = (args, kwargs)  # what session() rebuilds each call from
+        return self
+
+    def session(self) -> "CandidateGenerator":
+        """A generator for one ``generate()`` call: by default a fresh instance built with this
+        one's constructor arguments (models among them are shared, not copied)."""
+        args, kwargs = getattr(self, "_init_args", ((), {}))
+        return type(self)(*args, **kwargs)
+
     def setup(self, ctx: DecodeContext) -> None:
-        """Called at the start of every ``generate()``; validate here, before any forward."""
+        """Called once per session, before any forward: validate here, attach assistants."""
 
     def propose(self, ctx: DecodeContext, max_drafts: torch.Tensor) -> Proposal:
         raise NotImplementedError
@@ -114,6 +134,10 @@ class CandidateGenerator:
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` of any per-row state."""
+
+    def report(self) -> dict[str, Any]:
+        """Counters for ``stats.generator`` at the end of the call (none by default)."""
+        return {}
 
 
 class NoDraft(CandidateGenerator):

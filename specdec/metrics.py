@@ -28,6 +28,8 @@ class AcceptanceStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
+    #: numeric counters the candidate generator reported (``CandidateGenerator.report``)
+    generator: dict[str, float] = field(default_factory=dict)
 
     # -- recording ---------------------------------------------------------------------------
     def record_step(self, drafted: list[int], accepted: list[int], committed: list[int]) -> None:
@@ -54,6 +56,8 @@ class AcceptanceStats:
             draft_seconds=self.draft_seconds + other.draft_seconds,
             verify_seconds=self.verify_seconds + other.verify_seconds,
             total_seconds=self.total_seconds + other.total_seconds,
+            generator={k: self.generator.get(k, 0) + other.generator.get(k, 0)
+                       for k in {**self.generator, **other.generator}},
         )
 
     __add__ = merge
@@ -93,6 +97,7 @@ class AcceptanceStats:
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
             "total_seconds": self.total_seconds,
+            "generator": dict(self.generator),
             "mean_accepted_length": self.mean_accepted_length,
             "acceptance_rate": self.acceptance_rate,
             "per_position_acceptance": self.per_position_acceptance,
@@ -102,7 +107,7 @@ class AcceptanceStats:
     @classmethod
     def from_dict(cls, d: dict) -> "AcceptanceStats":
         keys = ("steps", "drafted_tokens", "accepted_tokens", "committed_tokens", "accepted_at_position",
-                "draft_seconds", "verify_seconds", "total_seconds")
+                "draft_seconds", "verify_seconds", "total_seconds", "generator")
         return cls(**{k: d[k] for k in keys if k in d})
 
     def summary(self) -> str:

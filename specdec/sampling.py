@@ -7,6 +7,7 @@ never goes through here: it takes the argmax of the raw logits, as ``generate(do
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,16 @@ class SamplingParams:
     top_p: float | None = None
 
     def validate(self) -> None:
+        """Refuse wrong types always and out-of-range values when sampling, before any forward."""
+        real = lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool)  # noqa: E731
+        if not isinstance(self.do_sample, (bool, int)) or self.do_sample not in (0, 1):
+            raise TypeError(f"do_sample must be a bool, got {self.do_sample!r}")
+        if not real(self.temperature):
+            raise TypeError(f"temperature must be a number, got {self.temperature!r}")
+        if self.top_k is not None and (not isinstance(self.top_k, numbers.Integral) or isinstance(self.top_k, bool)):
+            raise TypeError(f"top_k must be an int (0 or None: no top-k), got {self.top_k!r}")
+        if self.top_p is not None and not real(self.top_p):
+            raise TypeError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if not self.do_sample:
             return
         if not (self.temperature > 0):

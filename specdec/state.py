@@ -9,7 +9,7 @@ Invariant between forwards: every row's cached tokens are contiguous and end exa
 before whatever is new. Rows therefore never hold holes or stale slots, which keeps
 sliding-window layers exact: a window of W slots is W real tokens for every row.
 
-After a forward (or a rollback) rows may end at different slots. ``_realign`` restores the
+After a forward (or a commit) rows may end at different slots. ``_realign`` restores the
 invariant: if the ends are within ``REFEED_LIMIT`` of each other the cache is cropped to the
 shortest and the others re-feed their few extra tokens next time; otherwise rows that lag are
 shifted right inside the cache (their left padding grows), so re-feeding stays bounded.
@@ -50,6 +50,17 @@ def new_cache(model) -> DynamicCache:
 
 def cache_problem(model, batch_size: int) -> str | None:
     """Why this model cannot be decoded speculatively, or None. Runs no forward."""
+    name = type(model).__name__
+    if getattr(model.config, "is_encoder_decoder", False):
+        return f"{name} is an encoder-decoder model; specdec decodes causal (decoder-only) language models"
+    params = inspect.signature(model.forward).parameters
+    if "past_key_values" not in params and "cache" not in params:
+        return (f"{name}.forward takes no key/value cache (neither `past_key_values` nor `cache`): its state "
+                "(if any) lives elsewhere, e.g. RWKV's `state` or XLNet's `mems`, and cannot be rolled back to "
+                "the accepted prefix, so speculative decoding would be wrong")
+    devices = {p.device.type for p in model.parameters()}
+    if "meta" in devices:
+        return f"{name} has weights on the meta device (never loaded); load its weights before decoding"
     try:
         layers = DynamicCache(config=model.config).layers  # the layer kinds the model asks for
     except Exception as exc:  # pragma: no cover - exotic configs
@@ -69,13 +80,17 @@ class ModelState:
     #: rows whose cached ends differ by at most this many slots re-feed instead of shifting
     REFEED_LIMIT = 16
 
-    def __init__(self, model, tokens: torch.Tensor, lengths: torch.Tensor, capacity: int, *,
+    #: token columns allocated beyond the prompt at first; the buffer doubles as it fills
+    HEADROOM = 64
+
+    def __init__(self, model, tokens: torch.Tensor, lengths: torch.Tensor, capacity: int | None = None, *,
                  pad_token_id: int = 0, prefill_inputs: dict[str, Any] | PrefillInputs | None = None,
                  positions=None):
         batch = tokens.shape[0]
         self.model = model
         self.device = tokens.device
         self.cache = new_cache(model)
+        capacity = tokens.shape[1] + self.HEADROOM if capacity is None else max(capacity, tokens.shape[1])
         self.tokens = torch.full((batch, capacity), pad_token_id, dtype=torch.long, device=self.device)
         self.tokens[:, : tokens.shape[1]] = tokens
         self.lengths = lengths.clone().long()  # [B]
@@ -95,9 +110,12 @@ class ModelState:
     def batch_size(self) -> int:
         return self.tokens.shape[0]
 
-    def grow(self, capacity: int) -> None:
-        if capacity > self.tokens.shape[1]:
-            extra = self.tokens.new_full((self.batch_size, capacity - self.tokens.shape[1]), self.pad_token_id)
+    def grow(self, needed: int) -> None:
+        """Make room for ``needed`` tokens per row; capacity at least doubles (amortised O(1) per token),
+        so memory follows what is generated, not ``max_new_tokens``."""
+        capacity = self.tokens.shape[1]
+        if needed > capacity:
+            extra = self.tokens.new_full((self.batch_size, max(needed, 2 * capacity) - capacity), self.pad_token_id)
             self.tokens = torch.cat([self.tokens, extra], dim=1)
 
     # -- sequence edits -----------------------------------------------------------------------
@@ -113,8 +131,21 @@ class ModelState:
         self.tokens[rows[keep], cols[keep]] = ids[keep]
         self.lengths = self.lengths + counts
 
-    def rollback(self, lengths: torch.Tensor) -> None:
-        """Truncate every row to ``lengths [B]`` tokens and drop what the cache held beyond."""
+    def commit(self, start: torch.Tensor, block: torch.Tensor, keep: torch.Tensor, cached: torch.Tensor) -> None:
+        """Commit one verified block in one operation.
+
+        Row b becomes its first ``start[b]`` tokens followed by ``block[b, :keep[b]]`` (``block
+        [B, n]``: accepted drafts, then the target's token). ``cached [B]`` is how many tokens of
+        each row the last forward left valid in the cache (the committed tokens plus the accepted
+        drafts): the slots past it held rejected drafts. One realign, whatever was rejected.
+        """
+        self.lengths = start.clone()
+        self.append(block, keep)
+        held = self.cached_slots - self.offsets  # [B] tokens each row holds in the cache
+        self._realign(self.offsets + torch.minimum(torch.minimum(held, cached), self.lengths))
+
+    def truncate(self, lengths: torch.Tensor) -> None:
+        """Cut every row to at most ``lengths [B]`` tokens and drop what the cache held beyond."""
         self.lengths = torch.minimum(self.lengths, lengths)
         cached = self.cached_slots - self.offsets  # [B] tokens each row holds in the cache
         self._realign(self.offsets + torch.minimum(cached, self.lengths))
@@ -135,7 +166,7 @@ class ModelState:
         else:
             common = torch.minimum(since, lengths)
         # the last token stays uncached: the next forward must produce the logits that follow it
-        self.rollback(torch.minimum(common, lengths - 1))
+        self.truncate(torch.minimum(common, lengths - 1))
         self.grow(tokens.shape[1])
         first = int(since.min())  # rows already agree before `since`: copy only what may differ
         self.tokens[:, first: tokens.shape[1]] = tokens[:, first:]

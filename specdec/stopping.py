@@ -26,37 +26,34 @@ class Stopper:
             strings = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings)
             self.criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=strings))
 
-    def cut(self, tokens: torch.Tensor, lengths: torch.Tensor, prompt_lengths: torch.Tensor,
-            new_counts: torch.Tensor, scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def cut(self, tokens: torch.Tensor, committed: torch.Tensor, block: torch.Tensor, counts: torch.Tensor,
+            prompt_lengths: torch.Tensor, scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Decide how much of each row's new block to keep.
 
-        tokens [B, capacity] with the new blocks already in place; lengths [B] include them;
-        new_counts [B] tokens added this step; scores [B, n, vocab] target logits per new token.
-        Returns (keep [B], finished [B] bool).
+        tokens [B, L] holds row b's committed tokens in ``[:committed[b]]``; block [B, n] the new
+        tokens, ``counts[b]`` valid in row b; prompt_lengths [B]; scores [B, n, vocab] the
+        target's logits for each new token. Returns (keep [B], finished [B] bool).
         """
-        batch = tokens.shape[0]
-        width = int(new_counts.max()) if batch else 0
-        start = lengths - new_counts  # [B]
-        cols = start[:, None] + torch.arange(width, device=tokens.device)[None, :]  # [B, n]
-        in_block = torch.arange(width, device=tokens.device)[None, :] < new_counts[:, None]
-        block = tokens.gather(1, cols.clamp(max=tokens.shape[1] - 1))  # [B, n]
-        generated = cols + 1 - prompt_lengths[:, None]  # new tokens so far, counting this one
+        batch, width = block.shape
+        cols = torch.arange(width, device=block.device)[None, :]  # [1, n]
+        in_block = cols < counts[:, None]  # [B, n]
+        generated = (committed - prompt_lengths)[:, None] + cols + 1  # new tokens so far, counting this one
         stop = torch.isin(block, self.eos.to(block.device)) | (generated >= self.max_new_tokens)
         stop &= in_block
         # first stopping position per row, or width if none
-        first = torch.where(stop.any(1), stop.float().argmax(1), torch.full_like(start, width))
+        first = torch.where(stop.any(1), stop.float().argmax(1), torch.full_like(counts, width))
         if self.criteria:
             first = first.clone()
             for b in range(batch):
-                for j in range(min(int(first[b]) + 1, int(new_counts[b]))):
-                    row = tokens[b : b + 1, : int(cols[b, j]) + 1]
-                    row_scores = scores[b : b + 1, j] if scores is not None else None
+                for j in range(min(int(first[b]) + 1, int(counts[b]))):
+                    row = torch.cat([tokens[b: b + 1, : int(committed[b])], block[b: b + 1, : j + 1]], dim=1)
+                    row_scores = scores[b: b + 1, j] if scores is not None else None
                     # a list, not a generator: every criterion sees every token, as in generate()
                     if any([bool(c(row, row_scores).any()) for c in self.criteria]):
                         first[b] = j
                         break
-        finished = first < new_counts
-        keep = torch.where(finished, first + 1, new_counts)
+        finished = first < counts
+        keep = torch.where(finished, first + 1, counts)
         return keep, finished
 
 

@@ -80,13 +80,13 @@ def run_recorded(target, draft, ids, monkeypatch, *, max_new_tokens=40, num_toke
     """Decode with draft_model, recording both models' forwards and every step's verdict."""
     generator = DraftModelGenerator(draft, num_tokens=num_tokens, schedule="fixed")
     verdicts: list[tuple[list[int], list[int]]] = []
-    observe = generator.observe
+    observe = DraftModelGenerator.observe  # each call works on its own session: record on the class
 
-    def recording_observe(ctx, feedback):
+    def recording_observe(self, ctx, feedback):
         verdicts.append((feedback.offered.tolist(), feedback.accepted.tolist()))
-        observe(ctx, feedback)
+        observe(self, ctx, feedback)
 
-    monkeypatch.setattr(generator, "observe", recording_observe)
+    monkeypatch.setattr(DraftModelGenerator, "observe", recording_observe)
     recorders = Recorder(target), Recorder(draft)
     try:
         with monkeypatch.context() as patch:

@@ -192,6 +192,19 @@ def test_freeze_split_never_changes_the_tokens(tokenizers):
 
 
 # -- alignment, end to end, with text oracles --------------------------------------------------
+def record_sessions(decoder, prepare=lambda gen: None) -> list:
+    """The per-call sessions the decoder's generator makes (``prepare`` runs on each, before setup)."""
+    sessions, make = [], decoder.candidate_generator.session
+
+    def session():
+        sessions.append(make())
+        prepare(sessions[-1])
+        return sessions[-1]
+
+    decoder.candidate_generator.session = session
+    return sessions
+
+
 @pytest.mark.parametrize("num_tokens,schedule", [(3, "fixed"), (6, "fixed"), (4, "adaptive")])
 def test_perfect_drafts_are_accepted_across_every_boundary(tokenizers, num_tokens, schedule):
     target_tok, draft_tok = tokenizers
@@ -205,17 +218,18 @@ def test_perfect_drafts_are_accepted_across_every_boundary(tokenizers, num_token
                           num_tokens=num_tokens, schedule=schedule)
     assert isinstance(decoder.candidate_generator, CrossTokenizerGenerator)
     recorder = ForwardRecorder(draft)
+    sessions = record_sessions(decoder)
     out = decoder.generate(prompt, max_new_tokens=steps + 5)
     recorder.remove()
     assert torch.equal(out.sequences, reference)
 
-    gen = decoder.candidate_generator
+    gen = sessions[-1]
     # the draft's sequence spells the committed text (its last synced state)
     assert decode(draft_tok, gen.draft_sequence(0)) == SCRIPT
     # every drafted text was right, so only a token cut at a draft's end may be rejected
-    assert out.stats.acceptance_rate > 0.75, (out.stats.acceptance_rate, gen.counts)
+    assert out.stats.acceptance_rate > 0.75, (out.stats.acceptance_rate, out.stats.generator)
     assert out.stats.mean_accepted_length > 2.0
-    assert gen.counts["unaligned"] == 0
+    assert out.stats.generator["unaligned"] == 0
     # the draft keeps its cache: after the prefill no forward re-encodes the text
     fed = [c["tokens"] for c in recorder.calls]
     draft_prompt = len(encode(draft_tok, "Hello the"))
@@ -236,18 +250,22 @@ def test_batched_rows_with_oracles_each_match_their_own_generate(tokenizers):
     ids, mask = left_pad(rows, target_tok.pad_token_id)
     new = 30
     decoder = SpecDecoder(target, draft, tokenizer=target_tok, draft_tokenizer=draft_tok, num_tokens=4)
-    gen = decoder.candidate_generator
     alive = list(range(len(rows)))
-    own_select = gen.select_rows
 
-    def select_rows(keep):  # finished rows leave: the oracles' per-row memories follow
-        own_select(keep)
-        alive[:] = [alive[i] for i in keep.tolist()]
-        for oracle in (t_oracle, d_oracle):
-            oracle.select_rows(keep)
+    def follow_rows(gen):
+        own_select = gen.select_rows
 
-    gen.select_rows = select_rows
+        def select_rows(keep):  # finished rows leave: the oracles' per-row memories follow
+            own_select(keep)
+            alive[:] = [alive[i] for i in keep.tolist()]
+            for oracle in (t_oracle, d_oracle):
+                oracle.select_rows(keep)
+
+        gen.select_rows = select_rows
+
+    sessions = record_sessions(decoder, follow_rows)
     out = decoder.generate(ids, mask, max_new_tokens=new)
+    gen = sessions[-1]
     assert out.stats.acceptance_rate > 0.6, out.stats.acceptance_rate
     texts = []
     for b, row in enumerate(rows):
@@ -452,14 +470,15 @@ def test_gemma3_target_with_smollm2_draft_is_exact(gemma3, smollm2):
     before = (_fingerprint(target), _fingerprint(draft), len(target_tok), len(draft_tok))
     decoder = SpecDecoder(target, draft, tokenizer=target_tok, draft_tokenizer=draft_tok)
     assert isinstance(decoder.candidate_generator, CrossTokenizerGenerator)
+    sessions = record_sessions(decoder)
     accepted = drafted = 0
     for text in REAL_PROMPTS:
         prompt = target_tok(text, return_tensors="pt").input_ids
         ref = target.generate(prompt, max_new_tokens=REAL_NEW_TOKENS, do_sample=False)
         out = decoder.generate(prompt, max_new_tokens=REAL_NEW_TOKENS)
         assert torch.equal(out.sequences, ref), (text, target_tok.decode(ref[0]), target_tok.decode(out.sequences[0]))
-        gen = decoder.candidate_generator
-        assert gen.counts["unaligned"] == 0
+        gen = sessions[-1]
+        assert out.stats.generator["unaligned"] == 0
         assert decode(draft_tok, gen.draft_sequence(0)) == target_tok.decode(ref[0], skip_special_tokens=True)
         accepted, drafted = accepted + out.stats.accepted_tokens, drafted + out.stats.drafted_tokens
     assert accepted > 0.2 * drafted, (accepted, drafted)  # the text alignment works on real tokenizers

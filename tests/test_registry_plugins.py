@@ -296,6 +296,9 @@ def test_a_generator_defined_at_run_time_decodes_exactly(llama, cleanup):
         def select_rows(self, rows):
             self.prompt_lengths = self.prompt_lengths[rows]
 
+        def report(self):
+            return dict(self.calls)
+
     names.append("test_reg_echo")
     target, tokenizer = llama
     decoder = SpecDecoder(target, "test_reg_echo", num_tokens=5)
@@ -303,8 +306,9 @@ def test_a_generator_defined_at_run_time_decodes_exactly(llama, cleanup):
     ids = repetitive_prompt(12, seed=4)
     out = decoder.generate(ids, max_new_tokens=24)
     assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=24, do_sample=False))
-    calls = decoder.candidate_generator.calls
+    calls = out.stats.generator  # each call works on a fresh session, which reports its own counts
     assert calls["setup"] == 1 and calls["propose"] == calls["observe"] == out.stats.steps
+    assert decoder.candidate_generator.calls["setup"] == 0  # the user's instance is only the configuration
     assert out.stats.drafted_tokens > 0
 
     rows = [repetitive_prompt(n, seed=n)[0] for n in (4, 15, 9)]

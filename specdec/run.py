@@ -1,0 +1,173 @@
+"""DecodeRun: everything one ``generate()`` call owns, and one step of its loop.
+
+A run is made after validation and before any forward. It owns the target's
+:class:`~specdec.state.ModelState`, the assistants' states (plugins hold only
+:class:`~specdec.assistant.Assistant` handles), the generator's session, the stopper, the
+streamer feed, the statistics and the finished rows. Nothing in it is shared with another call,
+so one :class:`~specdec.decoder.SpecDecoder` serves concurrent calls.
+
+Data path of one :meth:`DecodeRun.step`::
+
+    session.propose(ctx, max_drafts [B])          -> Proposal: token_ids [B, K], lengths [B], probs
+    check_proposal (names the plugin)             ;  offered [B] = min(lengths, max_drafts, admissible)
+    target.append(drafts); target.forward()       -> logits [B, k+1, V]   (first step: prefill too)
+    greedy_verify | speculative_sample            -> accepted [B], next_token [B]
+    block [B, k+1] = accepted drafts + next token ;  stopper.cut -> keep [B], finished [B]
+    target.commit(committed, block, keep, cached) :  one realign of the target's cache
+    stats, streamer                               ;  followers.sync(target tokens); session.observe
+    finished rows leave every state and the session
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .assistant import Assistant
+from .generators import CandidateGenerator, DecodeContext, Feedback
+from .metrics import AcceptanceStats
+from .modelinfo import vocab_size
+from .multimodal import PrefillSpec, Prefix, check_assistant
+from .sampling import SamplingParams
+from .state import ModelState, cache_problem
+from .stopping import Stopper, StreamFeed
+from .validation import check_proposal
+from .verify import Verdict, greedy_verify, speculative_sample
+
+
+@dataclass
+class Prompt:
+    """A validated prompt on the target's device."""
+
+    input_ids: torch.Tensor  # [B, P] as given (left padding included)
+    rows: torch.Tensor  # [B, P] row b's tokens from column 0
+    lengths: torch.Tensor  # [B] tokens per row
+    spec: PrefillSpec  # the rows the prefill-only inputs describe (this prompt's, or the prefix's)
+    prefix: Prefix | None = None
+
+
+@dataclass
+class CallSettings:
+    max_new_tokens: int
+    sampling: SamplingParams
+    generator: torch.Generator | None
+    pad: int
+    stopper: Stopper
+    streamer: Any = None
+
+
+class DecodeRun:
+    def __init__(self, target, generator: CandidateGenerator, prompt: Prompt, settings: CallSettings, *,
+                 tokenizer=None, draft_tokenizer=None):
+        self.settings, self.stopper = settings, settings.stopper
+        self.spec, self.width = prompt.spec, prompt.rows.shape[1]
+        prefill, positions = prompt.spec.for_model(target) if prompt.prefix is None else (None, None)
+        self.target = ModelState(target, prompt.rows, prompt.lengths, pad_token_id=settings.pad,
+                                 prefill_inputs=prefill, positions=positions)
+        if prompt.prefix is not None:
+            self.target.continue_from(prompt.prefix)
+        self.followers: list[ModelState] = []  # assistants in the target's token space
+        self.own: list[ModelState] = []  # assistants in their own token space
+        self.session = generator.session()
+        self.plugin = generator.name or type(generator).__name__
+        self.ctx = DecodeContext(target, tokenizer, draft_tokenizer, settings.sampling, settings.generator,
+                                 prompt.spec.user_inputs, self.target, self._attach)
+        self.session.setup(self.ctx)  # validates and attaches assistants: still before any forward
+        self.vocab = vocab_size(target)
+        self.stats = AcceptanceStats()
+        self.feed = StreamFeed(settings.streamer)
+        self.feed.prompt(prompt.input_ids)
+        self.prompt_lengths = prompt.lengths.clone()
+        self.row_ids = torch.arange(prompt.rows.shape[0], device=prompt.rows.device)  # original row of each row
+        self.outputs: list[torch.Tensor | None] = [None] * prompt.rows.shape[0]
+
+    def _attach(self, model, tokens=None, lengths=None, pad_token_id=None) -> Assistant:
+        problem = cache_problem(model, self.target.batch_size)
+        if problem:
+            raise ValueError(f"assistant: {problem}")
+        check_assistant(self.ctx.target, model)
+        device = next(model.parameters()).device
+        if device != self.target.device:
+            raise ValueError(f"the assistant is on {device} and the target on {self.target.device}; "
+                             "put both on one device")
+        if tokens is None:  # follows the target's tokens: the run keeps it in step
+            prefill, positions = self.spec.for_model(model)  # the inputs its forward declares; its own positions
+            state = ModelState(model, self.target.tokens[:, : self.width], self.target.lengths,
+                               pad_token_id=self.settings.pad, prefill_inputs=prefill, positions=positions)
+            self.followers.append(state)
+        else:  # its own token space (another tokenizer): the generator keeps it in step
+            pad = self.settings.pad if pad_token_id is None else pad_token_id
+            state = ModelState(model, tokens, lengths, pad_token_id=pad, prefill_inputs=self.spec.plain_inputs(model))
+            self.own.append(state)
+        return Assistant(state, follows_target=tokens is None)
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Propose, verify, commit, stop, sync; return whether any row is still decoding."""
+        tick = time.perf_counter()
+        target = self.target
+        max_drafts = self.settings.max_new_tokens - (target.lengths - self.prompt_lengths) - 1  # [B]
+        proposal = self.session.propose(self.ctx, max_drafts)
+        drafted = time.perf_counter()
+        check_proposal(proposal, self.plugin, target.batch_size, self.vocab, self.settings.sampling.do_sample)
+        offered = torch.minimum(proposal.lengths.to(target.device), max_drafts).clamp_min(0)  # [B]
+        offered = target.admissible_drafts(proposal.token_ids.to(target.device), offered)
+        k = int(offered.max())
+        draft_ids = proposal.token_ids[:, :k].to(target.device)  # [B, k]
+        committed = target.lengths.clone()  # [B]
+        target.append(draft_ids, offered)
+        logits = target.forward(start=committed - 1)  # [B, k+1, V]
+        verdict = self._verify(logits, draft_ids, offered, proposal)
+        block = torch.cat([draft_ids, verdict.next_token[:, None]], dim=1)  # [B, k+1]
+        block.scatter_(1, verdict.accepted[:, None], verdict.next_token[:, None])  # the target's token after the accepted
+        keep, finished = self.stopper.cut(target.tokens, committed, block, verdict.accepted + 1,
+                                          self.prompt_lengths, logits)
+        target.commit(committed, block, keep, cached=committed + verdict.accepted)
+        verified = time.perf_counter()
+
+        self.stats.record_step(offered.tolist(), verdict.accepted.tolist(), keep.tolist())
+        self.stats.draft_seconds += drafted - tick
+        self.stats.verify_seconds += verified - drafted
+        self.feed.tokens(block[0, : int(keep[0])])
+        for state in self.followers:
+            state.sync(target.tokens, target.lengths, since=committed)
+        self.session.observe(self.ctx, Feedback(offered, verdict.accepted))
+        self.stats.draft_seconds += time.perf_counter() - verified  # keeping drafts in step is drafting work
+        if bool(finished.any()):
+            self._retire(finished)
+        return bool(self.row_ids.numel())
+
+    def _verify(self, logits: torch.Tensor, draft_ids: torch.Tensor, offered: torch.Tensor, proposal) -> Verdict:
+        sampling = self.settings.sampling
+        if not sampling.do_sample:
+            return greedy_verify(logits, draft_ids, offered)
+        k = draft_ids.shape[1]
+        draft_probs = proposal.probs[:, :k].to(logits.device) if proposal.probs is not None else None
+        return speculative_sample(sampling.probs(logits), draft_ids, offered, draft_probs, self.settings.generator)
+
+    def _retire(self, finished: torch.Tensor) -> None:
+        """Finished rows [B] bool leave the batch; their new tokens become output."""
+        target = self.target
+        for b in finished.nonzero().flatten().tolist():
+            row = int(self.row_ids[b])
+            self.outputs[row] = target.tokens[b, int(self.prompt_lengths[b]): int(target.lengths[b])].clone()
+        rest = (~finished).nonzero().flatten()
+        self.row_ids, self.prompt_lengths = self.row_ids[rest], self.prompt_lengths[rest]
+        if rest.numel():
+            for state in (target, *self.followers, *self.own):
+                state.select_rows(rest)
+            self.session.select_rows(rest)
+
+    def finish(self, input_ids: torch.Tensor, started: float) -> tuple[torch.Tensor, AcceptanceStats]:
+        """-> (sequences [B, P + new]: the prompt as given, then each row's new tokens right-padded; stats)."""
+        self.feed.end()
+        self.stats.generator = self.session.report()
+        self.stats.total_seconds = time.perf_counter() - started
+        longest = max(o.numel() for o in self.outputs)
+        new = input_ids.new_full((input_ids.shape[0], longest), self.settings.pad)
+        for b, o in enumerate(self.outputs):
+            new[b, : o.numel()] = o
+        return torch.cat([input_ids, new], dim=1), self.stats
