@@ -253,7 +253,7 @@ class CrossTokenizerGenerator(CandidateGenerator):
     target tokens and how each proposal was aligned (``anchored``, ``unanchored``, ``unaligned``).
     """
 
-    def __init__(self, draft_model, *, num_tokens: int = 6, schedule: str = "adaptive", max_tokens: int = 16,
+    def __init__(self, draft_model, *, num_tokens: int = 6, schedule: str = "auto", max_tokens: int = 16,
                  min_confidence: float = 0.5):
         if not isinstance(draft_model, torch.nn.Module):
             raise TypeError("cross_tokenizer needs a draft model: SpecDecoder(target, draft_model, "

@@ -40,7 +40,7 @@ def tokenizer_mismatch(target, draft, tokenizer, draft_tokenizer) -> str | None:
 
 @register_candidate_generator("draft_model")
 class DraftModelGenerator(CandidateGenerator):
-    def __init__(self, draft, *, num_tokens: int = 5, schedule: str = "adaptive", max_tokens: int = 16):
+    def __init__(self, draft, *, num_tokens: int = 5, schedule: str = "auto", max_tokens: int = 16):
         if not isinstance(draft, torch.nn.Module):
             raise TypeError("draft_model needs a draft model: SpecDecoder(target, draft_model)")
         self.draft = draft

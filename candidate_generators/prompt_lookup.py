@@ -34,7 +34,7 @@ class PromptLookupGenerator(CandidateGenerator):
     # verifying k drafts costs about 1 + k/8 plain steps there, so short adaptive blocks and
     # matches of at least two tokens beat a fixed K=10 with unigram matches.
     def __init__(self, *, num_tokens: int = 4, max_ngram: int = 3, min_ngram: int = 2,
-                 schedule: str = "adaptive", max_tokens: int = 10):
+                 schedule: str = "auto", max_tokens: int = 10):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram

@@ -30,6 +30,9 @@ import torch
 from .modelinfo import token_id_list, vocab_size  # noqa: F401  (re-exported for plugins)
 from .sampling import SamplingParams
 
+#: drafts per step the cost-aware policy may ask a generator without a schedule for
+DEFAULT_MAX_DRAFTS = 16
+
 if TYPE_CHECKING:  # pragma: no cover
     from .assistant import Assistant
     from .state import ModelState
@@ -139,35 +142,55 @@ class CandidateGenerator:
         """Counters for ``stats.generator`` at the end of the call (none by default)."""
         return {}
 
+    def draft_cap(self) -> int:
+        """The most drafts the core's cost-aware policy may ask this generator for per step, or 0
+        when the generator sets its own number (a ``fixed`` or ``adaptive`` schedule): the core
+        then verifies whatever it offers. Generators without a ``schedule`` get the policy."""
+        schedule = getattr(self, "schedule", None)
+        if isinstance(schedule, DraftLengthSchedule):
+            return schedule.max_tokens if schedule.kind == "auto" else 0
+        return DEFAULT_MAX_DRAFTS
+
 
 class NoDraft(CandidateGenerator):
     """Proposes nothing: the loop degenerates to plain decoding (mean accepted length 1.0)."""
 
     name = "none"
 
+    def draft_cap(self) -> int:
+        return 0
+
     def propose(self, ctx: DecodeContext, max_drafts: torch.Tensor) -> Proposal:
         return Proposal.empty(ctx.batch_size, ctx.tokens.device)
 
 
 class DraftLengthSchedule:
-    """Per-row number of drafts K: ``fixed``, or ``adaptive`` (+2 after a fully accepted block,
-    -1 otherwise, never below 1; the heuristic ``transformers`` uses), capped at ``max_tokens``."""
+    """Per-row number of drafts K, capped at ``max_tokens``:
 
-    KINDS = ("fixed", "adaptive")
+    * ``auto`` (the default of every built-in): the core's cost-aware policy (``specdec.policy``)
+      chooses K each step from measured forward costs and estimated acceptance; the generator
+      offers up to the ``max_drafts`` it is given;
+    * ``fixed``: always ``num_tokens``;
+    * ``adaptive``: +2 after a fully accepted block, -1 otherwise, never below 1 (the heuristic
+      ``transformers`` uses), starting at ``num_tokens``.
+    """
 
-    def __init__(self, num_tokens: int, kind: str = "fixed", max_tokens: int = 32):
+    KINDS = ("auto", "fixed", "adaptive")
+
+    def __init__(self, num_tokens: int, kind: str = "auto", max_tokens: int = 32):
         if kind not in self.KINDS:
             raise ValueError(f"schedule must be one of {self.KINDS}, got {kind!r}")
         if num_tokens < 1:
             raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
-        self.initial, self.kind, self.max_tokens = int(num_tokens), kind, max(int(max_tokens), int(num_tokens))
+        self.kind, self.max_tokens = kind, max(int(max_tokens), int(num_tokens))
+        self.initial = self.max_tokens if kind == "auto" else int(num_tokens)
         self.current = torch.empty(0, dtype=torch.long)
 
     def reset(self, batch: int) -> None:
         self.current = torch.full((batch,), self.initial, dtype=torch.long)
 
     def update(self, feedback: Feedback) -> None:
-        if self.kind == "fixed":
+        if self.kind != "adaptive":
             return
         offered, accepted = feedback.offered.cpu(), feedback.accepted.cpu()
         full = (accepted == offered) & (offered > 0)

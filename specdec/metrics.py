@@ -30,6 +30,14 @@ class AcceptanceStats:
     total_seconds: float = 0.0
     #: numeric counters the candidate generator reported (``CandidateGenerator.report``)
     generator: dict[str, float] = field(default_factory=dict)
+    #: [k] row-steps that verified k drafts (the chosen draft lengths)
+    drafts_verified: list[int] = field(default_factory=list)
+    #: row-steps where the cost-aware policy asked for no drafts (drafting skipped)
+    skipped_steps: int = 0
+    #: target forwards by tokens fed (width x batch): {tokens: [forwards, seconds]}, prefill excluded
+    forward_costs: dict[int, list[float]] = field(default_factory=dict)
+    #: seconds spent calibrating the forward-cost model (once per model and process)
+    calibration_seconds: float = 0.0
 
     # -- recording ---------------------------------------------------------------------------
     def record_step(self, drafted: list[int], accepted: list[int], committed: list[int]) -> None:
@@ -43,21 +51,31 @@ class AcceptanceStats:
                 self.accepted_at_position.extend([0] * (a - len(self.accepted_at_position)))
             for i in range(a):
                 self.accepted_at_position[i] += 1
+            if d >= len(self.drafts_verified):
+                self.drafts_verified.extend([0] * (d + 1 - len(self.drafts_verified)))
+            self.drafts_verified[d] += 1
+
+    def record_forward(self, tokens: int, seconds: float) -> None:
+        """One target forward (not the prefill) that fed ``tokens`` took ``seconds``."""
+        entry = self.forward_costs.setdefault(int(tokens), [0, 0.0])
+        entry[0] += 1
+        entry[1] += seconds
 
     def merge(self, other: "AcceptanceStats") -> "AcceptanceStats":
-        n = max(len(self.accepted_at_position), len(other.accepted_at_position))
-        pad = lambda xs: list(xs) + [0] * (n - len(xs))  # noqa: E731
         return AcceptanceStats(
             steps=self.steps + other.steps,
             drafted_tokens=self.drafted_tokens + other.drafted_tokens,
             accepted_tokens=self.accepted_tokens + other.accepted_tokens,
             committed_tokens=self.committed_tokens + other.committed_tokens,
-            accepted_at_position=[a + b for a, b in zip(pad(self.accepted_at_position), pad(other.accepted_at_position))],
+            accepted_at_position=_add_lists(self.accepted_at_position, other.accepted_at_position),
             draft_seconds=self.draft_seconds + other.draft_seconds,
             verify_seconds=self.verify_seconds + other.verify_seconds,
             total_seconds=self.total_seconds + other.total_seconds,
-            generator={k: self.generator.get(k, 0) + other.generator.get(k, 0)
-                       for k in {**self.generator, **other.generator}},
+            generator=_add_dicts(self.generator, other.generator, 0),
+            drafts_verified=_add_lists(self.drafts_verified, other.drafts_verified),
+            skipped_steps=self.skipped_steps + other.skipped_steps,
+            forward_costs=_add_dicts(self.forward_costs, other.forward_costs, [0, 0.0]),
+            calibration_seconds=self.calibration_seconds + other.calibration_seconds,
         )
 
     __add__ = merge
@@ -67,6 +85,11 @@ class AcceptanceStats:
     def mean_accepted_length(self) -> float:
         """Tokens committed per target forward, bonus included (1.0 for plain decoding)."""
         return self.committed_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def skipped_share(self) -> float:
+        """Share of row-steps where the policy skipped drafting (0.0 with no steps)."""
+        return self.skipped_steps / self.steps if self.steps else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -98,6 +121,11 @@ class AcceptanceStats:
             "verify_seconds": self.verify_seconds,
             "total_seconds": self.total_seconds,
             "generator": dict(self.generator),
+            "drafts_verified": list(self.drafts_verified),
+            "skipped_steps": self.skipped_steps,
+            "skipped_share": self.skipped_share,
+            "forward_costs": {str(t): list(v) for t, v in sorted(self.forward_costs.items())},
+            "calibration_seconds": self.calibration_seconds,
             "mean_accepted_length": self.mean_accepted_length,
             "acceptance_rate": self.acceptance_rate,
             "per_position_acceptance": self.per_position_acceptance,
@@ -107,13 +135,27 @@ class AcceptanceStats:
     @classmethod
     def from_dict(cls, d: dict) -> "AcceptanceStats":
         keys = ("steps", "drafted_tokens", "accepted_tokens", "committed_tokens", "accepted_at_position",
-                "draft_seconds", "verify_seconds", "total_seconds", "generator")
-        return cls(**{k: d[k] for k in keys if k in d})
+                "draft_seconds", "verify_seconds", "total_seconds", "generator", "drafts_verified",
+                "skipped_steps", "calibration_seconds")
+        stats = cls(**{k: d[k] for k in keys if k in d})
+        stats.forward_costs = {int(t): list(v) for t, v in d.get("forward_costs", {}).items()}
+        return stats
 
     def summary(self) -> str:
         return (f"{self.tokens_per_second:.1f} tokens/s, mean accepted length {self.mean_accepted_length:.2f}, "
                 f"acceptance rate {self.acceptance_rate:.1%} ({self.accepted_tokens}/{self.drafted_tokens} drafts, "
                 f"{self.steps} target steps)")
+
+
+def _add_lists(a: list, b: list) -> list:
+    n = max(len(a), len(b))
+    return [x + y for x, y in zip(list(a) + [0] * (n - len(a)), list(b) + [0] * (n - len(b)))]
+
+
+def _add_dicts(a: dict, b: dict, zero):
+    """Key-wise sum; values are numbers or equal-length lists of numbers."""
+    add = (lambda x, y: x + y) if not isinstance(zero, list) else _add_lists
+    return {k: add(a.get(k, zero), b.get(k, zero)) for k in {**a, **b}}
 
 
 def theoretical_speedup(acceptance_rate: float, k: float, cost_ratio: float) -> float:

@@ -31,6 +31,7 @@ from .generators import CandidateGenerator, DecodeContext, Feedback
 from .metrics import AcceptanceStats
 from .modelinfo import vocab_size
 from .multimodal import PrefillSpec, Prefix, check_assistant
+from .policy import AcceptanceTracker, CostModel, DraftPolicy, synchronize
 from .sampling import SamplingParams
 from .state import ModelState, cache_problem
 from .stopping import Stopper, StreamFeed
@@ -78,6 +79,7 @@ class DecodeRun:
         self.session.setup(self.ctx)  # validates and attaches assistants: still before any forward
         self.vocab = vocab_size(target)
         self.stats = AcceptanceStats()
+        self.policy = self._policy(target, prompt)
         self.feed = StreamFeed(settings.streamer)
         self.feed.prompt(prompt.input_ids)
         self.prompt_lengths = prompt.lengths.clone()
@@ -104,22 +106,50 @@ class DecodeRun:
             self.own.append(state)
         return Assistant(state, follows_target=tokens is None)
 
+    def _policy(self, target, prompt: Prompt) -> DraftPolicy | None:
+        """The cost-aware draft-length policy, unless the generator sets its own draft lengths.
+        Measured costs under greedy decoding; timing-free ones under sampling (see policy.py)."""
+        cap = self.session.draft_cap()
+        if cap <= 0:
+            return None
+        acceptance = AcceptanceTracker(prompt.rows.shape[0], cap)
+        if self.settings.sampling.do_sample:
+            size = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+            ratio = sum(size(s.model) for s in (*self.followers, *self.own)) / size(target)
+            return DraftPolicy(CostModel.fixed(target.device.type), acceptance, cap, ratio, measured=False)
+        costs, spent = CostModel.for_model(target, prompt.rows[0, : int(prompt.lengths[0])])
+        self.stats.calibration_seconds += spent
+        return DraftPolicy(costs, acceptance, cap)
+
     # -- the loop ---------------------------------------------------------------------------------
     def step(self) -> bool:
         """Propose, verify, commit, stop, sync; return whether any row is still decoding."""
         tick = time.perf_counter()
-        target = self.target
-        max_drafts = self.settings.max_new_tokens - (target.lengths - self.prompt_lengths) - 1  # [B]
-        proposal = self.session.propose(self.ctx, max_drafts)
+        target, policy = self.target, self.policy
+        remaining = self.settings.max_new_tokens - (target.lengths - self.prompt_lengths) - 1  # [B]
+        pending = target.pending_width()
+        ask = policy.budget(remaining, pending) if policy is not None else remaining  # [B]
+        proposal = self.session.propose(self.ctx, ask)
         drafted = time.perf_counter()
         check_proposal(proposal, self.plugin, target.batch_size, self.vocab, self.settings.sampling.do_sample)
-        offered = torch.minimum(proposal.lengths.to(target.device), max_drafts).clamp_min(0)  # [B]
+        offered = torch.minimum(proposal.lengths.to(target.device), ask).clamp_min(0)  # [B]
         offered = target.admissible_drafts(proposal.token_ids.to(target.device), offered)
+        if policy is not None:
+            policy.observe_drafting(drafted - tick, int(offered.max()))
+            offered = policy.trim(offered, pending)
+            self.stats.skipped_steps += int(((ask == 0) & (remaining > 0)).sum())
         k = int(offered.max())
         draft_ids = proposal.token_ids[:, :k].to(target.device)  # [B, k]
         committed = target.lengths.clone()  # [B]
+        first = target.is_first_iteration
         target.append(draft_ids, offered)
         logits = target.forward(start=committed - 1)  # [B, k+1, V]
+        synchronize(target.device)
+        if not first:  # the prefill's cost says nothing about a verification's
+            seconds, tokens = time.perf_counter() - drafted, (pending + k) * target.batch_size
+            self.stats.record_forward(tokens, seconds)
+            if policy is not None:
+                policy.costs.observe(tokens, seconds)
         verdict = self._verify(logits, draft_ids, offered, proposal)
         block = torch.cat([draft_ids, verdict.next_token[:, None]], dim=1)  # [B, k+1]
         block.scatter_(1, verdict.accepted[:, None], verdict.next_token[:, None])  # the target's token after the accepted
@@ -135,6 +165,8 @@ class DecodeRun:
         for state in self.followers:
             state.sync(target.tokens, target.lengths, since=committed)
         self.session.observe(self.ctx, Feedback(offered, verdict.accepted))
+        if policy is not None:
+            policy.acceptance.update(offered, verdict.accepted)
         self.stats.draft_seconds += time.perf_counter() - verified  # keeping drafts in step is drafting work
         if bool(finished.any()):
             self._retire(finished)
@@ -160,6 +192,8 @@ class DecodeRun:
             for state in (target, *self.followers, *self.own):
                 state.select_rows(rest)
             self.session.select_rows(rest)
+            if self.policy is not None:
+                self.policy.acceptance.select_rows(rest)
 
     def finish(self, input_ids: torch.Tensor, started: float) -> tuple[torch.Tensor, AcceptanceStats]:
         """-> (sequences [B, P + new]: the prompt as given, then each row's new tokens right-padded; stats)."""

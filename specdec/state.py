@@ -34,6 +34,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from .modelinfo import cache_argument
 from .multimodal import PrefillInputs, TokenPositions
 
 
@@ -103,8 +104,7 @@ class ModelState:
                                else PrefillInputs(dict(prefill_inputs or {})))
         self.positions = positions if positions is not None else TokenPositions()
         self.vocab_limit = int(model.get_input_embeddings().weight.shape[0])
-        params = inspect.signature(model.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._cache_kwarg = cache_argument(model)
 
     @property
     def batch_size(self) -> int:
@@ -117,6 +117,10 @@ class ModelState:
         if needed > capacity:
             extra = self.tokens.new_full((self.batch_size, max(needed, 2 * capacity) - capacity), self.pad_token_id)
             self.tokens = torch.cat([self.tokens, extra], dim=1)
+
+    def pending_width(self) -> int:
+        """Columns the next forward feeds before any new token (pending tokens of the widest row)."""
+        return int((self.offsets + self.lengths).max()) - self.cached_slots
 
     # -- sequence edits -----------------------------------------------------------------------
     def append(self, ids: torch.Tensor, counts: torch.Tensor | None = None) -> None:

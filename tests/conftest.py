@@ -7,6 +7,9 @@ import torch
 # shared with other work two spinning threads per op were measured up to 10x slower.
 # SPECDEC_TEST_THREADS overrides it.
 torch.set_num_threads(int(os.environ.get("SPECDEC_TEST_THREADS", "1")))
+# Tests load the packaged models from their GGUF files and write nothing into the user's cache;
+# tests/test_cli.py tests the weight cache in temporary folders.
+os.environ.setdefault("SPECDEC_NO_WEIGHT_CACHE", "1")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,243 @@
+"""How many drafts to verify: chosen each step from measured costs and estimated acceptance.
+
+The model (Leviathan et al. 2023, with measured costs in place of a constant ratio). If the
+drafts at positions 1..K are accepted with conditional probabilities a_1..a_K (a_i: accepted at
+i given 1..i-1 were), one verification commits on average
+
+    E(K) = 1 + sum_{i=1..K} prod_{j<=i} a_j        tokens (the target's own token included)
+
+and costs ``T(K) = draft(K) + verify(K + pending)`` seconds. The policy picks the K that maximises
+committed tokens per second, ``E(K) / T(K)``; K = 0 is plain decoding (E = 1, no drafting). A
+batch shares one forward, whose cost follows its widest row, so the batch picks one width W and
+row b verifies ``min(W, available_b)`` drafts.
+
+Inputs, all measured while decoding:
+
+* :class:`CostModel`: seconds of one target forward as a function of the tokens it feeds
+  (width x batch), kept per (model, device, dtype) for the process: a short calibration the
+  first time (forwards of 1..64 tokens on a throwaway cache), then corrected by every forward
+  the loop runs;
+* the drafting cost per proposed token, measured per call from the generator's ``propose``;
+* :class:`AcceptanceTracker`: per row and position, decayed counts of accepted / offered drafts
+  with a prior. Counts decay every step, also when a row does not draft, so a row that stopped
+  drafting drifts back towards the prior and probes again later.
+
+:func:`choose_width` is a pure function (tested with hypothesis): never above what rows can
+offer, zero when no width pays, and never a wider block when acceptance falls.
+
+Under sampling, decisions must not depend on timings: a seeded call must reproduce exactly, and
+the random numbers the verifier draws depend on how many drafts each step verifies. There the
+policy uses a fixed cost curve per device kind (``FIXED_SLOPE``) and a drafting cost equal to
+the attached assistants' size relative to the target's (decoding is bound by reading weights),
+so its choices follow from the committed tokens alone.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from .modelinfo import cache_argument
+
+#: token counts at which a forward's cost is tracked
+COST_GRID = (1, 2, 4, 8, 16, 32, 64)
+#: the counts timed by the first calibration (the others are interpolated until observed)
+CALIBRATED = (1, 4, 16, 64)
+#: extra cost of each further token fed, in one-token forwards, by device kind: the fixed curve
+#: used where decisions must not depend on timings (sampling, so that a seeded call reproduces).
+#: Measured for SmolLM2-135M: 2-core CPU about 1 + k/8; H200, eager, 32 tokens 1.28x one token.
+FIXED_SLOPE = {"cpu": 1 / 8, "cuda": 0.28 / 31}
+
+
+def expected_tokens(accept: torch.Tensor) -> torch.Tensor:
+    """accept [B, K] conditional acceptance per position -> [B, K+1]: E(k) for k = 0..K."""
+    reach = torch.cumprod(accept.double(), dim=1)  # [B, K] P(position i accepted)
+    zero = torch.zeros_like(reach[:, :1])
+    return 1.0 + torch.cat([zero, torch.cumsum(reach, dim=1)], dim=1)
+
+
+def choose_width(accept: torch.Tensor, available: torch.Tensor, step_seconds: torch.Tensor) -> int:
+    """The number of drafts W that maximises the batch's committed tokens per second.
+
+    accept [B, K] conditional acceptance per row and position; available [B] drafts each row can
+    offer (at most K); step_seconds [K+1] the cost of a step that verifies w drafts (w = 0..K),
+    drafting included. Row b verifies ``min(W, available[b])``. Ties go to the smaller W.
+    """
+    k = accept.shape[1]
+    expected = expected_tokens(accept)  # [B, K+1]
+    widths = torch.arange(k + 1)
+    taken = torch.minimum(widths[None, :], available.long().clamp(0, k)[:, None])  # [B, K+1]
+    total = expected.gather(1, taken).sum(dim=0)  # [K+1]
+    reach = int(available.max()) if available.numel() else 0
+    rate = total / step_seconds.double().clamp_min(1e-12)
+    rate[reach + 1:] = -1.0  # wider than any row can offer: never chosen
+    best = rate.max()
+    return int((rate >= best * (1 - 1e-9)).nonzero()[0])  # the smallest of the best
+
+
+class CostModel:
+    """Seconds of one forward of a model as a function of the tokens it feeds (width x batch).
+
+    Piecewise linear through ``COST_GRID``; each observed forward pulls the two grid points around
+    it towards the observation (weight ``rate``), so the curve follows the machine's load.
+    """
+
+    _shared: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, CostModel]]" = weakref.WeakKeyDictionary()
+    _lock = threading.Lock()
+
+    def __init__(self, seconds: list[float], rate: float = 0.2):
+        self.grid = torch.tensor(COST_GRID, dtype=torch.float64)
+        self.seconds = torch.tensor(seconds, dtype=torch.float64)
+        self.rate = rate  # 0: a fixed curve that observations do not move
+
+    @classmethod
+    def fixed(cls, device_type: str) -> "CostModel":
+        """The timing-free curve of ``FIXED_SLOPE`` (unit: one one-token forward)."""
+        slope = FIXED_SLOPE.get(device_type, FIXED_SLOPE["cpu"])
+        return cls([1.0 + (x - 1) * slope for x in COST_GRID], rate=0.0)
+
+    @classmethod
+    def for_model(cls, model, calibrate_with: torch.Tensor) -> tuple["CostModel", float]:
+        """The process-wide cost model of ``model`` on its device and dtype; calibrated on first use
+        with the tokens ``calibrate_with [L]``. Returns (model, seconds spent calibrating now)."""
+        param = next(model.parameters())
+        key = (str(param.device), str(param.dtype))
+        with cls._lock:
+            found = cls._shared.get(model, {}).get(key)
+        if found is not None:
+            return found, 0.0
+        started = time.perf_counter()
+        made = cls(calibrate(model, calibrate_with))
+        spent = time.perf_counter() - started
+        with cls._lock:
+            return cls._shared.setdefault(model, {}).setdefault(key, made), spent
+
+    def predict(self, tokens: torch.Tensor | float) -> torch.Tensor:
+        """Seconds for forwards feeding ``tokens`` (any shape)."""
+        x = torch.as_tensor(tokens, dtype=torch.float64)
+        curve = torch.cummax(self.seconds, dim=0).values  # never cheaper to feed more
+        hi = torch.searchsorted(self.grid, x.clamp(min=1.0)).clamp(1, len(COST_GRID) - 1)
+        lo = hi - 1
+        x0, x1, y0, y1 = self.grid[lo], self.grid[hi], curve[lo], curve[hi]
+        return y0 + (y1 - y0) * (x - x0) / (x1 - x0)  # linear past the last point too
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """One forward that fed ``tokens`` took ``seconds`` (counts past the grid are ignored)."""
+        x = float(max(tokens, 1))
+        if x > COST_GRID[-1] or self.rate == 0.0:
+            return
+        hi = int(torch.searchsorted(self.grid, torch.tensor(x, dtype=torch.float64)).clamp(1, len(COST_GRID) - 1))
+        lo = hi - 1
+        weight_hi = min(max((x - float(self.grid[lo])) / float(self.grid[hi] - self.grid[lo]), 0.0), 1.0)
+        residual = seconds - float(self.predict(x))
+        self.seconds[lo] += self.rate * (1 - weight_hi) * residual
+        self.seconds[hi] += self.rate * weight_hi * residual
+        self.seconds.clamp_(min=1e-6)
+
+
+def calibrate(model, tokens: torch.Tensor, reps: int = 2) -> list[float]:
+    """Seconds per forward at every ``COST_GRID`` count: the median of ``reps`` forwards at each
+    ``CALIBRATED`` count after a short cached context, interpolated in between. Runs on a
+    throwaway cache; the user's model is only read. It calls ``model.forward`` itself, so forward
+    hooks that watch decoding do not see these forwards (their time is reported apart, as
+    ``AcceptanceStats.calibration_seconds``)."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    cache_kwarg = cache_argument(model)
+    context = tokens.reshape(-1)[:32].to(device)
+    if context.numel() == 0:
+        context = torch.zeros(1, dtype=torch.long, device=device)
+    cache = DynamicCache()
+    measured = []
+    with torch.no_grad():
+        model.forward(input_ids=context[None, :], **{cache_kwarg: cache}, use_cache=True, logits_to_keep=1)
+        for count in (CALIBRATED[0],) + CALIBRATED:  # the first forward warms up
+            ids = context.repeat(count // context.numel() + 1)[:count][None, :]  # [1, count]
+            times = []
+            for _ in range(reps):
+                synchronize(device)
+                start = time.perf_counter()
+                model.forward(input_ids=ids, **{cache_kwarg: cache}, use_cache=True)
+                synchronize(device)
+                times.append(time.perf_counter() - start)
+                cache.crop(-count)
+            measured.append(sorted(times)[(reps - 1) // 2])
+    measured = measured[1:]
+    grid = torch.tensor(COST_GRID, dtype=torch.float64)
+    xs, ys = torch.tensor(CALIBRATED, dtype=torch.float64), torch.tensor(measured, dtype=torch.float64)
+    hi = torch.searchsorted(xs, grid).clamp(1, len(CALIBRATED) - 1)
+    lo = hi - 1
+    return (ys[lo] + (ys[hi] - ys[lo]) * (grid - xs[lo]) / (xs[hi] - xs[lo])).tolist()
+
+
+def synchronize(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class AcceptanceTracker:
+    """Per row and draft position, decayed counts of drafts offered and accepted (with a prior)."""
+
+    def __init__(self, batch: int, positions: int, *, prior: float = 0.6, prior_weight: float = 2.0,
+                 decay: float = 0.9):
+        self.offered = torch.zeros(batch, positions, dtype=torch.float64)
+        self.accepted = torch.zeros(batch, positions, dtype=torch.float64)
+        self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
+
+    def estimate(self) -> torch.Tensor:
+        """[B, K] conditional acceptance per position."""
+        return (self.accepted + self.prior * self.prior_weight) / (self.offered + self.prior_weight)
+
+    def update(self, offered: torch.Tensor, accepted: torch.Tensor) -> None:
+        """offered [B], accepted [B] drafts of this step (position i is tried if offered > i and
+        every earlier draft was accepted)."""
+        positions = torch.arange(self.offered.shape[1])[None, :]  # [1, K]
+        offered, accepted = offered.cpu()[:, None], accepted.cpu()[:, None]
+        tried = (positions < offered) & (positions <= accepted)  # [B, K]
+        hit = positions < accepted
+        self.offered.mul_(self.decay).add_(tried.double())
+        self.accepted.mul_(self.decay).add_(hit.double())
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        rows = rows.cpu()
+        self.offered, self.accepted = self.offered[rows], self.accepted[rows]
+
+
+@dataclass
+class DraftPolicy:
+    """One call's draft-length policy: chooses the drafts to ask for and to verify each step."""
+
+    costs: CostModel
+    acceptance: AcceptanceTracker
+    max_drafts: int
+    draft_seconds_per_token: float = 0.0  # propose time per proposed token (decayed mean of measurements)
+    measured: bool = True  # False: fixed costs and a fixed drafting cost, decisions free of timings
+
+    def budget(self, remaining: torch.Tensor, pending: int) -> torch.Tensor:
+        """Drafts to ask each row for before proposing (drafting cost included). remaining [B]."""
+        available = remaining.cpu().clamp(0, self.max_drafts)
+        width = choose_width(self.acceptance.estimate(), available, self._step_seconds(available.shape[0], pending,
+                                                                                       self.draft_seconds_per_token))
+        return torch.minimum(available, torch.tensor(width)).to(remaining.device)
+
+    def trim(self, offered: torch.Tensor, pending: int) -> torch.Tensor:
+        """Drafts to verify once proposed (drafting is paid): offered [B] -> [B]."""
+        available = offered.cpu().clamp(0, self.max_drafts)
+        width = choose_width(self.acceptance.estimate(), available, self._step_seconds(available.shape[0], pending, 0.0))
+        return torch.minimum(offered, torch.tensor(width, device=offered.device))
+
+    def _step_seconds(self, batch: int, pending: int, per_draft: float) -> torch.Tensor:
+        widths = torch.arange(self.max_drafts + 1, dtype=torch.float64)
+        return self.costs.predict((widths + pending) * batch) + per_draft * widths
+
+    def observe_drafting(self, seconds: float, proposed: int) -> None:
+        """``propose`` took ``seconds`` for a block of ``proposed`` drafts (the widest row)."""
+        if proposed > 0 and self.measured:
+            per_token = seconds / proposed
+            self.draft_seconds_per_token = (per_token if self.draft_seconds_per_token == 0.0
+                                            else 0.8 * self.draft_seconds_per_token + 0.2 * per_token)
