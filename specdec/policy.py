@@ -125,6 +125,14 @@ class CostModel:
         x0, x1, y0, y1 = self.grid[lo], self.grid[hi], curve[lo], curve[hi]
         return y0 + (y1 - y0) * (x - x0) / (x1 - x0)  # linear past the last point too
 
+    @classmethod
+    def pin(cls, model, costs: "CostModel") -> None:
+        """Use ``costs`` for ``model`` (on its device and dtype) from now on, e.g. a curve measured
+        offline, or a known one in a test."""
+        param = next(model.parameters())
+        with cls._lock:
+            cls._shared.setdefault(model, {})[(str(param.device), str(param.dtype))] = costs
+
     def observe(self, tokens: int, seconds: float) -> None:
         """One forward that fed ``tokens`` took ``seconds`` (counts past the grid are ignored)."""
         x = float(max(tokens, 1))
@@ -181,13 +189,18 @@ def synchronize(device) -> None:
 
 
 class AcceptanceTracker:
-    """Per row and draft position, decayed counts of drafts offered and accepted (with a prior)."""
+    """Per row and draft position, decayed counts of drafts offered and accepted (with a prior).
 
-    def __init__(self, batch: int, positions: int, *, prior: float = 0.6, prior_weight: float = 2.0,
-                 decay: float = 0.9):
+    A row that drafted forgets at ``decay`` per step; a row that did not draft forgets slowly
+    (``idle_decay``), so after a run of rejections its estimate climbs back to the prior over a
+    few dozen steps and it probes again, rarely enough to cost little where drafting never pays.
+    """
+
+    def __init__(self, batch: int, positions: int, *, prior: float = 0.5, prior_weight: float = 1.0,
+                 decay: float = 0.9, idle_decay: float = 0.97):
         self.offered = torch.zeros(batch, positions, dtype=torch.float64)
         self.accepted = torch.zeros(batch, positions, dtype=torch.float64)
-        self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
+        self.prior, self.prior_weight, self.decay, self.idle_decay = prior, prior_weight, decay, idle_decay
 
     def estimate(self) -> torch.Tensor:
         """[B, K] conditional acceptance per position."""
@@ -200,8 +213,9 @@ class AcceptanceTracker:
         offered, accepted = offered.cpu()[:, None], accepted.cpu()[:, None]
         tried = (positions < offered) & (positions <= accepted)  # [B, K]
         hit = positions < accepted
-        self.offered.mul_(self.decay).add_(tried.double())
-        self.accepted.mul_(self.decay).add_(hit.double())
+        keep = torch.where(offered > 0, self.decay, self.idle_decay).double()  # [B, 1]
+        self.offered.mul_(keep).add_(tried.double())
+        self.accepted.mul_(keep).add_(hit.double())
 
     def select_rows(self, rows: torch.Tensor) -> None:
         rows = rows.cpu()

@@ -1,0 +1,136 @@
+"""The cost-aware draft-length policy: pure-function properties, the cost model, the tracker,
+and its behaviour inside the loop (exactness unchanged; skipping when drafting cannot pay)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specdec import SpecDecoder
+from specdec.generators import CandidateGenerator, Proposal
+from specdec.models import tiny_random
+from specdec.policy import COST_GRID, AcceptanceTracker, CostModel, choose_width, expected_tokens
+
+from helpers import repetitive_prompt
+
+K = 8
+probability = st.floats(0.0, 1.0, allow_nan=False)
+
+
+@st.composite
+def situations(draw):
+    batch = draw(st.integers(1, 4))
+    accept = torch.tensor(draw(st.lists(st.lists(probability, min_size=K, max_size=K), min_size=batch,
+                                        max_size=batch)), dtype=torch.float64)
+    available = torch.tensor(draw(st.lists(st.integers(0, K), min_size=batch, max_size=batch)))
+    base = draw(st.floats(0.01, 1.0))
+    slope = draw(st.floats(0.0, 0.5))
+    draft = draw(st.floats(0.0, 0.5))
+    widths = torch.arange(K + 1, dtype=torch.float64)
+    seconds = base * (1 + slope * widths) + draft * widths  # increasing in the width
+    return accept, available, seconds
+
+
+def test_expected_tokens_follows_the_formula():
+    accept = torch.tensor([[0.5, 0.5, 1.0]])
+    assert expected_tokens(accept).tolist() == [[1.0, 1.5, 1.75, 2.0]]
+
+
+@settings(max_examples=300, deadline=None)
+@given(situations())
+def test_never_more_than_any_row_can_offer(case):
+    accept, available, seconds = case
+    width = choose_width(accept, available, seconds)
+    assert 0 <= width <= int(available.max())
+
+
+@settings(max_examples=300, deadline=None)
+@given(situations(), st.floats(0.0, 1.0))
+def test_lower_acceptance_never_chooses_more_drafts(case, factor):
+    accept, available, seconds = case
+    assert choose_width(accept * factor, available, seconds) <= choose_width(accept, available, seconds)
+
+
+@settings(max_examples=200, deadline=None)
+@given(situations())
+def test_zero_when_drafting_cannot_pay(case):
+    accept, available, seconds = case
+    # a verification of w drafts commits at most w + 1 tokens: if it costs w + 1 steps or more, it never pays
+    costly = seconds[0] * (torch.arange(K + 1, dtype=torch.float64) + 1) * 1.01
+    assert choose_width(accept, available, costly) == 0
+    assert choose_width(torch.zeros_like(accept), available, seconds) == 0  # nothing is ever accepted
+
+
+def test_free_verification_of_certain_drafts_takes_them_all():
+    accept = torch.ones(2, K, dtype=torch.float64)
+    assert choose_width(accept, torch.tensor([3, 5]), torch.ones(K + 1)) == 5
+
+
+def test_cost_model_interpolates_and_follows_observations():
+    model = CostModel([1.0 + x / 8 for x in COST_GRID])
+    assert float(model.predict(3)) == pytest.approx(1 + 3 / 8)
+    for _ in range(60):  # the machine became slower for wide forwards
+        model.observe(16, 10.0)
+    assert float(model.predict(16)) == pytest.approx(10.0, rel=0.05)
+    assert float(model.predict(32)) >= float(model.predict(16))  # never cheaper to feed more
+    fixed = CostModel.fixed("cpu")
+    before = fixed.predict(8).item()
+    fixed.observe(8, 100.0)
+    assert fixed.predict(8).item() == before
+
+
+def test_acceptance_tracker_counts_positions_and_decays():
+    tracker = AcceptanceTracker(2, 4, prior=0.5, prior_weight=1.0, decay=0.5, idle_decay=0.5)
+    tracker.update(torch.tensor([3, 2]), torch.tensor([1, 2]))  # row 0: d1 kept, d2 rejected; row 1: both kept
+    est = tracker.estimate()
+    assert est[0, 0] > 0.5 and est[0, 1] < 0.5 and est[0, 2] == 0.5  # position 3 never reached
+    assert est[1, 0] > 0.5 and est[1, 1] > 0.5
+    for _ in range(30):  # no drafting: back to the prior, so the row probes again later
+        tracker.update(torch.tensor([0, 0]), torch.tensor([0, 0]))
+    assert torch.allclose(tracker.estimate(), torch.full((2, 4), 0.5, dtype=torch.float64), atol=1e-6)
+
+
+class Random(CandidateGenerator):
+    """Proposes random ids (never right on a random model): drafting cannot pay."""
+
+    def propose(self, ctx, max_drafts):
+        g = torch.Generator().manual_seed(int(ctx.lengths.sum()))
+        return Proposal(torch.randint(0, 250, (ctx.batch_size, int(max_drafts.max())), generator=g), max_drafts)
+
+
+def cpu_like(model) -> None:
+    """Pin a 2-core-CPU-like cost curve (a k-token forward costs 1 + k/8 one-token forwards): a
+    tiny model's measured curve is flat, where every draft is almost free to verify."""
+    CostModel.pin(model, CostModel([0.05 * (1 + x / 8) for x in COST_GRID], rate=0.0))
+
+
+def test_auto_stops_drafting_when_nothing_is_accepted_and_stays_exact():
+    target, _ = tiny_random("llama", seed=3)
+    cpu_like(target)
+    ids = repetitive_prompt(8)
+    out = SpecDecoder(target, Random()).generate(ids, max_new_tokens=80)
+    assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=80, do_sample=False))
+    stats = out.stats
+    assert stats.skipped_share > 0.5, stats.drafts_verified  # mostly plain steps
+    assert stats.drafted_tokens < 80  # far fewer than one draft per step
+
+
+def test_auto_drafts_long_blocks_where_drafts_are_right():
+    target, _ = tiny_random("llama", seed=3)
+    ids = repetitive_prompt(8)
+    out = SpecDecoder(target, target).generate(ids, max_new_tokens=80)  # the target drafting for itself
+    assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=80, do_sample=False))
+    assert out.stats.acceptance_rate == 1.0
+    assert len(out.stats.drafts_verified) > 4  # blocks of several drafts were verified
+
+
+def test_sampling_with_auto_is_reproducible_and_timing_free():
+    target, _ = tiny_random("llama", seed=3)
+    ids = repetitive_prompt(8)
+    runs = [SpecDecoder(target, "prompt_lookup").generate(ids, max_new_tokens=40, do_sample=True,
+                                                         generator=torch.Generator().manual_seed(11))
+            for _ in range(2)]
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    assert runs[0].stats.calibration_seconds == 0.0  # no timing entered the decisions
