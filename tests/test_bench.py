@@ -20,8 +20,8 @@ import yaml
 
 from specdec.bench import cli
 from specdec.bench.config import ConfigError, load_config, method_kind, parse_config
-from specdec.bench.report import (PLOTS_NEED_MATPLOTLIB, batch_summaries, draft_cost_ratio, gain_ends, load_run,
-                                  summaries, summarize)
+from specdec.bench.report import (PLOTS_NEED_MATPLOTLIB, batch_summaries, draft_cost_ratio, gain_ends, k_distribution,
+                                  load_run, mean_forward_ms, method_stats, summaries, summarize, write_report)
 from specdec.bench.results import RESULTS_FILE, RUN_FILE, ResultStore, default_out_dir, is_batched, row_key
 from specdec.bench.runner import (ResultsMismatchError, build_messages, config_hash, load_selected_questions,
                                   question_seed, run_benchmark, select_questions, spread)
@@ -213,9 +213,11 @@ def test_full_run_rows_exactness_and_report(full_run):
     assert overall["hf_dm3"].mean_accepted_length > 1.0 and overall["hf_dm3"].acceptance_rate is None
     report = (out / "report.md").read_text()
     for text in ("## Overall", "## Speedup over baseline by subtask", "## Per subtask", "## Acceptance by draft position",
-                 "`pl4` / `hf_pl4`", "| `dm3` |", "![speedup.png](speedup.png)"):
+                 "`pl4` / `hf_pl4`", "| `dm3` |", "![speedup.png](speedup.png)", "## Draft lengths chosen",
+                 "![forward_cost.png](forward_cost.png)"):
         assert text in report
-    assert (out / "speedup.png").stat().st_size > 1000 and (out / "acceptance_by_position.png").stat().st_size > 1000
+    for name in ("speedup.png", "acceptance_by_position.png", "forward_cost.png"):
+        assert (out / name).stat().st_size > 1000
 
 
 def test_each_row_is_on_disk_before_the_next_starts(full_run):
@@ -228,11 +230,11 @@ def test_each_row_is_on_disk_before_the_next_starts(full_run):
 def test_report_rebuilds_from_the_json_lines(full_run, capsys):
     out, _, _ = full_run
     before = (out / "report.md").read_text()
-    for name in ("report.md", "speedup.png", "acceptance_by_position.png"):
+    for name in ("report.md", "speedup.png", "acceptance_by_position.png", "forward_cost.png"):
         (out / name).unlink()
     assert cli.main(["report", str(out)]) == 0
     assert (out / "report.md").read_text() == before
-    assert (out / "speedup.png").exists() and (out / "acceptance_by_position.png").exists()
+    assert all((out / name).exists() for name in ("speedup.png", "acceptance_by_position.png", "forward_cost.png"))
     assert cli.main(["report", str(out / "nothing")]) == 2
     assert "no run.json" in capsys.readouterr().err
 
@@ -411,6 +413,87 @@ def test_gain_ends_sentences():
 
 
 # -- method kinds, where results go, without matplotlib, signals --------------------------------
+# -- draft lengths and the cost curve, from hand-made rows ---------------------------------------
+def _synthetic_run(folder: Path, stats: list[dict]) -> Path:
+    """run.json + results.jsonl in ``folder``: ``baseline`` and ``auto`` (prompt lookup) on two questions at
+    batch size 1 (``auto``'s rows carry ``stats[0]``, ``stats[1]``) and one batch of 2 (``stats[2]``)."""
+    meta = {"config_file": "synthetic.yaml", "config_hash": "0", "created": "now", "environment": {}, "sessions": [],
+            "questions": [{"question_id": q, "subtask": "qa", "turns": 1} for q in (1, 2)],
+            "config": {"target": "tiny-random:llama", "threads": 1, "batch_sizes": [1, 2],
+                       "generation": {"do_sample": False, "max_new_tokens": 8},
+                       "methods": [{"name": "baseline", "generator": "baseline", "options": {}},
+                                   {"name": "auto", "generator": "prompt_lookup", "options": {}}]}}
+    single = lambda m, q, s, st: {"method": m, "question_id": q, "turn": 1, "subtask": "qa", "new_tokens": 8,  # noqa: E731
+                                   "seconds": s, "output_ids": [q] * 8, "stats": st, "target_forwards": 8}
+    batch = lambda m, s, st: {"method": m, "question_id": 1, "turn": 1, "subtask": "qa", "batch_size": 2,  # noqa: E731
+                              "batch_index": 0, "question_ids": [1, 2], "new_tokens": [8, 8], "seconds": s,
+                              "output_ids": [[1] * 8, [2] * 8], "stats": st, "target_forwards": 8}
+    rows = [single("baseline", 1, 1.0, None), single("auto", 1, 0.5, stats[0]),
+            single("baseline", 2, 1.0, None), single("auto", 2, 0.5, stats[1]),
+            batch("baseline", 1.5, None), batch("auto", 1.0, stats[2])]
+    (folder / RUN_FILE).write_text(json.dumps(meta))
+    store = ResultStore(folder / RESULTS_FILE)
+    for r in rows:
+        store.append(r)
+    return folder
+
+
+def _policy_stats() -> list[AcceptanceStats]:
+    a = AcceptanceStats(steps=4, drafted_tokens=6, accepted_tokens=4, committed_tokens=8, accepted_at_position=[3, 1],
+                        draft_seconds=0.05, verify_seconds=0.3, total_seconds=0.5, drafts_verified=[1, 0, 2, 1],
+                        skipped_steps=1, calibration_seconds=0.25, generator={"lookups": 4})
+    a.record_forward(1, 0.010)
+    a.record_forward(4, 0.012)
+    a.record_forward(4, 0.014)
+    b = AcceptanceStats(steps=4, drafted_tokens=4, accepted_tokens=4, committed_tokens=8, accepted_at_position=[4],
+                        draft_seconds=0.05, verify_seconds=0.3, total_seconds=0.5, drafts_verified=[2, 0, 2])
+    b.record_forward(3, 0.011)
+    batched = AcceptanceStats(steps=8, drafted_tokens=8, accepted_tokens=8, committed_tokens=16,
+                              accepted_at_position=[8], draft_seconds=0.1, verify_seconds=0.6, total_seconds=1.0,
+                              drafts_verified=[0, 8], calibration_seconds=0.5)
+    batched.record_forward(4, 0.013)
+    batched.record_forward(16, 0.030)
+    return [a, b, batched]
+
+
+def test_report_shows_draft_lengths_skipped_share_and_cost_curve(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = _synthetic_run(tmp_path, [s.as_dict() for s in _policy_stats()])  # JSON: forward_costs keys are strings
+    meta, rows = load_run(out)
+    merged = method_stats(meta, rows)
+    assert list(merged) == ["auto"]  # the baseline's rows carry no stats
+    assert merged["auto"].forward_costs == {1: [1, 0.010], 3: [1, 0.011], 4: [3, pytest.approx(0.039)], 16: [1, 0.030]}
+    assert merged["auto"].calibration_seconds == pytest.approx(0.75)  # batches included
+    assert mean_forward_ms(merged["auto"]) == {1: pytest.approx(10.0), 3: pytest.approx(11.0),
+                                               4: pytest.approx(13.0), 16: pytest.approx(30.0)}
+    overall = next(s for s in summaries(meta, rows) if s.method == "auto" and s.subtask == "overall")
+    assert overall.stats.drafts_verified == [3, 0, 4, 1] and overall.stats.skipped_share == 1 / 8
+    assert k_distribution(overall.stats) == "0: 38%, 2: 50%, 3: 12%"
+    assert k_distribution(overall.stats, shown=2) == "0: 38%, ≥2: 62%"
+    write_report(out, log=None)
+    report = (out / "report.md").read_text()
+    section = report.split("## Draft lengths chosen", 1)[1].split("\n## ", 1)[0]
+    assert "| method | mean K | drafting skipped | K distribution | calibration |" in section
+    assert "| `auto` | 1.25 | 12.5% | 0: 38%, 2: 50%, 3: 12% | 0.75 s |" in section
+    assert "`baseline`" not in section  # only methods that draft
+    assert "[forward_cost.png](forward_cost.png)" in section and "![forward_cost.png](forward_cost.png)" in report
+    assert (out / "forward_cost.png").stat().st_size > 1000
+    assert "## Throughput by batch size" in report
+
+
+def test_report_from_rows_without_the_policy_counters_still_builds(tmp_path):
+    old_keys = ("drafts_verified", "skipped_steps", "skipped_share", "forward_costs", "calibration_seconds", "generator")
+    old = [{k: v for k, v in s.as_dict().items() if k not in old_keys} for s in _policy_stats()]
+    out = _synthetic_run(tmp_path, old)
+    meta, rows = load_run(out)
+    assert method_stats(meta, rows)["auto"].forward_costs == {}
+    write_report(out, log=None)
+    report = (out / "report.md").read_text()
+    assert "## Overall" in report and "| `auto` |" in report and "## Acceptance by draft position" in report
+    assert "Draft lengths chosen" not in report and "forward_cost.png" not in report
+    assert not (out / "forward_cost.png").exists()
+
+
 def test_method_kinds_are_data():
     assert method_kind("baseline").baseline and method_kind("baseline").batched
     assert not method_kind("hf_assisted").batched and method_kind("hf_assisted").reference

@@ -19,6 +19,15 @@ Groups are method x subtask, and method x all ("overall"). In a group, over the 
   theoretical speedup;
 * exact match = share of keys whose new token ids equal ``baseline``'s (greedy only; n/a when sampling).
 
+"Draft lengths chosen" shows, per drafting method over the same rows as the overall table, the
+merged stats' mean K (drafted tokens / steps, as in the tables), the K distribution
+(``AcceptanceStats.drafts_verified`` [k] / steps), the share of row-steps that skipped drafting
+(``AcceptanceStats.skipped_share``), and the seconds spent calibrating the cost model (summed over
+all the method's rows, batches included). ``forward_cost.png`` draws the measured cost curve: mean
+milliseconds per target forward against tokens fed (width x batch; ``AcceptanceStats.forward_costs``
+of all the method's rows, batches included, so batched runs extend the curve). Rows written before
+these counters existed carry none: the section and the plot leave them out.
+
 Batch sizes > 1 (rows with ``batch_size``) are kept out of the tables above and summarized in
 "throughput by batch size": per method and batch size, tokens/s = total real new tokens / total
 batch wall time; speedup over the batched ``baseline`` at the same batch size (same batches);
@@ -45,7 +54,7 @@ from typing import Callable
 from ..metrics import AcceptanceStats, theoretical_speedup
 from ..prompts import SUBTASKS
 from .config import MethodKind, method_kind
-from .results import (ACCEPTANCE_PNG, REPORT_FILE, RESULTS_FILE, RUN_FILE, SPEEDUP_PNG, ResultStore, is_batched,
+from .results import (ACCEPTANCE_PNG, FORWARD_COST_PNG, REPORT_FILE, RESULTS_FILE, RUN_FILE, SPEEDUP_PNG, ResultStore, is_batched,
                       planned_keys, row_key)
 
 OVERALL = "overall"
@@ -195,6 +204,35 @@ def pair_comparisons(meta: dict) -> dict[str, list[tuple[str, str]]]:
             if ours_generator is not None and ours["generator"] == ours_generator:
                 pairs.setdefault(ours_generator, []).append((ours["name"], ref["name"]))
     return pairs
+
+
+def method_stats(meta: dict, rows: list[dict]) -> dict[str, AcceptanceStats]:
+    """Method name -> the stats of all its rows (every batch size) merged, in config order; methods
+    whose rows carry no stats (transformers ran them) are left out."""
+    out = {}
+    for m in meta["config"]["methods"]:
+        name = m["name"] or m["generator"]
+        measured = [r["stats"] for r in rows if r["method"] == name and r.get("stats") is not None]
+        if measured:
+            out[name] = sum((AcceptanceStats.from_dict(d) for d in measured), AcceptanceStats())
+    return out
+
+
+def k_distribution(stats: AcceptanceStats, shown: int = MAX_POSITIONS) -> str:
+    """``"K: share, ..."``: every draft length verified at least once, as a share of row-steps
+    (``drafts_verified[k] / steps``); lengths from ``shown`` up are folded into one entry."""
+    if not stats.steps or not stats.drafts_verified:
+        return NA
+    counts = stats.drafts_verified
+    parts = [f"{k}: {n / stats.steps:.0%}" for k, n in enumerate(counts[:shown]) if n]
+    if sum(counts[shown:]):
+        parts.append(f"≥{shown}: {sum(counts[shown:]) / stats.steps:.0%}")
+    return ", ".join(parts)
+
+
+def mean_forward_ms(stats: AcceptanceStats) -> dict[int, float]:
+    """Tokens fed -> mean milliseconds per target forward (``stats.forward_costs``), by tokens fed."""
+    return {t: 1000.0 * sec / n for t, (n, sec) in sorted(stats.forward_costs.items()) if n}
 
 
 # -- batch sizes -------------------------------------------------------------------------------
@@ -412,6 +450,28 @@ def _subtask_tables(meta: dict, all_summaries: list[Summary], subtasks: list[str
     return out
 
 
+def _draft_lengths_section(meta: dict, rows: list[dict], all_summaries: list[Summary],
+                           figures: list[str]) -> list[str]:
+    """Per drafting method: mean K, the K distribution, the skipped-drafting share, calibration time."""
+    drafting = [s for s in all_summaries if s.subtask == OVERALL and s.stats is not None and s.stats.steps]
+    if not any(s.stats.drafts_verified for s in drafting):
+        return []  # nothing drafted, or rows written before the chosen draft lengths were recorded
+    every_row = method_stats(meta, rows)
+    out = ["", "## Draft lengths chosen", "",
+           "Over the rows of the overall table: mean K = drafts per step; K distribution = share of row-steps that "
+           "verified K drafts (`AcceptanceStats.drafts_verified`); drafting skipped = share of row-steps where the "
+           "draft-length policy asked for no drafts (`AcceptanceStats.skipped_share`); calibration = seconds spent "
+           "measuring the target's forward costs, over all the method's rows.", ""]
+    body = [[f"`{s.method}`", _f(s.k_per_step, ".2f"), f"{s.stats.skipped_share:.1%}", k_distribution(s.stats),
+             _f(every_row[s.method].calibration_seconds if s.method in every_row else None, ".2f", " s")]
+            for s in drafting]
+    out += _table(["method", "mean K", "drafting skipped", "K distribution", "calibration"], body)
+    if FORWARD_COST_PNG in figures:
+        out += ["", f"Measured cost curve (mean time per target forward against tokens fed): "
+                    f"[{FORWARD_COST_PNG}]({FORWARD_COST_PNG})."]
+    return out
+
+
 def _batch_cell(b: BatchSummary | None, size: int, kind: MethodKind) -> str:
     if b is None:
         return "not run" if size > 1 and not kind.batched else NA
@@ -494,7 +554,8 @@ def render_markdown(meta: dict, rows: list[dict], all_summaries: list[Summary], 
                     plots_skipped: bool = False) -> str:
     subtasks = [g for g in SUBTASKS if any(s.subtask == g for s in all_summaries)]
     single = [r for r in rows if not is_batched(r)]
-    out = (_header(meta, rows) + _subtask_tables(meta, all_summaries, subtasks) + _batch_section(meta, rows)
+    out = (_header(meta, rows) + _subtask_tables(meta, all_summaries, subtasks)
+           + _draft_lengths_section(meta, rows, all_summaries, figures) + _batch_section(meta, rows)
            + _pairs_section(meta, single, all_summaries, subtasks) + _notes(meta, figures, plots_skipped))
     return "\n".join(out) + "\n"
 
@@ -559,6 +620,35 @@ def plot_acceptance(all_summaries: list[Summary], path: Path) -> bool:
     return True
 
 
+def plot_forward_cost(per_method: dict[str, AcceptanceStats], path: Path) -> bool:
+    """Mean milliseconds per target forward against tokens fed (log2 x), one line per method;
+    False (nothing drawn) when no method measured a forward."""
+    curves = {name: mean_forward_ms(stats) for name, stats in per_method.items()}
+    curves = {name: curve for name, curve in curves.items() if curve}
+    if not curves:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, curve in curves.items():
+        ax.plot(list(curve), list(curve.values()), marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.set_xlabel("tokens fed per target forward (width x batch)")
+    ax.set_ylabel("mean ms per target forward")
+    ax.set_ylim(bottom=0)
+    ax.set_title("Measured forward cost")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 # -- entry point -------------------------------------------------------------------------------
 def load_run(out_dir: str | Path) -> tuple[dict, list[dict]]:
     out_dir = Path(out_dir)
@@ -584,7 +674,8 @@ def write_report(out_dir: str | Path, log: Callable[[str], None] | None = lambda
     if plots:
         base_name = baseline_name(meta["config"]["methods"])
         for name, draw in ((SPEEDUP_PNG, lambda p: plot_speedup(all_summaries, base_name, p)),
-                           (ACCEPTANCE_PNG, lambda p: plot_acceptance(all_summaries, p))):
+                           (ACCEPTANCE_PNG, lambda p: plot_acceptance(all_summaries, p)),
+                           (FORWARD_COST_PNG, lambda p: plot_forward_cost(method_stats(meta, rows), p))):
             if draw(out_dir / name):
                 figures.append(name)
     elif log is not None:

@@ -18,8 +18,9 @@ RUN_FILE = "run.json"
 REPORT_FILE = "report.md"
 SPEEDUP_PNG = "speedup.png"
 ACCEPTANCE_PNG = "acceptance_by_position.png"
+FORWARD_COST_PNG = "forward_cost.png"
 #: files this tool writes into an output directory (the only ones ``fresh`` removes)
-OWN_FILES = (RESULTS_FILE, RUN_FILE, REPORT_FILE, SPEEDUP_PNG, ACCEPTANCE_PNG)
+OWN_FILES = (RESULTS_FILE, RUN_FILE, REPORT_FILE, SPEEDUP_PNG, ACCEPTANCE_PNG, FORWARD_COST_PNG)
 
 
 def default_out_dir(config_path: str | Path) -> Path:
