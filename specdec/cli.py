@@ -16,12 +16,20 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .threads import configure_threads
+
 
 class UsageError(ValueError):
     """A command-line argument that cannot work; reported as ``specdec: error: ...``, exit status 2."""
 
 
 # -- argument types ------------------------------------------------------------------------------------
+def _threads(text: str) -> str:
+    if text != "auto":
+        _positive_int(text)
+    return text
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -227,7 +235,7 @@ def cmd_generate(args) -> int:
         raise UsageError("--temperature, --top-k and --top-p apply only with --sample")
     check_target(args.target)
     plan = plan_draft(args.draft, _parse_options(args.option))
-    torch.set_num_threads(args.threads)
+    configure_threads(args.threads)
     target, tokenizer = load_model(args.target)
     if tokenizer is None:
         raise UsageError(f"--target {args.target!r} has no tokenizer to encode the prompt with")
@@ -273,7 +281,7 @@ def cmd_demo(args) -> int:
     if not picked:
         raise UsageError(f"{args.dataset} has no question in the categories {', '.join(DEMO_CATEGORIES)}")
 
-    torch.set_num_threads(args.threads)
+    configure_threads(args.threads)
     _status(f"loading {args.target} ...")
     target, tokenizer = load_model(args.target)
     if plan.model is not None:
@@ -346,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--draft", default="prompt_lookup", help="generator name, draft model name, or 'none'")
         p.add_argument("--option", action="append", metavar="KEY=VALUE", help="generator option, repeatable")
         p.add_argument("--max-new-tokens", type=_positive_int, default=128)
-        p.add_argument("--threads", type=_positive_int, default=2)
+        p.add_argument("--threads", type=_threads, default="auto",
+                       help="intra-op threads: a number, or 'auto' (default): the cores idle right now")
 
     g = sub.add_parser("generate", help="generate text for one prompt")
     common(g)
