@@ -24,7 +24,7 @@ from .generators import CandidateGenerator, NoDraft
 from .metrics import AcceptanceStats
 from .modelinfo import UNSET, eos_token_ids, pad_token_id
 from .multimodal import PrefillSpec, Prefix, check_call, declared_inputs
-from .registry import get_candidate_generator
+from .registry import get_candidate_generator, option_problem
 from .run import CallSettings, DecodeRun, Prompt
 from .sampling import SamplingParams
 from .state import ModelState, cache_problem
@@ -76,10 +76,10 @@ class SpecDecoder:
             cls, args = get_candidate_generator(name), (draft,)
         else:
             raise TypeError(f"draft must be a model, a generator name or a CandidateGenerator, got {type(draft).__name__}")
-        try:
-            return cls(*args, **options)
-        except TypeError as exc:
-            raise TypeError(f"bad options for candidate generator {cls.name or cls.__name__!r}: {exc}") from None
+        problem = option_problem(cls, options, takes_model=bool(args))
+        if problem:
+            raise TypeError(f"candidate generator {cls.name or cls.__name__!r} {problem}")
+        return cls(*args, **options)
 
     def generate(self, input_ids, attention_mask=None, *, max_new_tokens: int, do_sample: bool = False,
                  temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,

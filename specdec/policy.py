@@ -203,8 +203,16 @@ class AcceptanceTracker:
         self.prior, self.prior_weight, self.decay, self.idle_decay = prior, prior_weight, decay, idle_decay
 
     def estimate(self) -> torch.Tensor:
-        """[B, K] conditional acceptance per position."""
-        return (self.accepted + self.prior * self.prior_weight) / (self.offered + self.prior_weight)
+        """[B, K] conditional acceptance per position. Position 1's prior is ``prior``; position i's
+        is the estimate at position i-1, so positions rarely reached borrow from the shallower
+        ones (conditional acceptance seldom falls with depth: a copy that held for i-1 tokens
+        tends to hold on)."""
+        rates = []
+        prior = torch.full_like(self.offered[:, 0], self.prior)  # [B]
+        for i in range(self.offered.shape[1]):
+            prior = (self.accepted[:, i] + prior * self.prior_weight) / (self.offered[:, i] + self.prior_weight)
+            rates.append(prior)
+        return torch.stack(rates, dim=1) if rates else self.offered.clone()
 
     def update(self, offered: torch.Tensor, accepted: torch.Tensor) -> None:
         """offered [B], accepted [B] drafts of this step (position i is tried if offered > i and
@@ -231,6 +239,7 @@ class DraftPolicy:
     max_drafts: int
     draft_seconds_per_token: float = 0.0  # propose time per proposed token (decayed mean of measurements)
     measured: bool = True  # False: fixed costs and a fixed drafting cost, decisions free of timings
+    step_overhead: float = 0.0  # seconds of a step outside the target forward and drafting (decayed mean)
 
     def budget(self, remaining: torch.Tensor, pending: int) -> torch.Tensor:
         """Drafts to ask each row for before proposing (drafting cost included). remaining [B]."""
@@ -247,7 +256,13 @@ class DraftPolicy:
 
     def _step_seconds(self, batch: int, pending: int, per_draft: float) -> torch.Tensor:
         widths = torch.arange(self.max_drafts + 1, dtype=torch.float64)
-        return self.costs.predict((widths + pending) * batch) + per_draft * widths
+        return self.costs.predict((widths + pending) * batch) + per_draft * widths + self.step_overhead
+
+    def observe_overhead(self, seconds: float) -> None:
+        """A step spent ``seconds`` outside the target forward and drafting (verification, commit,
+        syncing, bookkeeping): a cost every step pays, whatever K, which favours longer blocks."""
+        if self.measured:
+            self.step_overhead = 0.8 * self.step_overhead + 0.2 * max(seconds, 0.0)
 
     def observe_drafting(self, seconds: float, proposed: int) -> None:
         """``propose`` took ``seconds`` for a block of ``proposed`` drafts (the widest row)."""

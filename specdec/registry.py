@@ -15,6 +15,7 @@ subclass of ``cls`` carrying the other name).
 from __future__ import annotations
 
 import difflib
+import inspect
 import warnings
 from importlib.metadata import entry_points
 
@@ -125,6 +126,41 @@ def _load_entry_points() -> None:
             warnings.warn(f"candidate generator plugin {ep.name!r} ({ep.value}) failed to load: {exc}", stacklevel=2)
         finally:
             _loading.discard(ep.name)
+
+
+def generator_options(cls, takes_model: bool) -> tuple[dict, bool]:
+    """The options of generator class ``cls``: ``{name: inspect.Parameter}`` of its ``__init__``
+    parameters that can be passed by keyword (the draft model, passed first by position, left
+    out when ``takes_model``), and whether it also takes ``**kwargs``."""
+    if cls.__init__ is object.__init__:
+        return {}, False
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:]  # without self
+    if takes_model and params and params[0].kind in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
+        params = params[1:]
+    named = {p.name: p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return named, any(p.kind == p.VAR_KEYWORD for p in params)
+
+
+def describe_options(params: dict) -> str:
+    if not params:
+        return "it takes no options"
+    shown = [name if p.default is p.empty else f"{name}={p.default!r}" for name, p in params.items()]
+    return f"its options (with defaults): {', '.join(shown)}"
+
+
+def option_problem(cls, options: dict, takes_model: bool) -> str | None:
+    """What is wrong with ``options`` for generator class ``cls`` (an unknown name, with a "did you
+    mean" and the options it has; a required option missing), or None."""
+    params, var_kw = generator_options(cls, takes_model)
+    if var_kw:
+        return None
+    for key in options:
+        if key not in params:
+            close = difflib.get_close_matches(key, list(params), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            return f"has no option {key!r}.{hint} {describe_options(params).capitalize()}."
+    missing = [n for n, p in params.items() if p.default is p.empty and n not in options]
+    return f"needs the option(s) {', '.join(missing)}" if missing else None
 
 
 def available_generators() -> list[str]:

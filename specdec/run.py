@@ -145,11 +145,12 @@ class DecodeRun:
         target.append(draft_ids, offered)
         logits = target.forward(start=committed - 1)  # [B, k+1, V]
         synchronize(target.device)
+        forward_seconds = time.perf_counter() - drafted
         if not first:  # the prefill's cost says nothing about a verification's
-            seconds, tokens = time.perf_counter() - drafted, (pending + k) * target.batch_size
-            self.stats.record_forward(tokens, seconds)
+            tokens = (pending + k) * target.batch_size
+            self.stats.record_forward(tokens, forward_seconds)
             if policy is not None:
-                policy.costs.observe(tokens, seconds)
+                policy.costs.observe(tokens, forward_seconds)
         verdict = self._verify(logits, draft_ids, offered, proposal)
         block = torch.cat([draft_ids, verdict.next_token[:, None]], dim=1)  # [B, k+1]
         block.scatter_(1, verdict.accepted[:, None], verdict.next_token[:, None])  # the target's token after the accepted
@@ -167,6 +168,8 @@ class DecodeRun:
         self.session.observe(self.ctx, Feedback(offered, verdict.accepted))
         if policy is not None:
             policy.acceptance.update(offered, verdict.accepted)
+            if not first:
+                policy.observe_overhead(time.perf_counter() - tick - forward_seconds - (drafted - tick))
         self.stats.draft_seconds += time.perf_counter() - verified  # keeping drafts in step is drafting work
         if bool(finished.any()):
             self._retire(finished)
