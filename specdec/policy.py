@@ -89,7 +89,7 @@ class CostModel:
     _shared: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, CostModel]]" = weakref.WeakKeyDictionary()
     _lock = threading.Lock()
 
-    def __init__(self, seconds: list[float], rate: float = 0.2):
+    def __init__(self, seconds: list[float], rate: float = 0.05):
         self.grid = torch.tensor(COST_GRID, dtype=torch.float64)
         self.seconds = torch.tensor(seconds, dtype=torch.float64)
         self.rate = rate  # 0: a fixed curve that observations do not move
@@ -141,7 +141,9 @@ class CostModel:
         hi = int(torch.searchsorted(self.grid, torch.tensor(x, dtype=torch.float64)).clamp(1, len(COST_GRID) - 1))
         lo = hi - 1
         weight_hi = min(max((x - float(self.grid[lo])) / float(self.grid[hi] - self.grid[lo]), 0.0), 1.0)
-        residual = seconds - float(self.predict(x))
+        predicted = float(self.predict(x))
+        # one forward slowed by another process must not move the curve far: clip to +-50%
+        residual = min(max(seconds - predicted, -0.5 * predicted), 0.5 * predicted)
         self.seconds[lo] += self.rate * (1 - weight_hi) * residual
         self.seconds[hi] += self.rate * weight_hi * residual
         self.seconds.clamp_(min=1e-6)
@@ -196,7 +198,7 @@ class AcceptanceTracker:
     few dozen steps and it probes again, rarely enough to cost little where drafting never pays.
     """
 
-    def __init__(self, batch: int, positions: int, *, prior: float = 0.5, prior_weight: float = 1.0,
+    def __init__(self, batch: int, positions: int, *, prior: float = 0.5, prior_weight: float = 2.0,
                  decay: float = 0.9, idle_decay: float = 0.97):
         self.offered = torch.zeros(batch, positions, dtype=torch.float64)
         self.accepted = torch.zeros(batch, positions, dtype=torch.float64)

@@ -134,14 +134,15 @@ class DecodeRun:
         check_proposal(proposal, self.plugin, target.batch_size, self.vocab, self.settings.sampling.do_sample)
         offered = torch.minimum(proposal.lengths.to(target.device), ask).clamp_min(0)  # [B]
         offered = target.admissible_drafts(proposal.token_ids.to(target.device), offered)
+        first = target.is_first_iteration
         if policy is not None:
-            policy.observe_drafting(drafted - tick, int(offered.max()))
+            if not first:  # the first proposal also prefills any assistant: not a drafting cost per token
+                policy.observe_drafting(drafted - tick, int(offered.max()))
             offered = policy.trim(offered, pending)
             self.stats.skipped_steps += int(((ask == 0) & (remaining > 0)).sum())
         k = int(offered.max())
         draft_ids = proposal.token_ids[:, :k].to(target.device)  # [B, k]
         committed = target.lengths.clone()  # [B]
-        first = target.is_first_iteration
         target.append(draft_ids, offered)
         logits = target.forward(start=committed - 1)  # [B, k+1, V]
         synchronize(target.device)

@@ -71,7 +71,9 @@ def test_free_verification_of_certain_drafts_takes_them_all():
 def test_cost_model_interpolates_and_follows_observations():
     model = CostModel([1.0 + x / 8 for x in COST_GRID])
     assert float(model.predict(3)) == pytest.approx(1 + 3 / 8)
-    for _ in range(60):  # the machine became slower for wide forwards
+    model.observe(16, 100.0)  # one forward slowed by another process moves the curve by at most 50% x rate
+    assert float(model.predict(16)) <= (1 + 16 / 8) * (1 + 0.5 * model.rate) + 1e-9
+    for _ in range(200):  # the machine became slower for wide forwards
         model.observe(16, 10.0)
     assert float(model.predict(16)) == pytest.approx(10.0, rel=0.05)
     assert float(model.predict(32)) >= float(model.predict(16))  # never cheaper to feed more

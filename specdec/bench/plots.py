@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .results import OVERALL
+
 if TYPE_CHECKING:  # pragma: no cover
     from .report import Summary
 

@@ -55,10 +55,9 @@ from ..metrics import AcceptanceStats, theoretical_speedup
 from ..prompts import SUBTASKS
 from .config import MethodKind, method_kind
 from .plots import plot_acceptance, plot_forward_cost, plot_speedup
-from .results import (ACCEPTANCE_PNG, FORWARD_COST_PNG, REPORT_FILE, RESULTS_FILE, RUN_FILE, SPEEDUP_PNG, ResultStore, is_batched,
+from .results import (OVERALL, ACCEPTANCE_PNG, FORWARD_COST_PNG, REPORT_FILE, RESULTS_FILE, RUN_FILE, SPEEDUP_PNG, ResultStore, is_batched,
                       planned_keys, row_key)
 
-OVERALL = "overall"
 MAX_POSITIONS = 16  # per-position columns shown in the table
 NA = "n/a"
 INSTALL_PLOTS = 'pip install "specdec[bench]"'

@@ -22,6 +22,9 @@ FORWARD_COST_PNG = "forward_cost.png"
 #: files this tool writes into an output directory (the only ones ``fresh`` removes)
 OWN_FILES = (RESULTS_FILE, RUN_FILE, REPORT_FILE, SPEEDUP_PNG, ACCEPTANCE_PNG, FORWARD_COST_PNG)
 
+#: the name of the all-subtasks group in summaries and tables
+OVERALL = "overall"
+
 
 def default_out_dir(config_path: str | Path) -> Path:
     """``<dir>/results/<stem>/``: ``<dir>`` is the config's folder, or its parent when that folder is

@@ -1,0 +1,113 @@
+"""Replay draft-length policies for prompt lookup on recorded greedy outputs, without a model.
+
+Under greedy decoding every method commits the same tokens, so a benchmark run's recorded
+outputs (``results.jsonl``) fix what prompt lookup would propose and what the target would
+accept at every step, for any choice of K. This script replays a policy over those outputs and
+prices each step with the cost curve that run measured (``forward_costs``: seconds per target
+forward by tokens fed) plus a fixed per-step overhead, so policies can be compared on this
+machine's costs without the noise of timing them. Timings of real runs remain the judge; this
+is the quick way to see why one policy beats another.
+
+    python benchmarks/replay_policy.py benchmarks/configs/spec_bench_smollm2.yaml
+
+Prints, per policy: estimated speedup over plain decoding (each step costs t(pending + K)), mean
+accepted length, mean K, skipped share; overall and per subtask.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from candidate_generators.prompt_lookup import lookup
+from transformers import AutoTokenizer
+
+from specdec.bench.config import load_config
+from specdec.bench.results import default_out_dir
+from specdec.bench.runner import build_messages, load_selected_questions
+from specdec.metrics import AcceptanceStats
+from specdec.models import _packaged_location
+from specdec.policy import COST_GRID, AcceptanceTracker, CostModel, DraftPolicy
+from specdec.prompts import encode_chat
+
+
+def measured_curve(rows: list[dict]) -> CostModel:
+    stats = AcceptanceStats()
+    for row in rows:
+        if row.get("stats"):
+            stats = stats + AcceptanceStats.from_dict(row["stats"])
+    points = {t: v[1] / v[0] for t, v in stats.forward_costs.items() if v[0]}
+    known = sorted(points)
+    seconds = [points[min(known, key=lambda t: abs(t - x))] if x not in points else points[x] for x in COST_GRID]
+    return CostModel(seconds, rate=0.0)
+
+
+def replay(prompt: list[int], output: list[int], policy: DraftPolicy | None, fixed: tuple[str, int] | None,
+           costs: CostModel, overhead: float) -> tuple[float, AcceptanceStats]:
+    """-> (seconds, stats) for one turn. ``policy`` (auto) or ``fixed`` = ("fixed" | "adaptive", K)."""
+    sequence = torch.tensor(prompt + output)
+    committed, end = len(prompt), len(prompt) + len(output)
+    seconds, stats, k_now = 0.0, AcceptanceStats(), (fixed[1] if fixed else 0)
+    while committed < end:
+        remaining = torch.tensor([end - committed - 1])
+        ask = policy.budget(remaining, 1) if policy else torch.minimum(torch.tensor([k_now]), remaining)
+        found = lookup(sequence[:committed], 3, 2, int(ask[0])) if int(ask[0]) > 0 else sequence[:0]
+        offered = torch.tensor([found.numel()])
+        if policy:
+            offered = policy.trim(offered, 1)
+        k = int(offered[0])
+        truth = sequence[committed: committed + k]
+        accepted = int((found[:k] == truth).long().cumprod(0).sum()) if k else 0
+        seconds += float(costs.predict(1 + k)) + overhead
+        stats.record_step([k], [accepted], [accepted + 1])
+        stats.skipped_steps += int(ask[0] == 0 and remaining[0] > 0)
+        if policy:
+            policy.acceptance.update(torch.tensor([k]), torch.tensor([accepted]))
+        elif fixed[0] == "adaptive" and k > 0:
+            k_now = min(k_now + 2, 10) if accepted == k else max(k_now - 1, 1)
+        committed += accepted + 1
+    return seconds, stats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config", help="the YAML config of a greedy prompt-lookup run on a packaged model")
+    parser.add_argument("--results", help="its results directory (default: where `specdec bench` wrote them)")
+    parser.add_argument("--overhead-ms", type=float, default=3.0, help="per-step cost outside the forward")
+    args = parser.parse_args()
+    config = load_config(args.config)
+    run = Path(args.results) if args.results else default_out_dir(Path(args.config))
+    rows = [json.loads(line) for line in (run / "results.jsonl").read_text().splitlines() if line.strip()]
+    base = config.methods[0].name
+    folder, gguf = _packaged_location(config.target)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+    questions = {q.question_id: q for q in load_selected_questions(config, Path(args.config).parent)}
+    costs, overhead = measured_curve(rows), args.overhead_ms / 1000
+    turns = [r for r in rows if r["method"] == base]
+    answers = {(r["question_id"], r["turn"]): r["text"] for r in turns}
+    policies = {"auto": None, "adaptive from 4": ("adaptive", 4), "fixed 10": ("fixed", 10)}
+    for name, fixed in policies.items():
+        by_subtask: dict[str, list[float]] = {}
+        total = AcceptanceStats()
+        for r in turns:
+            q = questions[r["question_id"]]
+            previous = [answers[(q.question_id, t)] for t in range(1, r["turn"])]
+            prompt = encode_chat(tokenizer, build_messages(q.turns[: r["turn"]], previous))[0].tolist()
+            policy = None if fixed else DraftPolicy(costs, AcceptanceTracker(1, 10), 10, step_overhead=overhead)
+            spent, stats = replay(prompt, r["output_ids"], policy, fixed, costs, overhead)
+            plain = len(r["output_ids"]) * (float(costs.predict(1)) + overhead)
+            by_subtask.setdefault(r["subtask"], [0.0, 0.0])
+            by_subtask[r["subtask"]][0] += plain
+            by_subtask[r["subtask"]][1] += spent
+            total = total + stats
+        overall = sum(v[0] for v in by_subtask.values()) / sum(v[1] for v in by_subtask.values())
+        per = ", ".join(f"{s} {v[0] / v[1]:.2f}x" for s, v in by_subtask.items())
+        print(f"{name:<16} {overall:.2f}x | accepted length {total.mean_accepted_length:.2f} | mean K "
+              f"{total.drafted_tokens / total.steps:.2f} | skipped {total.skipped_share:.0%} | {per}")
+
+
+if __name__ == "__main__":
+    main()
