@@ -19,7 +19,7 @@ import torch
 
 import specdec.models as models
 from specdec.cli import main
-from specdec.generators import CandidateGenerator, Proposal
+from specdec.generators import CandidateGenerator
 from specdec.models import ModelNotAvailableError, load_model
 from specdec.registry import register_candidate_generator, unregister_candidate_generator
 
