@@ -106,7 +106,7 @@ def test_a_plugin_generator_s_options_come_from_its_signature(capsys, no_model_l
         code, _, err, _ = run_cli(["generate", "--draft", "test_cli_options", "--option", "mode=c", "x"], capsys)
         assert code == 2 and "mode must be 'a' or 'b'" in err
         code, _, err, _ = run_cli(["generate", "--draft", "test_cli_required", "x"], capsys)
-        assert code == 2 and "needs --option table=VALUE" in err
+        assert code == 2 and "needs the option(s) table" in err
     finally:
         unregister_candidate_generator("test_cli_options")
         unregister_candidate_generator("test_cli_required")
@@ -140,13 +140,13 @@ def test_generate_runs_with_a_generator_and_with_a_draft_model(capsys):
 def test_demo_reports_progress_per_prompt_and_method(tmp_path, capsys):
     questions = tmp_path / "question.jsonl"
     rows = [{"question_id": i, "category": c, "turns": [f"{c} {c} {c} again {c}"]}
-            for i, c in enumerate(["summarization", "rag", "coding", "translation", "writing"])]
+            for i, c in enumerate(["extraction", "rag", "summarization", "translation", "writing"])]
     questions.write_text("".join(json.dumps(r) + "\n" for r in rows))
     code, out, err, _ = run_cli(["demo", "--target", "tiny-random:llama", "--dataset", str(questions),
                                  "--max-new-tokens", "6", "--threads", "1"], capsys)
     assert code == 0, err
     assert "loading tiny-random:llama" in err
-    for i, category in enumerate(["summarization", "rag", "coding", "translation"], 1):
+    for i, category in enumerate(["extraction", "rag", "summarization", "translation"], 1):
         assert f"[{i}/4] {category} (question {i - 1}): plain decoding" in err
         assert f"[{i}/4] {category} (question {i - 1}): speculative decoding took" in err
     assert "writing" not in out and "speedup" in out and "outputs identical: True" in out
