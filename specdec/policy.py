@@ -245,20 +245,20 @@ class DraftPolicy:
 
     def budget(self, remaining: torch.Tensor, pending: int) -> torch.Tensor:
         """Drafts to ask each row for before proposing (drafting cost included). remaining [B]."""
-        available = remaining.cpu().clamp(0, self.max_drafts)
-        width = choose_width(self.acceptance.estimate(), available, self._step_seconds(available.shape[0], pending,
-                                                                                       self.draft_seconds_per_token))
-        return torch.minimum(available, torch.tensor(width)).to(remaining.device)
+        return self._cap(remaining, pending, self.draft_seconds_per_token)
 
     def trim(self, offered: torch.Tensor, pending: int) -> torch.Tensor:
         """Drafts to verify once proposed (drafting is paid): offered [B] -> [B]."""
-        available = offered.cpu().clamp(0, self.max_drafts)
-        width = choose_width(self.acceptance.estimate(), available, self._step_seconds(available.shape[0], pending, 0.0))
-        return torch.minimum(offered, torch.tensor(width, device=offered.device))
+        return self._cap(offered, pending, 0.0)
 
-    def _step_seconds(self, batch: int, pending: int, per_draft: float) -> torch.Tensor:
+    def _cap(self, counts: torch.Tensor, pending: int, per_draft: float) -> torch.Tensor:
+        """counts [B] capped at the width that maximises committed tokens per second, where each
+        draft costs ``per_draft`` seconds to make on top of verifying it."""
+        available = counts.cpu().clamp(0, self.max_drafts)  # [B]
         widths = torch.arange(self.max_drafts + 1, dtype=torch.float64)
-        return self.costs.predict((widths + pending) * batch) + per_draft * widths + self.step_overhead
+        seconds = self.costs.predict((widths + pending) * available.shape[0]) + per_draft * widths + self.step_overhead
+        width = choose_width(self.acceptance.estimate(), available, seconds)
+        return available.clamp(max=width).to(counts.device)
 
     def observe_overhead(self, seconds: float) -> None:
         """A step spent ``seconds`` outside the target forward and drafting (verification, commit,
