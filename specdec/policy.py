@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .kv import CacheSettings, make_kv
 from .modelinfo import cache_argument
 
 #: token counts at which a forward's cost is tracked
@@ -101,17 +102,20 @@ class CostModel:
         return cls([1.0 + (x - 1) * slope for x in COST_GRID], rate=0.0)
 
     @classmethod
-    def for_model(cls, model, calibrate_with: torch.Tensor) -> tuple["CostModel", float]:
-        """The process-wide cost model of ``model`` on its device and dtype; calibrated on first use
-        with the tokens ``calibrate_with [L]``. Returns (model, seconds spent calibrating now)."""
-        param = next(model.parameters())
-        key = (str(param.device), str(param.dtype))
+    def for_model(cls, model, calibrate_with: torch.Tensor, cache: CacheSettings | None = None,
+                  slots: int = 0) -> tuple["CostModel", float]:
+        """The process-wide cost model of ``model`` on its device and dtype, with this cache kind
+        (static or dynamic, compiled or not); calibrated on first use with the tokens
+        ``calibrate_with [L]`` on a cache of at least ``slots`` slots (the call's: a static
+        cache's length is part of a compiled graph). Returns (model, seconds spent calibrating now)."""
+        cache = cache or CacheSettings()
+        key = _cost_key(model, cache)
         with cls._lock:
             found = cls._shared.get(model, {}).get(key)
         if found is not None:
             return found, 0.0
         started = time.perf_counter()
-        made = cls(calibrate(model, calibrate_with))
+        made = cls(calibrate(model, calibrate_with, cache, slots))
         spent = time.perf_counter() - started
         with cls._lock:
             return cls._shared.setdefault(model, {}).setdefault(key, made), spent
@@ -126,12 +130,11 @@ class CostModel:
         return y0 + (y1 - y0) * (x - x0) / (x1 - x0)  # linear past the last point too
 
     @classmethod
-    def pin(cls, model, costs: "CostModel") -> None:
-        """Use ``costs`` for ``model`` (on its device and dtype) from now on, e.g. a curve measured
-        offline, or a known one in a test."""
-        param = next(model.parameters())
+    def pin(cls, model, costs: "CostModel", cache: CacheSettings | None = None) -> None:
+        """Use ``costs`` for ``model`` (on its device and dtype, with this cache kind) from now on,
+        e.g. a curve measured offline, or a known one in a test."""
         with cls._lock:
-            cls._shared.setdefault(model, {})[(str(param.device), str(param.dtype))] = costs
+            cls._shared.setdefault(model, {})[_cost_key(model, cache or CacheSettings())] = costs
 
     def observe(self, tokens: int, seconds: float) -> None:
         """One forward that fed ``tokens`` took ``seconds`` (counts past the grid are ignored)."""
@@ -149,34 +152,51 @@ class CostModel:
         self.seconds.clamp_(min=1e-6)
 
 
-def calibrate(model, tokens: torch.Tensor, reps: int = 2) -> list[float]:
+def _cost_key(model, cache: CacheSettings) -> tuple:
+    param = next(model.parameters())
+    return (str(param.device), str(param.dtype), *cache.key)
+
+
+def calibrate(model, tokens: torch.Tensor, cache: CacheSettings | None = None, slots: int = 0,
+              reps: int = 2) -> list[float]:
     """Seconds per forward at every ``COST_GRID`` count: the median of ``reps`` forwards at each
     ``CALIBRATED`` count after a short cached context, interpolated in between. Runs on a
-    throwaway cache; the user's model is only read. It calls ``model.forward`` itself, so forward
-    hooks that watch decoding do not see these forwards (their time is reported apart, as
+    throwaway cache of the call's kind (compiled forwards compile here if not warmed up); the
+    user's model is only read. It calls ``model.forward`` itself, so forward hooks that watch
+    decoding do not see these forwards (their time is reported apart, as
     ``AcceptanceStats.calibration_seconds``)."""
-    from transformers import DynamicCache
-
     device = next(model.parameters()).device
-    cache_kwarg = cache_argument(model)
     context = tokens.reshape(-1)[:32].to(device)
     if context.numel() == 0:
         context = torch.zeros(1, dtype=torch.long, device=device)
-    cache = DynamicCache()
+    kv = make_kv(model, 1, max(slots, context.numel() + CALIBRATED[-1] + 1), cache)
+    cache_kwarg = cache_argument(model)
+
+    def forward(ids: torch.Tensor, first_slot: int) -> None:
+        width = ids.shape[1]
+        fed = kv.padded_width(width, first_slot == 0)
+        ids = torch.cat([ids, ids.new_zeros(1, fed - width)], dim=1)
+        kwargs = {"input_ids": ids, "position_ids": first_slot + torch.arange(fed, device=device)[None, :],
+                  cache_kwarg: kv.cache, "use_cache": True, "logits_to_keep": 1 if first_slot == 0 else width}
+        mask = lambda slots: (torch.arange(slots, device=device) < first_slot + width).long()[None, :]  # noqa: E731
+        kv.forward(model, kwargs, first_slot=first_slot, width=width, first=first_slot == 0, mask=mask,
+                   needs_mask=False, direct=True)
+
     measured = []
     with torch.no_grad():
-        model.forward(input_ids=context[None, :], **{cache_kwarg: cache}, use_cache=True, logits_to_keep=1)
+        forward(context[None, :], 0)
         for count in (CALIBRATED[0],) + CALIBRATED:  # the first forward warms up
             ids = context.repeat(count // context.numel() + 1)[:count][None, :]  # [1, count]
             times = []
             for _ in range(reps):
                 synchronize(device)
                 start = time.perf_counter()
-                model.forward(input_ids=ids, **{cache_kwarg: cache}, use_cache=True)
+                forward(ids, context.numel())
                 synchronize(device)
                 times.append(time.perf_counter() - start)
-                cache.crop(-count)
+                kv.crop(context.numel() + count, context.numel())
             measured.append(sorted(times)[(reps - 1) // 2])
+    kv.release()
     measured = measured[1:]
     grid = torch.tensor(COST_GRID, dtype=torch.float64)
     xs, ys = torch.tensor(CALIBRATED, dtype=torch.float64), torch.tensor(measured, dtype=torch.float64)

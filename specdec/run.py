@@ -28,6 +28,7 @@ import torch
 
 from .assistant import Assistant
 from .generators import CandidateGenerator, DecodeContext, Feedback
+from .kv import CacheSettings, static_problem
 from .metrics import AcceptanceStats
 from .modelinfo import vocab_size
 from .multimodal import PrefillSpec, Prefix, check_assistant
@@ -58,6 +59,7 @@ class CallSettings:
     pad: int
     stopper: Stopper
     streamer: Any = None
+    cache: CacheSettings = CacheSettings()
 
 
 class DecodeRun:
@@ -67,7 +69,7 @@ class DecodeRun:
         self.spec, self.width = prompt.spec, prompt.rows.shape[1]
         prefill, positions = prompt.spec.for_model(target) if prompt.prefix is None else (None, None)
         self.target = ModelState(target, prompt.rows, prompt.lengths, pad_token_id=settings.pad,
-                                 prefill_inputs=prefill, positions=positions)
+                                 prefill_inputs=prefill, positions=positions, **self._cache_args(target))
         if prompt.prefix is not None:
             self.target.continue_from(prompt.prefix)
         self.followers: list[ModelState] = []  # assistants in the target's token space
@@ -86,6 +88,14 @@ class DecodeRun:
         self.row_ids = torch.arange(prompt.rows.shape[0], device=prompt.rows.device)  # original row of each row
         self.outputs: list[torch.Tensor | None] = [None] * prompt.rows.shape[0]
 
+    def _cache_args(self, model) -> dict:
+        """How ``model`` keeps its cache this call (every model of a call the same way)."""
+        if self.settings.cache.static:
+            problem = static_problem(model, prefill_inputs=bool(self.spec.user_inputs))
+            if problem:
+                raise ValueError(problem)
+        return {"kv": self.settings.cache, "max_new_tokens": self.settings.max_new_tokens}
+
     def _attach(self, model, tokens=None, lengths=None, pad_token_id=None) -> Assistant:
         problem = cache_problem(model, self.target.batch_size)
         if problem:
@@ -98,11 +108,13 @@ class DecodeRun:
         if tokens is None:  # follows the target's tokens: the run keeps it in step
             prefill, positions = self.spec.for_model(model)  # the inputs its forward declares; its own positions
             state = ModelState(model, self.target.tokens[:, : self.width], self.target.lengths,
-                               pad_token_id=self.settings.pad, prefill_inputs=prefill, positions=positions)
+                               pad_token_id=self.settings.pad, prefill_inputs=prefill, positions=positions,
+                               **self._cache_args(model))
             self.followers.append(state)
         else:  # its own token space (another tokenizer): the generator keeps it in step
             pad = self.settings.pad if pad_token_id is None else pad_token_id
-            state = ModelState(model, tokens, lengths, pad_token_id=pad, prefill_inputs=self.spec.plain_inputs(model))
+            state = ModelState(model, tokens, lengths, pad_token_id=pad, prefill_inputs=self.spec.plain_inputs(model),
+                               **self._cache_args(model))
             self.own.append(state)
         return Assistant(state, follows_target=tokens is None)
 
@@ -117,7 +129,8 @@ class DecodeRun:
             size = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
             ratio = sum(size(s.model) for s in (*self.followers, *self.own)) / size(target)
             return DraftPolicy(CostModel.fixed(target.device.type), acceptance, cap, ratio, measured=False)
-        costs, spent = CostModel.for_model(target, prompt.rows[0, : int(prompt.lengths[0])])
+        costs, spent = CostModel.for_model(target, prompt.rows[0, : int(prompt.lengths[0])], self.settings.cache,
+                                           slots=self.target.kv.slots)
         self.stats.calibration_seconds += spent
         return DraftPolicy(costs, acceptance, cap)
 
@@ -193,11 +206,20 @@ class DecodeRun:
         rest = (~finished).nonzero().flatten()
         self.row_ids, self.prompt_lengths = self.row_ids[rest], self.prompt_lengths[rest]
         if rest.numel():
-            for state in (target, *self.followers, *self.own):
+            for state in self.states():
                 state.select_rows(rest)
             self.session.select_rows(rest)
             if self.policy is not None:
                 self.policy.acceptance.select_rows(rest)
+
+    def states(self) -> list[ModelState]:
+        """The target's state and every assistant's."""
+        return [self.target, *self.followers, *self.own]
+
+    def release(self) -> None:
+        """Hand static caches back for reuse (also when a call ends early with an exception)."""
+        for state in self.states():
+            state.release()
 
     def finish(self, input_ids: torch.Tensor, started: float) -> tuple[torch.Tensor, AcceptanceStats]:
         """-> (sequences [B, P + new]: the prompt as given, then each row's new tokens right-padded; stats)."""

@@ -19,6 +19,10 @@ First iteration is explicit: ``is_first_iteration`` is True until the first forw
 the only one that receives ``prefill_inputs`` (pixel values and the like). It is not the same as
 "cache is empty": ``continue_from(prefix)`` starts from a cache that already holds a prefix.
 
+The cache itself lives in a backend (``specdec.kv``): a ``DynamicCache`` of full-length layers
+(sliding windows are applied by the mask, so a rejected block always rolls back with a crop), or
+a ``StaticCache`` written in place, optionally with compiled forwards.
+
 Position ids come from ``positions``, a pure function of (row, token index) chosen per model by
 ``specdec.multimodal`` (the token index itself for text models; 3-D mRoPE positions for
 Qwen2-VL and kin), so re-feeding or shifting rows never changes a token's position.
@@ -26,7 +30,6 @@ Qwen2-VL and kin), so re-feeding or shifting rows never changes a token's positi
 
 from __future__ import annotations
 
-import copy
 import inspect
 from typing import Any
 
@@ -34,19 +37,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from .kv import CacheSettings, make_kv
 from .modelinfo import cache_argument
 from .multimodal import PrefillInputs, TokenPositions
-
-
-def new_cache(model) -> DynamicCache:
-    """A cache of plain full-length layers, one per attention layer.
-
-    Sliding-window layers get a full-length layer too: the window is applied by the attention
-    mask (``transformers`` builds it from the model config), and every slot stays available, so a
-    rejected block always rolls back with a plain crop. ``transformers``' own sliding layers keep
-    only the window and lose the past at each crop, which breaks repeated draft/verify cycles.
-    """
-    return DynamicCache()
 
 
 def cache_problem(model, batch_size: int) -> str | None:
@@ -86,12 +79,14 @@ class ModelState:
 
     def __init__(self, model, tokens: torch.Tensor, lengths: torch.Tensor, capacity: int | None = None, *,
                  pad_token_id: int = 0, prefill_inputs: dict[str, Any] | PrefillInputs | None = None,
-                 positions=None):
+                 positions=None, kv: CacheSettings | None = None, max_new_tokens: int | None = None):
         batch = tokens.shape[0]
         self.model = model
         self.device = tokens.device
-        self.cache = new_cache(model)
         capacity = tokens.shape[1] + self.HEADROOM if capacity is None else max(capacity, tokens.shape[1])
+        # a static cache is sized for the call: prompt, new tokens, one block and the re-feed margin
+        slots = tokens.shape[1] + min(max_new_tokens or self.HEADROOM, 1 << 16) + 2 * self.REFEED_LIMIT + 1
+        self.kv = make_kv(model, batch, slots, kv)
         self.tokens = torch.full((batch, capacity), pad_token_id, dtype=torch.long, device=self.device)
         self.tokens[:, : tokens.shape[1]] = tokens
         self.lengths = lengths.clone().long()  # [B]
@@ -178,10 +173,7 @@ class ModelState:
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (indices into the batch), e.g. once others have finished."""
-        if self.cached_slots:
-            self.cache.batch_select_indices(rows)
-        else:  # emptied layers keep their old batch size (batch_select_indices skips them)
-            self.cache = new_cache(self.model)
+        self.kv.select_rows(rows, self.cached_slots)
         self.tokens, self.lengths, self.offsets = self.tokens[rows], self.lengths[rows], self.offsets[rows]
         self.positions = self.positions.select_rows(rows)
         self._trim_left()
@@ -190,7 +182,7 @@ class ModelState:
         """Start from ``prefix`` (a :class:`~specdec.multimodal.Prefix`): its cache (copied, so the
         prefix stays reusable), layout and positions. The rows must extend the prefix rows; the
         tokens past it are pending. Still the first iteration, but the prefill-only work is done."""
-        self.cache = copy.deepcopy(prefix.cache)
+        self.kv.load(prefix.cache, int(prefix.cached_slots))
         self.offsets = prefix.offsets.clone().to(self.device)
         self.cached_slots = int(prefix.cached_slots)
         self.positions = prefix.positions
@@ -212,14 +204,16 @@ class ModelState:
         first_slot = self.cached_slots
         ends = self.offsets + self.lengths  # [B] slot after each row's last token
         width = int(ends.max()) - first_slot
-        chunk_slots = first_slot + torch.arange(width, device=self.device)[None, :]  # [1, W]
-        index = chunk_slots - self.offsets[:, None]  # [B, W] token index at each chunk slot
+        first = self.is_first_iteration
+        fed = self.kv.padded_width(width, first)  # columns past `width` are padding (compiled widths)
+        chunk_slots = first_slot + torch.arange(fed, device=self.device)[None, :]  # [1, F]
+        index = chunk_slots - self.offsets[:, None]  # [B, F] token index at each chunk slot
         real = (index >= 0) & (index < self.lengths[:, None])
         ids = self.tokens.gather(1, index.clamp(0, self.tokens.shape[1] - 1))
         # ids a smaller (padded) embedding lacks can only come from the target's tokens: the
         # model sees padding there, which can only change what an assistant proposes
-        ids = ids.masked_fill(~real | (ids >= self.vocab_limit), self.pad_token_id)  # [B, W]
-        positions = self.positions(index)  # [B, W], or [3, B, W] for mRoPE
+        ids = ids.masked_fill(~real | (ids >= self.vocab_limit), self.pad_token_id)  # [B, F]
+        positions = self.positions(index)  # [B, F], or [3, B, F] for mRoPE
 
         first_needed = self.offsets + start - first_slot  # [B] chunk column of the first logits needed
         if bool((first_needed < 0).any()):
@@ -228,17 +222,21 @@ class ModelState:
         kwargs: dict[str, Any] = {
             "input_ids": ids,
             "position_ids": positions,
-            self._cache_kwarg: self.cache,
+            self._cache_kwarg: self.kv.cache,
             "use_cache": True,
             "logits_to_keep": keep,
         }
-        if self.batch_size > 1 or bool((self.offsets > 0).any()) or not bool(real.all()):
-            slots = torch.arange(first_slot + width, device=self.device)[None, :]
-            mask = (slots >= self.offsets[:, None]) & (slots < ends[:, None])  # [B, T + W]
-            kwargs["attention_mask"] = mask.long()
-        if self.is_first_iteration:  # a first forward starts at slot 0 unless it continues a prefix
-            kwargs.update(self.prefill_inputs.for_chunk(index, real))
-        logits = self.model(**kwargs).logits  # [B, keep, V] (all W columns if the model ignores logits_to_keep)
+
+        def mask(slots: int) -> torch.Tensor:  # [B, slots]: each row's own tokens, nothing stale
+            at = torch.arange(slots, device=self.device)[None, :]
+            return ((at >= self.offsets[:, None]) & (at < ends[:, None])).long()
+
+        if first:  # a first forward starts at slot 0 unless it continues a prefix
+            kwargs.update(self.prefill_inputs.for_chunk(index[:, :width], real[:, :width]))
+        needs_mask = self.batch_size > 1 or bool((self.offsets > 0).any()) or not bool(real[:, :width].all())
+        logits = self.kv.forward(self.model, kwargs, first_slot=first_slot, width=width, first=first,
+                                 mask=mask, needs_mask=needs_mask)
+        # [B, keep, V]: the last `keep` of the `width` columns (all of them if the model ignores logits_to_keep)
         keep = logits.shape[1]
         self.is_first_iteration = False
         self.prefill_inputs = PrefillInputs()
@@ -259,37 +257,34 @@ class ModelState:
         else:
             target = hi
             shifts = hi - valid_ends  # [B] lagging rows move right
-            _shift_rows(self.cache, shifts)
+            self.kv.shift_rows(shifts)
             self.offsets = self.offsets + shifts
-        if self.cached_slots:
-            self.cache.crop(target - self.cached_slots)
+        self.kv.crop(self.cached_slots, target)
         self.cached_slots = target
         self._trim_left()
 
     def _trim_left(self) -> None:
         common = int(self.offsets.min()) if self.batch_size else 0
         if common > 0 and self.cached_slots >= common:
-            _trim_cache_left(self.cache, common)
+            self.kv.trim_left(common, self.cached_slots)
             self.offsets = self.offsets - common
             self.cached_slots -= common
 
+    def warm_up(self, widths) -> None:
+        """Run one forward at each of ``widths`` (after the prefill, if still to come) and roll each
+        back: compiles what a call will run, on this state's cache."""
+        if self.is_first_iteration:
+            self.forward(start=self.lengths - 1)
+        base = self.lengths.clone()
+        for width in widths:
+            self.append(self.tokens[:, :width].clone())  # any tokens the rows already hold
+            self.forward(start=base)
+            self.truncate(base)
 
-def _layers(cache: DynamicCache):
-    return [layer for layer in cache.layers
-            if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel()]
+    def release(self) -> None:
+        """The call is over: hand a static cache back for reuse."""
+        self.kv.release()
 
-
-def _shift_rows(cache: DynamicCache, shifts: torch.Tensor) -> None:
-    """Move row b's cached entries right by ``shifts[b]`` slots, padding its start with zeros."""
-    moves = [(b, int(s)) for b, s in enumerate(shifts.tolist()) if s > 0]
-    for layer in _layers(cache):
-        for tensor in (layer.keys, layer.values):  # [B, heads, slots, dim]
-            for b, s in moves:
-                tensor[b, :, s:] = tensor[b, :, : tensor.shape[2] - s].clone()
-                tensor[b, :, :s] = 0
-
-
-def _trim_cache_left(cache: DynamicCache, count: int) -> None:
-    """Drop the first ``count`` slots of every row (padding common to all rows)."""
-    for layer in _layers(cache):
-        layer.keys, layer.values = layer.keys[:, :, count:], layer.values[:, :, count:]
+    @property
+    def cache(self):
+        return self.kv.cache

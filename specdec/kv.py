@@ -1,0 +1,317 @@
+"""Key/value cache backends of :class:`~specdec.state.ModelState`: dynamic, or static and compiled.
+
+``ModelState`` keeps the layout (which slot holds which row's token); a backend keeps the
+tensors and runs the forward. Both backends hold ``transformers`` caches:
+
+* :class:`DynamicKV`: a ``DynamicCache`` of plain full-length layers. Rolling back is a crop.
+* :class:`StaticKV`: a ``StaticCache`` of ``StaticLayer`` s, allocated once for the call. The
+  slot the next forward writes at is each layer's ``cumulative_length``, set before every forward,
+  so rolling back is moving that position: rejected slots stay in memory, masked out, and are
+  overwritten by the next forward. Sliding-window layers get full-length ``StaticLayer`` s too
+  (the window is applied by the mask, from the model config): ``StaticSlidingWindowLayer`` keeps
+  only the last window and would lose the slots a rollback returns to.
+
+With ``compile`` the static backend runs ``torch.compile`` d forwards. Widths are padded to
+:data:`WIDTHS` (padded columns feed the pad token at slots past every row's end, masked out,
+their logits dropped), the mask always spans the whole cache, and caches are reused across calls
+from a per-model pool, so each (width, batch, cache length) compiles once per process. A first
+forward (the prefill) and any forward wider than the widest bucket run eagerly, as in
+``transformers``. Compiled forwards bypass ``nn.Module`` hooks.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache, StaticCache
+from transformers.cache_utils import StaticLayer
+
+#: forward widths the compiled path pads to (each compiles once per batch size and cache length)
+WIDTHS = (1, 2, 4, 8, 16)
+#: a static cache's length is a multiple of this (so prompts of similar lengths share graphs)
+LENGTH_STEP = 256
+IMPLEMENTATIONS = ("dynamic", "static")
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """How every model of a call keeps its cache: ``implementation`` "dynamic" or "static";
+    ``compile`` False, True, or a dict of ``torch.compile`` options (static only)."""
+
+    implementation: str = "dynamic"
+    compile: Any = False
+    options: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @classmethod
+    def make(cls, implementation: str = "dynamic", compile: Any = False) -> "CacheSettings":
+        if implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"cache_implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+        if not isinstance(compile, (bool, dict)):
+            raise TypeError(f"compile must be True, False or a dict of torch.compile options, got {compile!r}")
+        if compile is not False and implementation != "static":
+            raise ValueError("compile=True needs cache_implementation='static' (a dynamic cache changes shape "
+                             "every step, so compiled forwards would recompile)")
+        options = dict(compile) if isinstance(compile, dict) else {}
+        return cls(implementation, bool(compile is not False), options)
+
+    @property
+    def static(self) -> bool:
+        return self.implementation == "static"
+
+    @property
+    def key(self) -> tuple:
+        """What a forward's cost depends on besides the model, device and dtype."""
+        return (self.implementation, self.compile)
+
+
+def static_problem(model, prefill_inputs: bool) -> str | None:
+    """Why the static path cannot serve ``model``, or None."""
+    if prefill_inputs or hasattr(model, "get_rope_index") or hasattr(model.config, "vision_config"):
+        return (f"cache_implementation='static' serves text-only models; {type(model).__name__} takes image "
+                "inputs (use the default dynamic cache)")
+    return None
+
+
+class DynamicKV:
+    """A ``DynamicCache``; every row's slots ``[0, cached_slots)`` are stored, no more."""
+
+    static = False
+    slots = 0  # grows with what it holds
+
+    def __init__(self, model, batch: int, capacity: int, settings: CacheSettings):
+        self.cache = DynamicCache()
+
+    def forward(self, model, kwargs: dict, *, first_slot: int, width: int, first: bool, mask,
+                needs_mask: bool, direct: bool = False) -> torch.Tensor:
+        """Run the model on ``kwargs`` (ids/positions ``[B, fed]``, fed = :meth:`padded_width`);
+        ``mask(slots)`` gives the ``[B, slots]`` attention mask, needed unless every slot holds a
+        real token. ``direct`` calls ``model.forward`` (no module hooks). -> logits of the first
+        ``width`` columns (or fewer, with ``logits_to_keep``)."""
+        if needs_mask:
+            kwargs["attention_mask"] = mask(first_slot + width)
+        return (model.forward if direct else model)(**kwargs).logits
+
+    def padded_width(self, width: int, first: bool) -> int:
+        return width
+
+    def crop(self, old_slots: int, new_slots: int) -> None:
+        if old_slots:
+            self.cache.crop(new_slots - old_slots)
+
+    def shift_rows(self, shifts: torch.Tensor) -> None:
+        """Move row b's cached entries right by ``shifts[b]`` slots, padding its start with zeros."""
+        moves = [(b, int(s)) for b, s in enumerate(shifts.tolist()) if s > 0]
+        for layer in _layers(self.cache):
+            for tensor in (layer.keys, layer.values):  # [B, heads, slots, dim]
+                for b, s in moves:
+                    tensor[b, :, s:] = tensor[b, :, : tensor.shape[2] - s].clone()
+                    tensor[b, :, :s] = 0
+
+    def trim_left(self, count: int, cached_slots: int) -> None:
+        """Drop the first ``count`` slots of every row (padding common to all rows)."""
+        for layer in _layers(self.cache):
+            layer.keys, layer.values = layer.keys[:, :, count:], layer.values[:, :, count:]
+
+    def select_rows(self, rows: torch.Tensor, cached_slots: int) -> None:
+        if cached_slots:
+            self.cache.batch_select_indices(rows)
+        else:  # emptied layers keep their old batch size (batch_select_indices skips them)
+            self.cache = DynamicCache()
+
+    def load(self, cache, slots: int) -> None:
+        """Start from a copy of another cache holding ``slots`` slots (a prefix)."""
+        import copy
+
+        self.cache = copy.deepcopy(cache)
+
+    def release(self) -> None:
+        pass
+
+
+class StaticKV:
+    """A ``StaticCache`` of full-length ``StaticLayer`` s, written in place (see the module doc)."""
+
+    static = True
+
+    def __init__(self, model, batch: int, capacity: int, settings: CacheSettings):
+        self.model_ref = weakref.ref(model)
+        self.settings = settings
+        self.cache = _POOL.acquire(model, batch, _round_up(capacity, LENGTH_STEP))
+        self.length = self.cache.layers[0].max_cache_len
+        self.compiled = compiled_forward(model, settings.options) if settings.compile else None
+
+    def forward(self, model, kwargs: dict, *, first_slot: int, width: int, first: bool, mask,
+                needs_mask: bool, direct: bool = False) -> torch.Tensor:
+        fed = kwargs["input_ids"].shape[1]
+        self._reserve(model, first_slot + fed)
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                layer.cumulative_length.fill_(first_slot)
+            else:
+                layer.cumulative_length = torch.tensor(first_slot)
+        kwargs["attention_mask"] = mask(self.length)  # always: slots past the rows' ends hold stale entries
+        if self.compiled is None or first or fed not in WIDTHS:
+            return (model.forward if direct else model)(**kwargs).logits
+        kwargs.pop("logits_to_keep", None)  # an int argument would compile one graph per value
+        if kwargs["input_ids"].device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
+            logits = self.compiled(model, **kwargs).logits
+        return logits[:, :width].clone()
+
+    @property
+    def slots(self) -> int:
+        return self.length
+
+    def padded_width(self, width: int, first: bool) -> int:
+        """Columns the next forward feeds for ``width`` real ones."""
+        if self.compiled is None or first:
+            return width
+        return next((w for w in WIDTHS if w >= width), width)
+
+    def _reserve(self, model, slots: int) -> None:
+        """Grow the cache (copying what it holds) if ``slots`` do not fit."""
+        if slots <= self.length:
+            return
+        old, old_length = self.cache, self.length
+        batch = _batch_of(old)
+        self.cache = _POOL.acquire(model, batch, _round_up(max(slots, 2 * old_length), LENGTH_STEP))
+        self.length = self.cache.layers[0].max_cache_len
+        for new_layer, old_layer in zip(self.cache.layers, old.layers):
+            if old_layer.is_initialized:
+                _ensure_initialized(new_layer, old_layer, batch)
+                new_layer.keys[:, :, :old_length].copy_(old_layer.keys)
+                new_layer.values[:, :, :old_length].copy_(old_layer.values)
+        _POOL.release(model, old)
+
+    def crop(self, old_slots: int, new_slots: int) -> None:
+        pass  # the write position is set before every forward; stale slots are masked, then overwritten
+
+    def shift_rows(self, shifts: torch.Tensor) -> None:
+        moves = [(b, int(s)) for b, s in enumerate(shifts.tolist()) if s > 0]
+        for layer in _static_layers(self.cache):
+            for tensor in (layer.keys, layer.values):
+                for b, s in moves:
+                    tensor[b, :, s:] = tensor[b, :, : tensor.shape[2] - s].clone()
+
+    def trim_left(self, count: int, cached_slots: int) -> None:
+        for layer in _static_layers(self.cache):
+            for tensor in (layer.keys, layer.values):
+                tensor[:, :, : cached_slots - count] = tensor[:, :, count: cached_slots].clone()
+
+    def select_rows(self, rows: torch.Tensor, cached_slots: int) -> None:
+        model = self.model_ref()
+        old = self.cache
+        self.cache = _POOL.acquire(model, rows.numel(), self.length)
+        for new_layer, old_layer in zip(self.cache.layers, old.layers):
+            if old_layer.is_initialized:
+                _ensure_initialized(new_layer, old_layer, rows.numel())
+                new_layer.keys[:, :, : self.length].copy_(old_layer.keys[rows])
+                new_layer.values[:, :, : self.length].copy_(old_layer.values[rows])
+        self.length = self.cache.layers[0].max_cache_len
+        _POOL.release(model, old)
+
+    def load(self, cache, slots: int) -> None:
+        raise ValueError("a prefix cannot continue on the static cache (use the default dynamic cache)")
+
+    def release(self) -> None:
+        """Return the cache to the pool (the next call of this model may reuse it)."""
+        model = self.model_ref()
+        if model is not None and self.cache is not None:
+            _POOL.release(model, self.cache)
+        self.cache = None
+
+
+# -- static caches: full-length layers, pooled per model ----------------------------------------
+def new_static_cache(model, batch: int, length: int) -> StaticCache:
+    cache = StaticCache(config=model.config, max_cache_len=length)
+    cache.layers = [layer if type(layer) is StaticLayer else StaticLayer(max_cache_len=length)
+                    for layer in cache.layers]
+    return cache
+
+
+class _CachePool:
+    """Free static caches per model, by (batch, length): reusing one keeps tensor addresses (and so
+    compiled graphs and CUDA graphs) stable across calls. A cache is owned by one call at a time."""
+
+    def __init__(self):
+        self._free: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def acquire(self, model, batch: int, length: int) -> StaticCache:
+        """A free cache of this batch size holding at least ``length`` slots (the shortest such),
+        or a new one of exactly ``length``."""
+        with self._lock:
+            free = self._free.setdefault(model, {})
+            fits = sorted(key for key in free if key[0] == batch and key[1] >= length and free[key])
+            if fits:
+                return free[fits[0]].pop()
+        return new_static_cache(model, batch, length)
+
+    def release(self, model, cache) -> None:
+        if model is None or cache is None:
+            return
+        layer = cache.layers[0] if cache.layers else None
+        if layer is None or not layer.is_initialized:
+            return  # never written: nothing worth keeping
+        key = (int(layer.keys.shape[0]), int(layer.keys.shape[2]))
+        with self._lock:
+            self._free.setdefault(model, {}).setdefault(key, []).append(cache)
+
+
+_POOL = _CachePool()
+_COMPILED: dict[tuple, Any] = {}
+_COMPILED_LOCK = threading.Lock()
+
+
+def compiled_forward(model, options: dict):
+    """``torch.compile`` of the model class's ``forward`` (called as ``fn(model, **kwargs)``), one
+    per (class, options) for the process. Default options: ``fullgraph``, no dynamic shapes, and
+    on CUDA the mode that captures CUDA graphs."""
+    device = next(model.parameters()).device.type
+    settings = {"fullgraph": True, "dynamic": False}
+    if device == "cuda":
+        settings["mode"] = "reduce-overhead"
+    settings.update(options)
+    key = (type(model), device, tuple(sorted((k, repr(v)) for k, v in settings.items())))
+    with _COMPILED_LOCK:
+        if key not in _COMPILED:
+            _COMPILED[key] = torch.compile(type(model).forward, **settings)
+        return _COMPILED[key]
+
+
+def _round_up(n: int, step: int) -> int:
+    return max(step, -(-n // step) * step)
+
+
+def _batch_of(cache) -> int:
+    for layer in cache.layers:
+        if layer.is_initialized:
+            return int(layer.keys.shape[0])
+    return 0
+
+
+def _ensure_initialized(new_layer, like, batch: int) -> None:
+    if not new_layer.is_initialized:
+        shape = (batch, like.keys.shape[1], 1)  # lazy_initialization reads batch, heads and head size
+        keys = like.keys.new_zeros((*shape, like.keys.shape[-1]))
+        values = like.values.new_zeros((*shape, like.values.shape[-1]))
+        new_layer.lazy_initialization(keys, values)
+
+
+def _static_layers(cache):
+    return [layer for layer in cache.layers if layer.is_initialized]
+
+
+def _layers(cache: DynamicCache):
+    return [layer for layer in cache.layers
+            if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel()]
+
+
+def make_kv(model, batch: int, capacity: int, settings: CacheSettings | None):
+    settings = settings or CacheSettings()
+    return (StaticKV if settings.static else DynamicKV)(model, batch, capacity, settings)
