@@ -15,6 +15,7 @@ tensors, and nothing here knows a generator by name beyond asking the registry.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -128,11 +129,14 @@ class SpecDecoder:
         """Compile every forward a call can run (``compile=True``): the target's and each
         assistant's, at every padded width, for ``batch_size`` rows and a static cache of at
         least ``max_length`` slots (prompt + new tokens), and calibrate the draft-length policy.
-        Later calls of at most that batch size and length compile nothing new. Returns the
+        From then on every call's static caches hold at least ``max_length`` slots, so calls of
+        that batch size up to that length compile nothing new (a batch whose rows finish at
+        different times runs smaller batches too: warm those up as well). Returns the
         seconds spent (report them apart from decoding time). A no-op without ``compile``."""
         if not self.cache.compile:
             return 0.0
         started = time.perf_counter()
+        self.cache = dataclasses.replace(self.cache, min_length=max(self.cache.min_length, max_length))
         vocab = min(int(self.target.get_input_embeddings().weight.shape[0]), 256)
         ids = torch.arange(8).remainder(vocab)[None, :].repeat(batch_size, 1)
         prompt = self._prompt(ids, None, {}, None)

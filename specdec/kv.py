@@ -32,7 +32,7 @@ from transformers.cache_utils import StaticLayer
 
 #: forward widths the compiled path pads to (each compiles once per batch size and cache length)
 WIDTHS = (1, 2, 4, 8, 16)
-#: a static cache's length is a multiple of this (so prompts of similar lengths share graphs)
+#: a static cache's length is a multiple of this (a compiled graph is specific to the length)
 LENGTH_STEP = 256
 IMPLEMENTATIONS = ("dynamic", "static")
 
@@ -40,11 +40,14 @@ IMPLEMENTATIONS = ("dynamic", "static")
 @dataclass(frozen=True)
 class CacheSettings:
     """How every model of a call keeps its cache: ``implementation`` "dynamic" or "static";
-    ``compile`` False, True, or a dict of ``torch.compile`` options (static only)."""
+    ``compile`` False, True, or a dict of ``torch.compile`` options (static only). A static
+    cache holds at least ``min_length`` slots (set by ``SpecDecoder.warmup``: every call up to
+    that length then runs the graphs the warm-up compiled)."""
 
     implementation: str = "dynamic"
     compile: Any = False
     options: dict = field(default_factory=dict, compare=False, hash=False)
+    min_length: int = 0
 
     @classmethod
     def make(cls, implementation: str = "dynamic", compile: Any = False) -> "CacheSettings":
@@ -140,8 +143,8 @@ class StaticKV:
     def __init__(self, model, batch: int, capacity: int, settings: CacheSettings):
         self.model_ref = weakref.ref(model)
         self.settings = settings
-        self.cache = _POOL.acquire(model, batch, _round_up(capacity, LENGTH_STEP))
-        self.length = self.cache.layers[0].max_cache_len
+        self.length = _round_up(max(capacity, settings.min_length), LENGTH_STEP)
+        self.cache = _POOL.acquire(model, batch, self.length)
         self.compiled = compiled_forward(model, settings.options) if settings.compile else None
 
     def forward(self, model, kwargs: dict, *, first_slot: int, width: int, first: bool, mask,
@@ -179,8 +182,8 @@ class StaticKV:
             return
         old, old_length = self.cache, self.length
         batch = _batch_of(old)
-        self.cache = _POOL.acquire(model, batch, _round_up(max(slots, 2 * old_length), LENGTH_STEP))
-        self.length = self.cache.layers[0].max_cache_len
+        self.length = _round_up(max(slots, 2 * old_length), LENGTH_STEP)
+        self.cache = _POOL.acquire(model, batch, self.length)
         for new_layer, old_layer in zip(self.cache.layers, old.layers):
             if old_layer.is_initialized:
                 _ensure_initialized(new_layer, old_layer, batch)
@@ -210,9 +213,8 @@ class StaticKV:
         for new_layer, old_layer in zip(self.cache.layers, old.layers):
             if old_layer.is_initialized:
                 _ensure_initialized(new_layer, old_layer, rows.numel())
-                new_layer.keys[:, :, : self.length].copy_(old_layer.keys[rows])
-                new_layer.values[:, :, : self.length].copy_(old_layer.values[rows])
-        self.length = self.cache.layers[0].max_cache_len
+                new_layer.keys.copy_(old_layer.keys[rows])
+                new_layer.values.copy_(old_layer.values[rows])
         _POOL.release(model, old)
 
     def load(self, cache, slots: int) -> None:
@@ -243,13 +245,11 @@ class _CachePool:
         self._lock = threading.Lock()
 
     def acquire(self, model, batch: int, length: int) -> StaticCache:
-        """A free cache of this batch size holding at least ``length`` slots (the shortest such),
-        or a new one of exactly ``length``."""
+        """A free cache of exactly this batch size and length, or a new one."""
         with self._lock:
-            free = self._free.setdefault(model, {})
-            fits = sorted(key for key in free if key[0] == batch and key[1] >= length and free[key])
-            if fits:
-                return free[fits[0]].pop()
+            free = self._free.setdefault(model, {}).get((batch, length))
+            if free:
+                return free.pop()
         return new_static_cache(model, batch, length)
 
     def release(self, model, cache) -> None:

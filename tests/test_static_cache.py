@@ -1,0 +1,173 @@
+"""The static cache path (``cache_implementation="static"``) and compiled forwards (``compile``).
+
+Exactness: greedy output equals ``target.generate(do_sample=False)`` for several architectures,
+sliding windows smaller than the generation included (mistral, gemma2), with ``prompt_lookup``
+and ``draft_model``, batch 1 and left-padded batches whose rows accept different drafts.
+Compiled runs use dynamo with the ``aot_eager`` backend (the same graphs, capture and guards as
+inductor, without its code generation, which takes minutes on CPU), plus one run with inductor
+itself. Sampling stays lossless on the static path: ``test_sampling_lossless`` runs its
+end-to-end check on both caches.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from transformers import StaticCache
+
+from specdec import SpecDecoder
+from specdec.kv import WIDTHS
+
+from helpers import ForwardRecorder, left_pad, repetitive_prompt, tiny_pair
+
+ARCHS = ["llama", "qwen3", "gemma2", "mistral"]  # gemma2 and mistral: sliding window 8
+FAST_COMPILE = {"backend": "aot_eager"}
+
+
+@pytest.fixture(scope="module")
+def pairs():
+    return {arch: tiny_pair(arch) for arch in ARCHS}
+
+
+def reference(target, rows: list[torch.Tensor], max_new_tokens: int) -> list[torch.Tensor]:
+    return [target.generate(r[None, :], max_new_tokens=max_new_tokens, do_sample=False)[0, r.numel():] for r in rows]
+
+
+def batch_rows(seed: int = 0) -> list[torch.Tensor]:
+    """Three rows of different lengths; the repetitive ones give prompt lookup long matches."""
+    g = torch.Generator().manual_seed(seed)
+    return [repetitive_prompt(10, seed=seed)[0], torch.randint(0, 250, (7,), generator=g),
+            repetitive_prompt(6, seed=seed + 1)[0]]
+
+
+def check_rows(decoder, target, rows, max_new_tokens=30):
+    ids, mask = left_pad(rows, pad_id=257)
+    out = decoder.generate(ids, mask, max_new_tokens=max_new_tokens)
+    expected = reference(target, rows, max_new_tokens)
+    width = ids.shape[1]
+    for b, want in enumerate(expected):
+        got = out.sequences[b, width: width + want.numel()]
+        assert torch.equal(got, want), f"row {b}"
+    return out
+
+
+@pytest.mark.parametrize("drafter", ["prompt_lookup", "draft_model"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_static_cache_is_exact(pairs, arch, drafter):
+    target, draft, _ = pairs[arch]
+    decoder = SpecDecoder(target, draft if drafter == "draft_model" else drafter, cache_implementation="static")
+    ids = repetitive_prompt(12)
+    out = decoder.generate(ids, max_new_tokens=40)  # longer than every sliding window
+    assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=40, do_sample=False))
+    check_rows(decoder, target, batch_rows())
+
+
+@pytest.mark.parametrize("drafter", ["prompt_lookup", "draft_model"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_compiled_static_path_is_exact(pairs, arch, drafter):
+    target, draft, _ = pairs[arch]
+    decoder = SpecDecoder(target, draft if drafter == "draft_model" else drafter, cache_implementation="static",
+                          compile=FAST_COMPILE, schedule="fixed", num_tokens=3)
+    ids = repetitive_prompt(12)
+    out = decoder.generate(ids, max_new_tokens=40)
+    assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=40, do_sample=False))
+    assert sum(out.stats.drafts_verified[1:]) > 0  # blocks of drafts went through the compiled verify
+    out = check_rows(decoder, target, batch_rows(3))
+    assert out.stats.accepted_tokens > 0
+
+
+def test_inductor_compiled_path_is_exact(pairs):
+    """One run through inductor's generated code (fp32 on CPU): the same tokens as transformers."""
+    target, _, _ = pairs["llama"]
+    decoder = SpecDecoder(target, "prompt_lookup", cache_implementation="static", compile=True,
+                          schedule="fixed", num_tokens=3)
+    ids = repetitive_prompt(12)
+    out = decoder.generate(ids, max_new_tokens=30)
+    assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=30, do_sample=False))
+    assert out.stats.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("drafter", ["prompt_lookup", "draft_model"])
+def test_no_graph_compiles_after_warmup(pairs, drafter):
+    """After ``warmup`` no call compiles a new graph, whatever its prompt length or acceptance."""
+    target, draft, _ = pairs["llama"]
+    decoder = SpecDecoder(target, draft if drafter == "draft_model" else drafter, cache_implementation="static",
+                          compile=FAST_COMPILE)
+    seconds = decoder.warmup(max_length=300)
+    assert seconds > 0
+    graphs = counters["stats"]["unique_graphs"]
+    for seed, length in [(0, 5), (1, 30), (2, 60), (3, 17)]:
+        ids = repetitive_prompt(length, seed=seed)
+        out = decoder.generate(ids, max_new_tokens=50)
+        assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=50, do_sample=False))
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert decoder.warmup(max_length=300) >= 0  # warming again is cheap and harmless
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_rollback_moves_the_write_position_and_never_reallocates(pairs):
+    """Every forward of a call sees the same StaticCache tensors; rejected blocks only move the
+    position the next forward writes at."""
+    target, draft, _ = pairs["llama"]
+    seen = []
+
+    def hook(module, args, kwargs):
+        cache = kwargs["cache"]
+        seen.append((type(cache), cache.layers[0].keys.data_ptr() if cache.layers[0].is_initialized else None,
+                     int(cache.layers[0].cumulative_length)))
+
+    handle = target.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        decoder = SpecDecoder(target, draft, cache_implementation="static", schedule="fixed", num_tokens=4)
+        ids = repetitive_prompt(12)
+        out = decoder.generate(ids, max_new_tokens=30)
+    finally:
+        handle.remove()
+    assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=30, do_sample=False))
+    assert out.stats.drafted_tokens > out.stats.accepted_tokens  # some blocks were rejected
+    assert {kind for kind, _, _ in seen} == {StaticCache}
+    assert len({ptr for _, ptr, _ in seen[1:]}) == 1  # allocated by the prefill, then only written
+    starts = [start for _, _, start in seen]
+    assert starts[0] == 0 and all(b > a for a, b in zip(starts, starts[1:]))
+
+
+def test_rows_finishing_early_keep_exact_on_the_static_path(pairs):
+    target, _, tokenizer = pairs["gemma2"]
+    rows = batch_rows(5)
+    ids, mask = left_pad(rows, pad_id=257)
+    decoder = SpecDecoder(target, "prompt_lookup", cache_implementation="static")
+    eos = int(target.generate(rows[1][None, :], max_new_tokens=5, do_sample=False)[0, -1])  # row 1 stops early
+    out = decoder.generate(ids, mask, max_new_tokens=25, eos_token_id=eos)
+    plain = SpecDecoder(target, "prompt_lookup").generate(ids, mask, max_new_tokens=25, eos_token_id=eos)
+    assert torch.equal(out.sequences, plain.sequences)
+
+
+def test_static_settings_are_checked(pairs):
+    target, _, _ = pairs["llama"]
+    with pytest.raises(ValueError, match="cache_implementation must be one of"):
+        SpecDecoder(target, "prompt_lookup", cache_implementation="offloaded")
+    with pytest.raises(ValueError, match="needs cache_implementation='static'"):
+        SpecDecoder(target, "prompt_lookup", compile=True)
+    with pytest.raises(TypeError, match="compile must be"):
+        SpecDecoder(target, "prompt_lookup", cache_implementation="static", compile="yes")
+    decoder = SpecDecoder(target, "prompt_lookup", cache_implementation="static")
+    with pytest.raises(ValueError, match="dynamic cache"):
+        decoder.prefill(torch.tensor([[1, 2, 3]]))
+    assert decoder.warmup() == 0.0  # nothing to compile
+
+
+def test_vision_language_targets_are_refused_on_the_static_path():
+    from transformers import LlavaConfig, LlavaForConditionalGeneration, CLIPVisionConfig, LlamaConfig
+
+    text = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                              image_size=16, patch_size=8)
+    model = LlavaForConditionalGeneration(LlavaConfig(text_config=text, vision_config=vision, image_token_id=63))
+    with pytest.raises(ValueError, match="text-only"):
+        SpecDecoder(model.eval(), "prompt_lookup", cache_implementation="static")
+
+
+def test_padded_widths_cover_the_default_block():
+    assert WIDTHS == tuple(sorted(WIDTHS)) and WIDTHS[0] == 1
