@@ -54,8 +54,12 @@ class DraftModelGenerator(CandidateGenerator):
                              "tokenizer needs the cross-tokenizer generator (pass tokenizer= and draft_tokenizer=).")
         self.shared_vocab = min(vocab_size(ctx.target), vocab_size(self.draft))
         self.target_vocab = ctx.target_vocab_size
-        self.assistant = ctx.attach(self.draft)
+        self.assistant = ctx.attach(self.draft, **self.attach_options())
         self.schedule.reset(ctx.batch_size)
+
+    def attach_options(self) -> dict:
+        """How the draft keeps its cache (see ``DecodeContext.attach``); the call's own by default."""
+        return {}
 
     def propose(self, ctx: DecodeContext, max_drafts: torch.Tensor) -> Proposal:
         lengths = torch.minimum(self.schedule.current.to(max_drafts.device), max_drafts).clamp_min(0)
@@ -64,7 +68,7 @@ class DraftModelGenerator(CandidateGenerator):
             return Proposal.empty(ctx.batch_size, max_drafts.device)
         ids, probs = [], []
         for i in range(k):
-            logits = self.assistant.next_logits()[:, : self.shared_vocab]  # [B, V]
+            logits = self.assistant.next_logits()[:, : self.shared_vocab].float()  # [B, V]
             if ctx.sampling.do_sample:
                 p = ctx.sampling.probs(logits)
                 token = sample(p, ctx.generator)

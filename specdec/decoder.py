@@ -126,15 +126,13 @@ class SpecDecoder:
         return SpecOutput(*run.finish(prompt.input_ids, started))
 
     def warmup(self, batch_size: int = 1, max_length: int = 1024) -> float:
-        """Compile every forward a call can run (``compile=True``): the target's and each
-        assistant's, at every padded width, for ``batch_size`` rows and a static cache of at
+        """Compile every forward a call can run (``compile=True``, or a generator whose draft
+        compiles, like ``self_draft``): the target's and each assistant's, at every padded width, for ``batch_size`` rows and a static cache of at
         least ``max_length`` slots (prompt + new tokens), and calibrate the draft-length policy.
         From then on every call's static caches hold at least ``max_length`` slots, so calls of
         that batch size up to that length compile nothing new (a batch whose rows finish at
         different times runs smaller batches too: warm those up as well). Returns the
-        seconds spent (report them apart from decoding time). A no-op without ``compile``."""
-        if not self.cache.compile:
-            return 0.0
+        seconds spent (report them apart from decoding time); 0.0 when nothing compiles."""
         started = time.perf_counter()
         self.cache = dataclasses.replace(self.cache, min_length=max(self.cache.min_length, max_length))
         vocab = min(int(self.target.get_input_embeddings().weight.shape[0]), 256)
@@ -146,13 +144,14 @@ class SpecDecoder:
                                                 tokenizer=None, stopping_criteria=None))
         run = DecodeRun(self.target, self.candidate_generator, prompt, settings,
                         tokenizer=self.tokenizer, draft_tokenizer=self.draft_tokenizer)
+        compiled = [state for state in run.states() if state.compiled]
         try:
             with torch.no_grad():
-                for state in run.states():
+                for state in compiled:
                     state.warm_up(WIDTHS)
         finally:
             run.release()
-        return time.perf_counter() - started
+        return time.perf_counter() - started if compiled else 0.0
 
     def prefill(self, input_ids, attention_mask=None, **model_inputs) -> Prefix:
         """Run the target once over a prompt prefix (e.g. a system prompt with its image) and keep

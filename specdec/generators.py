@@ -98,16 +98,18 @@ class DecodeContext:
         return vocab_size(self.target)
 
     def attach(self, model, tokens: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
-               pad_token_id: int | None = None) -> "Assistant":
+               pad_token_id: int | None = None, *, cache_implementation: str | None = None,
+               compile: bool | dict | None = None) -> "Assistant":
         """Hand an assistant model to the controller; get an :class:`~specdec.assistant.Assistant`.
 
         Without ``tokens`` the assistant shares the target's token ids and the controller keeps it
         at the committed prefix after every verification. With ``tokens [B, L]`` and ``lengths
         [B]`` (another tokenizer's ids) the generator keeps it in step with ``rewrite``. Either way
         the controller builds its cache, routes prefill-only inputs to its first forward, and drops
-        finished rows.
+        finished rows. ``cache_implementation`` / ``compile`` (as in ``SpecDecoder``) choose how
+        this assistant keeps its cache, whatever the call uses (default: as the call).
         """
-        return self._attach(model, tokens, lengths, pad_token_id)
+        return self._attach(model, tokens, lengths, pad_token_id, cache_implementation, compile)
 
 
 class CandidateGenerator:

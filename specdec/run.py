@@ -20,6 +20,7 @@ Data path of one :meth:`DecodeRun.step`::
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -88,15 +89,17 @@ class DecodeRun:
         self.row_ids = torch.arange(prompt.rows.shape[0], device=prompt.rows.device)  # original row of each row
         self.outputs: list[torch.Tensor | None] = [None] * prompt.rows.shape[0]
 
-    def _cache_args(self, model) -> dict:
-        """How ``model`` keeps its cache this call (every model of a call the same way)."""
-        if self.settings.cache.static:
+    def _cache_args(self, model, cache: CacheSettings | None = None) -> dict:
+        """How ``model`` keeps its cache this call: as the call says, unless ``cache`` overrides."""
+        cache = cache or self.settings.cache
+        if cache.static:
             problem = static_problem(model, prefill_inputs=bool(self.spec.user_inputs))
             if problem:
                 raise ValueError(problem)
-        return {"kv": self.settings.cache, "max_new_tokens": self.settings.max_new_tokens}
+        return {"kv": cache, "max_new_tokens": self.settings.max_new_tokens}
 
-    def _attach(self, model, tokens=None, lengths=None, pad_token_id=None) -> Assistant:
+    def _attach(self, model, tokens=None, lengths=None, pad_token_id=None, cache_implementation=None,
+                compile=None) -> Assistant:
         problem = cache_problem(model, self.target.batch_size)
         if problem:
             raise ValueError(f"assistant: {problem}")
@@ -105,16 +108,22 @@ class DecodeRun:
         if device != self.target.device:
             raise ValueError(f"the assistant is on {device} and the target on {self.target.device}; "
                              "put both on one device")
+        cache = None
+        if cache_implementation is not None or compile is not None:
+            base = self.settings.cache
+            cache = CacheSettings.make(cache_implementation or base.implementation,
+                                       (base.options or base.compile) if compile is None else compile)
+            cache = dataclasses.replace(cache, min_length=base.min_length)  # keeps a warmed-up length
         if tokens is None:  # follows the target's tokens: the run keeps it in step
             prefill, positions = self.spec.for_model(model)  # the inputs its forward declares; its own positions
             state = ModelState(model, self.target.tokens[:, : self.width], self.target.lengths,
                                pad_token_id=self.settings.pad, prefill_inputs=prefill, positions=positions,
-                               **self._cache_args(model))
+                               **self._cache_args(model, cache))
             self.followers.append(state)
         else:  # its own token space (another tokenizer): the generator keeps it in step
             pad = self.settings.pad if pad_token_id is None else pad_token_id
             state = ModelState(model, tokens, lengths, pad_token_id=pad, prefill_inputs=self.spec.plain_inputs(model),
-                               **self._cache_args(model))
+                               **self._cache_args(model, cache))
             self.own.append(state)
         return Assistant(state, follows_target=tokens is None)
 

@@ -270,6 +270,11 @@ class ModelState:
             self.offsets = self.offsets - common
             self.cached_slots -= common
 
+    @property
+    def compiled(self) -> bool:
+        """Whether this state's forwards run compiled (see ``specdec.kv``)."""
+        return getattr(self.kv, "compiled", None) is not None
+
     def warm_up(self, widths) -> None:
         """Run one forward at each of ``widths`` (after the prefill, if still to come) and roll each
         back: compiles what a call will run, on this state's cache."""

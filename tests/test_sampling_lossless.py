@@ -205,11 +205,13 @@ def exact_three_token_joint(model, prompt: torch.Tensor, params: SamplingParams)
 @pytest.mark.parametrize("drafter,params", [
     ("prompt_lookup", SamplingParams(True, 0.8, top_k=6)),
     ("draft_model", SamplingParams(True, 1.2, top_p=0.9)),
+    ("self_draft", SamplingParams(True, 1.0)),
 ])
 def test_generate_samples_the_target_distribution(tiny_models, drafter, params, cache):
     target, draft = tiny_models
+    options = {"weights": "bfloat16", "compile_draft": False} if drafter == "self_draft" else {}
     decoder = SpecDecoder(target, draft if drafter == "draft_model" else drafter, num_tokens=3, schedule="fixed",
-                          cache_implementation=cache)
+                          cache_implementation=cache, **options)
     out = decoder.generate(PROMPT.repeat(N, 1), max_new_tokens=3, do_sample=True, temperature=params.temperature,
                            top_k=params.top_k, top_p=params.top_p, generator=torch.Generator().manual_seed(0))
     new = out.sequences[:, PROMPT.shape[1]:]

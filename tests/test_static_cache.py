@@ -154,7 +154,7 @@ def test_static_settings_are_checked(pairs):
     decoder = SpecDecoder(target, "prompt_lookup", cache_implementation="static")
     with pytest.raises(ValueError, match="dynamic cache"):
         decoder.prefill(torch.tensor([[1, 2, 3]]))
-    assert decoder.warmup() == 0.0  # nothing to compile
+    assert decoder.warmup() == 0.0  # nothing compiles
 
 
 def test_vision_language_targets_are_refused_on_the_static_path():

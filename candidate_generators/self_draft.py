@@ -1,0 +1,157 @@
+"""``self_draft``: the target's own weights at lower precision draft for it.
+
+Decoding a small model on a CPU is bound by reading its weights, so a copy of the target with
+fewer bytes per weight drafts faster than the target decodes, and agrees with it almost always
+(same weights, rounded). The copy is built from the target once per decoder (the user's model is
+never modified) and attached as a draft model; with ``lookup=True`` prompt lookup drafts first
+and the copy drafts for the rows where no n-gram matches.
+
+``weights``:
+
+* ``"bfloat16"`` / ``"float16"``: a cast copy (no extra package);
+* ``"int8"``: int8 weight-only linear layers with bfloat16 activations, by ``torchao``
+  (``pip install "specdec[quant]"``);
+* ``"int4"``: int4 weight-only (``torchao``; needs a backend with int4 kernels).
+
+Its draft steps run on a static cache with compiled one-token forwards (``compile_draft``, default on:
+torchao's int8 layers are slower than fp32 ones until compiled), whatever cache the target uses.
+Greedy output stays the target's and sampling stays lossless: the copy only proposes.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+from specdec.generators import DecodeContext, Proposal
+from specdec.registry import register_candidate_generator
+
+from .draft_model import DraftModelGenerator
+from .prompt_lookup import PromptLookupGenerator
+
+WEIGHTS = ("bfloat16", "float16", "int8", "int4")
+
+
+def build_copy(target, weights: str):
+    """A draft copy of ``target`` with ``weights`` precision; the target is only read."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"self_draft: weights must be one of {WEIGHTS}, got {weights!r}")
+    if getattr(target.config, "vision_config", None) is not None or hasattr(target, "get_rope_index"):
+        raise ValueError(f"self_draft drafts for text-only models; {type(target).__name__} is a vision-language "
+                         "model (pass a text draft model instead)")
+    if weights in ("int8", "int4"):
+        quantize, config = _torchao(weights)
+    draft = copy.deepcopy(target)
+    dtype = torch.float16 if weights == "float16" else torch.bfloat16
+    draft.to(dtype)
+    if weights in ("int8", "int4"):
+        quantize(draft, config)
+    return draft.eval()
+
+
+def _torchao(weights: str):
+    try:
+        from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+    except ImportError as exc:
+        raise ImportError(f"self_draft with weights={weights!r} needs torchao: pip install \"specdec[quant]\" "
+                          "(or use weights='bfloat16', which needs no extra package)") from exc
+    return quantize_, (Int8WeightOnlyConfig() if weights == "int8" else Int4WeightOnlyConfig())
+
+
+def tensor_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's parameters and buffers as stored (quantized tensors by their parts)."""
+    seen: set[int] = set()
+
+    def size(t: torch.Tensor) -> int:
+        flatten = getattr(type(t), "__tensor_flatten__", None)
+        if flatten is not None and type(t) not in (torch.Tensor, torch.nn.Parameter):
+            names, _ = t.__tensor_flatten__()
+            return sum(size(getattr(t, name)) for name in names)
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen:  # tied weights are stored once
+            return 0
+        seen.add(storage.data_ptr())
+        return storage.nbytes()
+
+    return sum(size(t) for t in (*module.parameters(), *module.buffers()))
+
+
+class _Copies:
+    """The copies one configured generator built, per (target, weights); shared by its sessions."""
+
+    def __init__(self):
+        self._made: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, Any]]" = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+        self.target_bytes = 0
+
+    def get(self, target, weights: str):
+        with self._lock:
+            made = self._made.setdefault(target, {})
+            if weights not in made:
+                made[weights] = build_copy(target, weights)
+                self.target_bytes = tensor_bytes(target)
+            return made[weights]
+
+
+@register_candidate_generator("self_draft")
+class SelfDraftGenerator(DraftModelGenerator):
+    def __init__(self, *, weights: str = "bfloat16", num_tokens: int = 5, schedule: str = "auto",
+                 max_tokens: int = 16, compile_draft: bool | dict = True, lookup: bool = False):
+        if weights not in WEIGHTS:
+            raise ValueError(f"self_draft: weights must be one of {WEIGHTS}, got {weights!r}")
+        if not isinstance(compile_draft, (bool, dict)):
+            raise TypeError(f"compile_draft must be True, False or a dict of torch.compile options, got {compile_draft!r}")
+        super().__init__(torch.nn.Module(), num_tokens=num_tokens, schedule=schedule, max_tokens=max_tokens)
+        self.weights, self.compile_draft = weights, compile_draft
+        self.lookup = PromptLookupGenerator(schedule="auto", max_tokens=max_tokens) if lookup else None
+        self._copies = _Copies()
+
+    def session(self) -> "SelfDraftGenerator":
+        fresh = super().session()
+        fresh._copies = self._copies  # the copy is built once per decoder, not per call
+        return fresh
+
+    def setup(self, ctx: DecodeContext) -> None:
+        self.draft = self._copies.get(ctx.target, self.weights)
+        super().setup(ctx)
+        if self.lookup is not None:
+            self.lookup.setup(ctx)
+
+    def attach_options(self) -> dict:
+        return {"cache_implementation": "static", "compile": self.compile_draft}
+
+    def propose(self, ctx: DecodeContext, max_drafts: torch.Tensor) -> Proposal:
+        if self.lookup is None:
+            return super().propose(ctx, max_drafts)
+        found = self.lookup.propose(ctx, max_drafts)
+        missing = (found.lengths == 0) & (max_drafts.to(found.lengths.device) > 0)  # [B]
+        if not bool(missing.any()):
+            return found
+        drafted = super().propose(ctx, max_drafts)
+        return merge(found, drafted, use_second=missing.to(drafted.lengths.device), vocab=ctx.target_vocab_size)
+
+    def report(self) -> dict[str, Any]:
+        """The copy's memory next to the target's: what drafting with it costs in bytes."""
+        return {"weights": self.weights, "draft_bytes": tensor_bytes(self.draft),
+                "target_bytes": self._copies.target_bytes}
+
+
+def merge(first: Proposal, second: Proposal, use_second: torch.Tensor, vocab: int) -> Proposal:
+    """Row b from ``second`` where ``use_second[b]``, else from ``first``; point masses become
+    one-hot rows when the other proposal carries probabilities."""
+    device = second.lengths.device
+    k = max(first.token_ids.shape[1], second.token_ids.shape[1])
+    pad = lambda t: torch.nn.functional.pad(t.to(device), (0, k - t.shape[1]))  # noqa: E731
+    pick = use_second[:, None]
+    token_ids = torch.where(pick, pad(second.token_ids), pad(first.token_ids))
+    lengths = torch.where(use_second, second.lengths, first.lengths.to(device))
+    probs = None
+    if second.probs is not None:
+        first_probs = torch.nn.functional.one_hot(pad(first.token_ids), vocab).to(second.probs.dtype)
+        second_probs = torch.nn.functional.pad(second.probs, (0, 0, 0, k - second.probs.shape[1]))
+        probs = torch.where(pick[..., None], second_probs, first_probs)
+    return Proposal(token_ids, lengths, probs)

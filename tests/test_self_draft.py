@@ -1,0 +1,127 @@
+"""``self_draft``: a lower-precision copy of the target drafts for it (optionally after prompt lookup).
+
+Exactness with tiny models: greedy output equals ``target.generate(do_sample=False)`` with
+bfloat16 and int8 copies, with and without prompt lookup first, batch 1 and batches; on a target
+with flat logits the copy really disagrees (rejections occur) and output stays exact. Sampling
+stays lossless (``test_sampling_lossless`` runs its end-to-end check with ``self_draft`` too).
+The user's model is never modified; the copy is built once per decoder; its memory is reported.
+"""
+
+from __future__ import annotations
+
+import builtins
+
+import pytest
+import torch
+
+from candidate_generators.self_draft import build_copy, merge, tensor_bytes
+from specdec import SpecDecoder
+from specdec.generators import Proposal
+from specdec.models import tiny_random
+
+from helpers import left_pad, repetitive_prompt
+
+FAST_COMPILE = {"backend": "aot_eager"}  # dynamo capture without inductor's minutes of codegen on CPU
+torchao = pytest.importorskip("torchao", reason="int8 copies need the quant extra (pip install 'specdec[quant]')")
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_random("llama", seed=1)[0]
+
+
+@pytest.fixture(scope="module")
+def flat_target():
+    """Logits close together, so a rounded copy often picks another token than the target."""
+    model = tiny_random("qwen3", seed=2)[0]
+    with torch.no_grad():
+        model.get_output_embeddings().weight.div_(6.0)
+    return model
+
+
+def checksum(model) -> dict:
+    return {k: (v.dtype, float(v.double().sum()), float(v.double().abs().sum())) for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("lookup", [False, True])
+@pytest.mark.parametrize("weights", ["bfloat16", "int8"])
+def test_self_draft_is_exact(target, weights, lookup):
+    before = checksum(target)
+    decoder = SpecDecoder(target, "self_draft", weights=weights, lookup=lookup, compile_draft=FAST_COMPILE)
+    ids = repetitive_prompt(12)
+    out = decoder.generate(ids, max_new_tokens=40)
+    assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=40, do_sample=False))
+    assert out.stats.accepted_tokens > 0
+    rows = [repetitive_prompt(8, seed=3)[0], torch.randint(0, 250, (9,), generator=torch.Generator().manual_seed(4))]
+    padded, mask = left_pad(rows, pad_id=257)
+    out = decoder.generate(padded, mask, max_new_tokens=24)
+    for b, row in enumerate(rows):
+        want = target.generate(row[None, :], max_new_tokens=24, do_sample=False)[0, row.numel():]
+        assert torch.equal(out.sequences[b, padded.shape[1]: padded.shape[1] + want.numel()], want)
+    assert checksum(target) == before  # the user's model is only read
+
+
+@pytest.mark.parametrize("weights", ["bfloat16", "int8"])
+def test_a_disagreeing_copy_is_rejected_and_output_stays_exact(flat_target, weights):
+    decoder = SpecDecoder(flat_target, "self_draft", weights=weights, compile_draft=False, schedule="fixed",
+                          num_tokens=6)
+    ids = torch.randint(0, 250, (1, 20), generator=torch.Generator().manual_seed(0))
+    out = decoder.generate(ids, max_new_tokens=60)
+    assert torch.equal(out.sequences, flat_target.generate(ids, max_new_tokens=60, do_sample=False))
+    assert 0 < out.stats.accepted_tokens < out.stats.drafted_tokens  # real rejections happened
+
+
+def test_the_copy_is_built_once_per_decoder_and_its_memory_reported(target):
+    decoder = SpecDecoder(target, "self_draft", weights="bfloat16", compile_draft=False)
+    ids = repetitive_prompt(6)
+    first = decoder.generate(ids, max_new_tokens=8).stats.generator
+    copies = decoder.candidate_generator._copies
+    made = copies.get(target, "bfloat16")
+    second = decoder.generate(ids, max_new_tokens=8).stats.generator
+    assert copies.get(target, "bfloat16") is made
+    assert first == second
+    assert first["target_bytes"] == tensor_bytes(target)
+    assert abs(first["draft_bytes"] / first["target_bytes"] - 0.5) < 0.01  # bfloat16: half of fp32
+    int8 = tensor_bytes(build_copy(target, "int8"))
+    assert int8 < first["draft_bytes"]  # int8 linear weights: smaller again
+
+
+def test_missing_torchao_names_the_extra(target, monkeypatch):
+    real_import = builtins.__import__
+
+    def no_torchao(name, *args, **kwargs):
+        if name.startswith("torchao"):
+            raise ImportError("No module named 'torchao'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_torchao)
+    with pytest.raises(ImportError, match=r"specdec\[quant\]"):
+        build_copy(target, "int8")
+    build_copy(target, "bfloat16")  # needs no extra
+
+
+def test_bad_options_and_vision_language_targets_are_refused(target):
+    with pytest.raises(ValueError, match="weights must be one of"):
+        SpecDecoder(target, "self_draft", weights="int3")
+    with pytest.raises(TypeError, match="compile_draft"):
+        SpecDecoder(target, "self_draft", compile_draft="always")
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    text = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                              image_size=16, patch_size=8)
+    vlm = LlavaForConditionalGeneration(LlavaConfig(text_config=text, vision_config=vision, image_token_id=63))
+    with pytest.raises(ValueError, match="text-only"):
+        build_copy(vlm.eval(), "bfloat16")
+
+
+def test_merge_takes_each_row_from_its_source():
+    lookup = Proposal(torch.tensor([[5, 6, 7], [0, 0, 0]]), torch.tensor([3, 0]))
+    drafted = Proposal(torch.tensor([[1, 2], [3, 4]]), torch.tensor([2, 2]),
+                       torch.softmax(torch.randn(2, 2, 10), dim=-1))
+    merged = merge(lookup, drafted, use_second=torch.tensor([False, True]), vocab=10)
+    assert merged.token_ids.tolist() == [[5, 6, 7], [3, 4, 0]]
+    assert merged.lengths.tolist() == [3, 2]
+    assert torch.equal(merged.probs[0, :3], torch.nn.functional.one_hot(torch.tensor([5, 6, 7]), 10).float())
+    assert torch.equal(merged.probs[1, :2], drafted.probs[1])
