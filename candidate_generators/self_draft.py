@@ -122,7 +122,8 @@ class SelfDraftGenerator(DraftModelGenerator):
             self.lookup.setup(ctx)
 
     def attach_options(self) -> dict:
-        return {"cache_implementation": "static", "compile": self.compile_draft}
+        # a draft step feeds one token, two after a fully accepted block; wider re-feeds run eagerly
+        return {"cache_implementation": "static", "compile": self.compile_draft, "compile_widths": (1, 2)}
 
     def propose(self, ctx: DecodeContext, max_drafts: torch.Tensor) -> Proposal:
         if self.lookup is None:

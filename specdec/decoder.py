@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .generators import CandidateGenerator, NoDraft
-from .kv import WIDTHS, CacheSettings, static_problem
+from .kv import CacheSettings, static_problem
 from .metrics import AcceptanceStats
 from .modelinfo import UNSET, eos_token_ids, pad_token_id
 from .multimodal import PrefillSpec, Prefix, check_call, declared_inputs
@@ -148,7 +148,7 @@ class SpecDecoder:
         try:
             with torch.no_grad():
                 for state in compiled:
-                    state.warm_up(WIDTHS)
+                    state.warm_up()
         finally:
             run.release()
         return time.perf_counter() - started if compiled else 0.0

@@ -99,7 +99,7 @@ class DecodeContext:
 
     def attach(self, model, tokens: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
                pad_token_id: int | None = None, *, cache_implementation: str | None = None,
-               compile: bool | dict | None = None) -> "Assistant":
+               compile: bool | dict | None = None, compile_widths: tuple[int, ...] | None = None) -> "Assistant":
         """Hand an assistant model to the controller; get an :class:`~specdec.assistant.Assistant`.
 
         Without ``tokens`` the assistant shares the target's token ids and the controller keeps it
@@ -107,9 +107,11 @@ class DecodeContext:
         [B]`` (another tokenizer's ids) the generator keeps it in step with ``rewrite``. Either way
         the controller builds its cache, routes prefill-only inputs to its first forward, and drops
         finished rows. ``cache_implementation`` / ``compile`` (as in ``SpecDecoder``) choose how
-        this assistant keeps its cache, whatever the call uses (default: as the call).
+        this assistant keeps its cache, whatever the call uses (default: as the call);
+        ``compile_widths``: the forward widths to compile (e.g. ``(1, 2)`` for a draft that feeds
+        one token per step; wider forwards then run eagerly).
         """
-        return self._attach(model, tokens, lengths, pad_token_id, cache_implementation, compile)
+        return self._attach(model, tokens, lengths, pad_token_id, cache_implementation, compile, compile_widths)
 
 
 class CandidateGenerator:

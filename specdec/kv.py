@@ -30,7 +30,8 @@ import torch
 from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import StaticLayer
 
-#: forward widths the compiled path pads to (each compiles once per batch size and cache length)
+#: forward widths the compiled path pads to by default (each compiles once per batch size and
+#: cache length); covers a verification of the drafts the policy usually picks
 WIDTHS = (1, 2, 4, 8, 16)
 #: a static cache's length is a multiple of this (a compiled graph is specific to the length)
 LENGTH_STEP = 256
@@ -48,9 +49,11 @@ class CacheSettings:
     compile: Any = False
     options: dict = field(default_factory=dict, compare=False, hash=False)
     min_length: int = 0
+    widths: tuple[int, ...] = WIDTHS  # the widths compiled forwards pad to; wider ones run eagerly
 
     @classmethod
-    def make(cls, implementation: str = "dynamic", compile: Any = False) -> "CacheSettings":
+    def make(cls, implementation: str = "dynamic", compile: Any = False,
+             widths: tuple[int, ...] = WIDTHS) -> "CacheSettings":
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(f"cache_implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
         if not isinstance(compile, (bool, dict)):
@@ -58,8 +61,10 @@ class CacheSettings:
         if compile is not False and implementation != "static":
             raise ValueError("compile=True needs cache_implementation='static' (a dynamic cache changes shape "
                              "every step, so compiled forwards would recompile)")
+        if not widths or any(not isinstance(w, int) or w < 1 for w in widths):
+            raise ValueError(f"compiled widths must be positive ints, got {widths!r}")
         options = dict(compile) if isinstance(compile, dict) else {}
-        return cls(implementation, bool(compile is not False), options)
+        return cls(implementation, bool(compile is not False), options, widths=tuple(sorted(set(widths))))
 
     @property
     def static(self) -> bool:
@@ -157,7 +162,7 @@ class StaticKV:
             else:
                 layer.cumulative_length = torch.tensor(first_slot)
         kwargs["attention_mask"] = mask(self.length)  # always: slots past the rows' ends hold stale entries
-        if self.compiled is None or first or fed not in WIDTHS:
+        if self.compiled is None or first or fed not in self.settings.widths:
             return (model.forward if direct else model)(**kwargs).logits
         kwargs.pop("logits_to_keep", None)  # an int argument would compile one graph per value
         if kwargs["input_ids"].device.type == "cuda":
@@ -174,7 +179,7 @@ class StaticKV:
         """Columns the next forward feeds for ``width`` real ones."""
         if self.compiled is None or first:
             return width
-        return next((w for w in WIDTHS if w >= width), width)
+        return next((w for w in self.settings.widths if w >= width), width)
 
     def _reserve(self, model, slots: int) -> None:
         """Grow the cache (copying what it holds) if ``slots`` do not fit."""

@@ -99,7 +99,7 @@ class DecodeRun:
         return {"kv": cache, "max_new_tokens": self.settings.max_new_tokens}
 
     def _attach(self, model, tokens=None, lengths=None, pad_token_id=None, cache_implementation=None,
-                compile=None) -> Assistant:
+                compile=None, compile_widths=None) -> Assistant:
         problem = cache_problem(model, self.target.batch_size)
         if problem:
             raise ValueError(f"assistant: {problem}")
@@ -109,10 +109,11 @@ class DecodeRun:
             raise ValueError(f"the assistant is on {device} and the target on {self.target.device}; "
                              "put both on one device")
         cache = None
-        if cache_implementation is not None or compile is not None:
+        if cache_implementation is not None or compile is not None or compile_widths is not None:
             base = self.settings.cache
             cache = CacheSettings.make(cache_implementation or base.implementation,
-                                       (base.options or base.compile) if compile is None else compile)
+                                       (base.options or base.compile) if compile is None else compile,
+                                       compile_widths or base.widths)
             cache = dataclasses.replace(cache, min_length=base.min_length)  # keeps a warmed-up length
         if tokens is None:  # follows the target's tokens: the run keeps it in step
             prefill, positions = self.spec.for_model(model)  # the inputs its forward declares; its own positions

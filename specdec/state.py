@@ -275,13 +275,13 @@ class ModelState:
         """Whether this state's forwards run compiled (see ``specdec.kv``)."""
         return getattr(self.kv, "compiled", None) is not None
 
-    def warm_up(self, widths) -> None:
-        """Run one forward at each of ``widths`` (after the prefill, if still to come) and roll each
-        back: compiles what a call will run, on this state's cache."""
+    def warm_up(self) -> None:
+        """Run one forward at each compiled width (after the prefill, if still to come) and roll
+        each back: compiles what a call will run, on this state's cache."""
         if self.is_first_iteration:
             self.forward(start=self.lengths - 1)
         base = self.lengths.clone()
-        for width in widths:
+        for width in self.kv.settings.widths:
             self.append(self.tokens[:, :width].clone())  # any tokens the rows already hold
             self.forward(start=base)
             self.truncate(base)

@@ -125,3 +125,16 @@ def test_merge_takes_each_row_from_its_source():
     assert merged.lengths.tolist() == [3, 2]
     assert torch.equal(merged.probs[0, :3], torch.nn.functional.one_hot(torch.tensor([5, 6, 7]), 10).float())
     assert torch.equal(merged.probs[1, :2], drafted.probs[1])
+
+
+def test_warmup_compiles_the_draft_steps_and_nothing_later(target):
+    from torch._dynamo.utils import counters
+
+    decoder = SpecDecoder(target, "self_draft", weights="bfloat16", compile_draft=FAST_COMPILE, lookup=True)
+    assert decoder.warmup(max_length=300) > 0  # the target stays eager; its draft compiles
+    graphs = counters["stats"]["unique_graphs"]
+    for seed, length in [(0, 5), (1, 40)]:
+        ids = repetitive_prompt(length, seed=seed)
+        out = decoder.generate(ids, max_new_tokens=40)
+        assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=40, do_sample=False))
+    assert counters["stats"]["unique_graphs"] == graphs

@@ -169,5 +169,10 @@ def test_vision_language_targets_are_refused_on_the_static_path():
         SpecDecoder(model.eval(), "prompt_lookup", cache_implementation="static")
 
 
-def test_padded_widths_cover_the_default_block():
+def test_compiled_widths_are_checked_and_sorted():
+    from specdec.kv import CacheSettings
+
     assert WIDTHS == tuple(sorted(WIDTHS)) and WIDTHS[0] == 1
+    assert CacheSettings.make("static", True, widths=(2, 1, 2)).widths == (1, 2)
+    with pytest.raises(ValueError, match="positive ints"):
+        CacheSettings.make("static", True, widths=(0,))
