@@ -2,7 +2,13 @@
 
 Every argument is checked before a model loads (loading a packaged model takes seconds to tens of
 seconds): numbers, model names, the generator name and its ``--option`` keys (against the
-generator's ``__init__``), a generator that drafts without a model is even built first.
+generator's ``__init__``), a generator that drafts without a model is even built first, and the
+device (``--device cuda`` on a machine without one is refused before loading anything).
+
+``--device``, ``--dtype``, ``--cache-implementation`` and ``--compile`` say where and how the
+models run; with ``--compile`` every forward is compiled (``SpecDecoder.warmup``, and for the
+demo's plain decoding one untimed ``generate``) before anything is timed, and the seconds that
+took are printed apart.
 """
 
 from __future__ import annotations
@@ -59,6 +65,15 @@ def _probability(text: str) -> float:
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
     return value
+
+
+def _device(text: str) -> str:
+    from .models import device_name_problem
+
+    problem = device_name_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
 
 
 def _parse_options(pairs: list[str]) -> dict:
@@ -173,6 +188,37 @@ def plan_draft(draft: str | None, options: dict) -> DraftPlan:
     return DraftPlan(model=draft, options=options)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where and how the models run (``--device``, ``--dtype``, ``--cache-implementation``, ``--compile``),
+    checked against this machine."""
+
+    device: torch.device = torch.device("cpu")
+    dtype: torch.dtype = torch.float32
+    cache_implementation: str = "dynamic"
+    compile: bool = False
+
+    def load(self, name: str):
+        """``load_model(name)`` in this dtype on this device."""
+        from .models import load_model
+
+        return load_model(name, dtype=self.dtype, device=self.device)
+
+
+def check_placement(args) -> Placement:
+    """The checked :class:`Placement` of the command line; a UsageError before any model loads."""
+    from .models import DTYPES, resolve_device
+
+    try:
+        device = resolve_device(args.device)
+    except ValueError as exc:
+        raise UsageError(f"--device: {exc}") from None
+    if args.compile and args.cache_implementation != "static":
+        raise UsageError("--compile needs --cache-implementation static (a dynamic cache changes shape every step, "
+                         "so compiled forwards would recompile)")
+    return Placement(device, DTYPES[args.dtype], args.cache_implementation, args.compile)
+
+
 def check_target(name: str) -> None:
     from .models import ModelNotAvailableError, check_model_name
 
@@ -182,16 +228,17 @@ def check_target(name: str) -> None:
         raise UsageError(f"--target: {exc}") from None
 
 
-def build_decoder(target, tokenizer, plan: DraftPlan):
-    """The ``SpecDecoder`` of a checked plan (loads the draft model, if any)."""
+def build_decoder(target, tokenizer, plan: DraftPlan, placement: Placement = Placement()):
+    """The ``SpecDecoder`` of a checked plan (loads the draft model, if any, as ``placement`` says)."""
     from .decoder import SpecDecoder
-    from .models import load_model
 
+    cache = dict(cache_implementation=placement.cache_implementation, compile=placement.compile)
     if plan.model is None:
-        return SpecDecoder(target, plan.generator, tokenizer=tokenizer)
-    draft_model, draft_tokenizer = load_model(plan.model)
+        return SpecDecoder(target, plan.generator, tokenizer=tokenizer, **cache)
+    draft_model, draft_tokenizer = placement.load(plan.model)
     try:
-        return SpecDecoder(target, draft_model, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer, **plan.options)
+        return SpecDecoder(target, draft_model, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer, **cache,
+                           **plan.options)
     except TypeError as exc:
         raise UsageError(str(exc)) from None
 
@@ -201,24 +248,31 @@ def _status(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def _compiled_status(seconds: float) -> None:
+    _status(f"compiled in {seconds:.1f}s (not counted in the timings below)")
+
+
 def cmd_generate(args) -> int:
-    from .models import load_model
     from .prompts import encode_chat
 
     if not args.sample and (args.temperature is not None or args.top_k is not None or args.top_p is not None):
         raise UsageError("--temperature, --top-k and --top-p apply only with --sample")
     check_target(args.target)
+    placement = check_placement(args)
     plan = plan_draft(args.draft, _parse_options(args.option))
     configure_threads(args.threads)
-    target, tokenizer = load_model(args.target)
+    target, tokenizer = placement.load(args.target)
     if tokenizer is None:
         raise UsageError(f"--target {args.target!r} has no tokenizer to encode the prompt with")
-    decoder = build_decoder(target, tokenizer, plan)
+    decoder = build_decoder(target, tokenizer, plan, placement)
     if args.raw or not getattr(tokenizer, "chat_template", None):
         input_ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
     else:
         input_ids = encode_chat(tokenizer, [{"role": "user", "content": args.prompt}])
-    generator = torch.Generator().manual_seed(args.seed) if args.sample else None
+    if placement.compile:
+        _status("compiling ...")
+        _compiled_status(decoder.warmup(batch_size=1, max_length=input_ids.shape[1] + args.max_new_tokens))
+    generator = torch.Generator(device=placement.device).manual_seed(args.seed) if args.sample else None
     sampling = dict(temperature=1.0 if args.temperature is None else args.temperature, top_k=args.top_k,
                     top_p=args.top_p) if args.sample else {}
     out = decoder.generate(input_ids, max_new_tokens=args.max_new_tokens, do_sample=args.sample,
@@ -241,12 +295,13 @@ def cmd_demo(args) -> int:
     """Plain decoding (target.generate) vs speculative decoding on a few Spec-Bench prompts, side by side.
 
     The table goes to stdout; what it is doing (loading, each prompt and method) to stderr."""
-    from .models import load_model
+    from .bench.runner import hf_cache_kwargs, hf_warmup
     from .prompts import encode_chat, load_questions
 
     check_target(args.target)
     if args.draft is None or args.draft == "none":
         raise UsageError("the demo compares a draft with plain decoding: give a --draft other than 'none'")
+    placement = check_placement(args)
     plan = plan_draft(args.draft, _parse_options(args.option))
     try:
         questions = load_questions(args.dataset)
@@ -261,36 +316,43 @@ def cmd_demo(args) -> int:
 
     configure_threads(args.threads)
     _status(f"loading {args.target} ...")
-    target, tokenizer = load_model(args.target)
+    target, tokenizer = placement.load(args.target)
     if plan.model is not None:
         _status(f"loading the draft {plan.model} ...")
-    spec = build_decoder(target, tokenizer, plan)
+    spec = build_decoder(target, tokenizer, plan, placement)
+    cache = hf_cache_kwargs(placement.cache_implementation, placement.compile)
+    prompts = [encode_chat(tokenizer, [{"role": "user", "content": q["turns"][0]}]).to(placement.device)
+               for q in picked]
 
-    def plain(ids):  # the baseline is transformers' own greedy decoding
-        return target.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
+    def plain(ids):  # the baseline is transformers' own greedy decoding, with the same kind of cache
+        return target.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False, **cache)
 
+    if placement.compile:
+        _status("compiling plain and speculative decoding ...")
+        longest = max(p.shape[1] for p in prompts) + args.max_new_tokens
+        _compiled_status(hf_warmup(target, cache, 1, longest) + spec.warmup(batch_size=1, max_length=longest))
     _status("warming up ...")
-    warm = encode_chat(tokenizer, [{"role": "user", "content": "Hello"}])
-    target.generate(warm, max_new_tokens=4, do_sample=False), spec.generate(warm, max_new_tokens=4)
+    warm = encode_chat(tokenizer, [{"role": "user", "content": "Hello"}]).to(placement.device)
+    target.generate(warm, max_new_tokens=4, do_sample=False, **cache), spec.generate(warm, max_new_tokens=4)
     total_plain = total_spec = 0.0
     all_same = True
     print(f"{'question':>10} {'category':>14} {'plain tok/s':>12} {'spec tok/s':>11} {'speedup':>8} {'accepted len':>13} {'identical':>10}",
           flush=True)
-    for i, q in enumerate(picked, 1):
+    for i, (q, ids) in enumerate(zip(picked, prompts), 1):
         where = f"[{i}/{len(picked)}] {q['category']} (question {q['question_id']})"
-        ids = encode_chat(tokenizer, [{"role": "user", "content": q["turns"][0]}])
         _status(f"{where}: plain decoding, up to {args.max_new_tokens} tokens ...")
         t0 = time.perf_counter()
-        ref = plain(ids)
+        ref = plain(ids).cpu()  # on the host: the clock stops once the device is done
         t1 = time.perf_counter()
         _status(f"{where}: plain decoding took {t1 - t0:.1f}s; speculative decoding ({args.draft}) ...")
         out = spec.generate(ids, max_new_tokens=args.max_new_tokens)
+        sequences = out.sequences.cpu()
         t2 = time.perf_counter()
         _status(f"{where}: speculative decoding took {t2 - t1:.1f}s")
-        same = torch.equal(ref, out.sequences)
+        same = torch.equal(ref, sequences)
         all_same &= same
         total_plain, total_spec = total_plain + (t1 - t0), total_spec + (t2 - t1)
-        n = out.sequences.shape[1] - ids.shape[1]
+        n = sequences.shape[1] - ids.shape[1]
         print(f"{q['question_id']:>10} {q['category']:>14} {n / (t1 - t0):>12.1f} {n / (t2 - t1):>11.1f} "
               f"{(t1 - t0) / (t2 - t1):>7.2f}x {out.stats.mean_accepted_length:>13.2f} {str(same):>10}", flush=True)
     print(f"\n{args.draft} on {args.target}: speedup {total_plain / total_spec:.2f}x over plain decoding "
@@ -324,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
         return cmd_bench(argv[1:])
+    from .models import DTYPES
+
     parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding for transformers.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -334,6 +398,14 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--max-new-tokens", type=_positive_int, default=128)
         p.add_argument("--threads", type=_threads, default="auto",
                        help="intra-op threads: a number, or 'auto' (default): the cores idle right now")
+        p.add_argument("--device", type=_device, default="cpu",
+                       help="where the models run: cpu (default), cuda, cuda:N, or auto (cuda when there is one)")
+        p.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                       help="the models' weights (default float32)")
+        p.add_argument("--cache-implementation", choices=["dynamic", "static"], default="dynamic",
+                       help="key/value caches: dynamic (default) or static (allocated once; needed by --compile)")
+        p.add_argument("--compile", action="store_true",
+                       help="torch.compile the forwards (with --cache-implementation static), before timing anything")
 
     g = sub.add_parser("generate", help="generate text for one prompt")
     common(g)

@@ -19,6 +19,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -70,15 +71,56 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
 TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gpt2", "opt", "phi3")
 
 
-def load_model(name: str, *, dtype: torch.dtype = torch.float32, seed: int = 0):
-    """Return ``(model, tokenizer)`` for a packaged name, a local folder or ``tiny-random:<arch>``."""
+def load_model(name: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device | None = None,
+               seed: int = 0):
+    """Return ``(model, tokenizer)`` for a packaged name, a local folder or ``tiny-random:<arch>``,
+    with weights in ``dtype``, moved to ``device`` when given (else where ``transformers`` put them:
+    the CPU)."""
     check_model_name(name)
     if name.startswith("tiny-random:"):
-        return tiny_random(name.split(":", 1)[1], seed=seed, dtype=dtype)
-    if name in PACKAGED_MODELS:
-        return _load_packaged(name, dtype)
-    with _quiet_transformers():
-        return _load_folder(name, dtype)
+        model, tokenizer = tiny_random(name.split(":", 1)[1], seed=seed, dtype=dtype)
+    elif name in PACKAGED_MODELS:
+        model, tokenizer = _load_packaged(name, dtype)
+    else:
+        with _quiet_transformers():
+            model, tokenizer = _load_folder(name, dtype)
+    return (model if device is None else model.to(device)), tokenizer
+
+
+# -- devices and dtypes, by name (configs and command lines) ---------------------------------------
+#: the weight dtypes a run can ask for by name
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: how a device is asked for: ``cpu``, ``cuda``, ``cuda:N``, or ``auto`` (CUDA when there is one, else the CPU)
+DEVICE_NAMES = "cpu, cuda, cuda:N, auto"
+_DEVICE = re.compile(r"cpu|cuda|cuda:\d+|auto")
+
+
+def device_name_problem(name: object) -> str | None:
+    """Why ``name`` is not a device name (see :data:`DEVICE_NAMES`), or None. Checks the spelling
+    only, so that a CUDA config still validates on a machine without a GPU."""
+    if isinstance(name, str) and _DEVICE.fullmatch(name):
+        return None
+    return f"expected one of {DEVICE_NAMES}, got {name!r}"
+
+
+def resolve_device(name: str) -> torch.device:
+    """The device ``name`` means on this machine: ``auto`` is ``cuda`` when
+    ``torch.cuda.is_available()``, else ``cpu``. Raises ValueError (one line, without the field
+    name: callers add theirs) for a misspelt name or a CUDA device this machine does not have."""
+    problem = device_name_problem(name)
+    if problem:
+        raise ValueError(problem)
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{name!r} needs a CUDA GPU, but torch.cuda.is_available() is False on this machine "
+                             "(use cpu, or auto to take a GPU only when there is one)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"{name!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                             f"numbered from 0")
+    return device
 
 
 def check_model_name(name: str) -> None:

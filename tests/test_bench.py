@@ -16,16 +16,19 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from specdec.bench import cli
 from specdec.bench.config import ConfigError, load_config, method_kind, parse_config
 from specdec.bench.report import (PLOTS_NEED_MATPLOTLIB, batch_summaries, draft_cost_ratio, gain_ends, k_distribution,
                                   load_run, mean_forward_ms, method_stats, summaries, summarize, write_report)
-from specdec.bench.results import RESULTS_FILE, RUN_FILE, ResultStore, default_out_dir, is_batched, row_key
-from specdec.bench.runner import (ResultsMismatchError, build_messages, config_hash, load_selected_questions,
-                                  question_seed, run_benchmark, select_questions, spread)
+from specdec.bench.results import (RESULTS_FILE, RUN_FILE, Agreement, ResultStore, default_out_dir, first_difference,
+                                   is_batched, reference_outputs, row_first_difference, row_key)
+from specdec.bench.runner import (ResultsMismatchError, build_messages, config_hash, hf_cache_kwargs, load_selected_questions,
+                                  longest_call, question_seed, run_benchmark, select_questions, spread, warmup_batch_sizes)
 from specdec.metrics import AcceptanceStats, theoretical_speedup
+from specdec.models import load_model, resolve_device
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -103,7 +106,7 @@ def test_committed_tiny_config_is_valid():
      "methods[1].options: unknown option(s) ['k'] for 'prompt_lookup'; allowed: num_tokens"),
     ({"methods": [{"generator": "baseline"}, {"generator": "hf_assisted"}]},
      "methods[1].draft: method 'hf_assisted' needs a draft model"),
-    ({"methods": [{"generator": "prompt_lookup"}]}, "methods: need exactly one method with generator 'baseline'"),
+    ({"methods": [{"generator": "prompt_lookup"}]}, "methods: need a method with generator 'baseline'"),
     ({"dataset": {"per_subtask": -1}}, "dataset.per_subtask: Input should be greater than or equal to 1 (got -1)"),
     ({"generation": {"max_new_tokens": 0}}, "generation.max_new_tokens: Input should be greater than or equal to 1"),
     ({"dataset": {"subtasks": ["coding"]}}, "dataset.subtasks[0]: Input should be 'mt_bench', 'translation'"),
@@ -113,6 +116,27 @@ def test_committed_tiny_config_is_valid():
     ({"batch_sizes": [2, 2]}, "batch_sizes: duplicate batch size(s) [2]"),
     ({"batch_size": 0}, "batch_sizes: batch sizes must be positive integers"),
     ({"batch_size": 1, "batch_sizes": [1]}, "batch_size: give batch_sizes only"),
+    ({"device": "gpu"}, "device: expected one of cpu, cuda, cuda:N, auto, got 'gpu'"),
+    ({"device": "cuda:"}, "device: expected one of cpu, cuda, cuda:N, auto, got 'cuda:'"),
+    ({"dtype": "fp16"}, "dtype: Input should be 'float32', 'bfloat16' or 'float16' (got 'fp16')"),
+    ({"methods": [{"generator": "baseline", "cache_implementation": "paged"}]},
+     "methods[0].cache_implementation: Input should be 'dynamic' or 'static' (got 'paged')"),
+    ({"methods": [{"generator": "baseline", "compile": True}]},
+     "methods[0].compile: needs cache_implementation: static"),
+    ({"methods": [{"generator": "baseline"}, {"generator": "prompt_lookup", "compile": "yes"}]},
+     "methods[1].compile: expected true, false or a mapping of compile options (e.g. {backend: aot_eager}), got 'yes'"),
+    ({"methods": [{"generator": "baseline"}, {"generator": "prompt_lookup", "cache_implementation": "static",
+                                              "compile": {"bakend": "aot_eager"}}]},
+     "methods[1].compile: unknown option(s) ['bakend']; allowed: fullgraph, dynamic, backend, mode"),
+    ({"methods": [{"generator": "baseline", "cache_implementation": "static", "compile": {"disable": True}}]},
+     "methods[0].compile: unknown option(s) ['disable']; allowed: fullgraph, dynamic, backend, mode, options"),
+    ({"methods": [{"generator": "baseline"}, {"generator": "hf_prompt_lookup", "cache_implementation": "static"}]},
+     "methods[1].cache_implementation: 'hf_prompt_lookup' takes the dynamic cache only"),
+    ({"methods": [{"generator": "baseline"}, {"name": "b2", "generator": "baseline"}]},
+     "reference: 2 baseline methods (baseline, b2); name the one speedups are measured against"),
+    ({"methods": TWO_METHODS, "reference": "pl3"}, "reference: 'pl3' is not a method with generator 'baseline'"),
+    ({"methods": [{"generator": "baseline"}, {"generator": "none", "options": {"num_tokens": 3}}]},
+     "methods[1].options: unknown option(s) ['num_tokens'] for 'none'; allowed: (none)"),
 ])
 def test_bad_config_one_clear_line_nothing_written(tmp_path, capsys, patch, expected):
     data = {"target": "tiny-random:llama", "methods": TWO_METHODS, **patch}
@@ -172,9 +196,9 @@ def test_summary_formulas_on_hand_made_rows():
         "output_ids": ids, "stats": st, "target_forwards": fw if fw is not None else len(ids)}
     base = {(1, 1): row("b", 1, [1] * 8, 1.0), (2, 1): row("b", 2, [2] * 8, 1.0)}
     mine = [row("m", 1, [1] * 8, 0.5, stats.as_dict()), row("m", 2, [3] * 8, 0.5, stats.as_dict())]
-    s = summarize("m", "prompt_lookup", "qa", mine, base, greedy=True, is_baseline=False)
+    s = summarize("m", "prompt_lookup", "qa", mine, base, greedy=True, is_reference=False)
     assert s.speedup == pytest.approx(2.0)  # (16 / 1.0) / (16 / 2.0)
-    assert s.exact_match == 0.5
+    assert s.exact_match == 0.5 and s.agreement.first_differences == (0,)  # question 2 differs from its first token
     assert s.mean_accepted_length == pytest.approx(2.0)  # merged: 16 committed / 8 steps
     assert s.acceptance_rate == 0.5 and s.k_per_step == 2.0
     c = (0.16 / 16) / (0.8 / 8)
@@ -182,7 +206,7 @@ def test_summary_formulas_on_hand_made_rows():
     assert s.theoretical_speedup == pytest.approx(theoretical_speedup(0.5, 2.0, c))
     assert s.efficiency == pytest.approx(2.0 / theoretical_speedup(0.5, 2.0, c))
     hf = summarize("h", "hf_prompt_lookup", "qa", [row("h", 1, [1] * 8, 0.5, fw=4)], base, greedy=False,
-                   is_baseline=False)
+                   is_reference=False)
     assert hf.mean_accepted_length == 2.0 and hf.forwards_only
     assert hf.acceptance_rate is None and hf.theoretical_speedup is None and hf.exact_match is None
 
@@ -324,7 +348,10 @@ def test_batch_sizes_default_and_old_field_keep_the_hash(tmp_path):
     assert config_hash(plain, questions) == config_hash(old, questions) != config_hash(batched, questions)
     # a config without batch sizes hashes as the single-size schema did (results written then still resume)
     import hashlib
-    legacy = {**plain.model_dump(mode="json", exclude={"description", "batch_sizes"}), "batch_size": 1}
+    legacy = {**plain.model_dump(mode="json", exclude={"description", "batch_sizes", "device", "dtype", "reference"}),
+              "batch_size": 1}
+    legacy["methods"] = [{k: v for k, v in m.items() if k not in ("cache_implementation", "compile")}
+                         for m in legacy["methods"]]  # the schema before devices and compilation
     payload = json.dumps({"config": legacy, "questions": [q.question_id for q in questions]}, sort_keys=True)
     assert config_hash(plain, questions) == hashlib.sha256(payload.encode()).hexdigest()[:16]
 
@@ -410,6 +437,217 @@ def test_gain_ends_sentences():
     assert lines[0].startswith("- `pl`: the gain ends between batch size 4 and 8")
     assert "faster than the batched baseline at every batch size measured (largest: 8)" in lines[1]
     assert lines[2] == "- `slow`: no faster than the batched baseline at any batch size measured (speedup by batch size: 4: 0.80x)."
+
+
+# -- devices, static caches, compilation, identical outputs --------------------------------------
+GPU_CONFIG = REPO / "benchmarks" / "configs" / "gpu_smollm2.yaml"
+
+
+def test_device_dtype_cache_and_compile_fields_parse():
+    plain = parse_config({"target": "tiny-random:llama", "methods": TWO_METHODS})
+    assert (plain.device, plain.dtype, plain.torch_dtype, plain.reference) == ("cpu", "float32", torch.float32, None)
+    assert plain.reference_method.name == "baseline"
+    assert all(m.cache_implementation == "dynamic" and m.compile is False and not m.compiles for m in plain.methods)
+    config = parse_config({"target": "tiny-random:llama", "device": "cuda:1", "dtype": "bfloat16", "reference": "fast",
+                           "methods": [{"name": "slow", "generator": "baseline"},
+                                       {"name": "fast", "generator": "baseline", "cache_implementation": "static",
+                                        "compile": {"backend": "aot_eager"}},
+                                       {"name": "plain", "generator": "none", "cache_implementation": "static",
+                                        "compile": True}]})
+    assert (config.device, config.torch_dtype, config.reference_method.name) == ("cuda:1", torch.bfloat16, "fast")
+    assert [m.compiles for m in config.methods] == [False, True, True]
+    assert config.methods[1].compile == {"backend": "aot_eager"} and config.methods[2].kind == method_kind("x")
+
+
+def test_the_gpu_config_validates_here():
+    config = load_config(GPU_CONFIG)
+    assert (config.target, config.device, config.dtype) == ("smollm2-135m", "cuda", "bfloat16")
+    assert config.dataset.per_subtask == 2 and config.generation.max_new_tokens == 128
+    assert config.reference_method.name == "baseline_compiled"
+    shape = [(m.generator, m.cache_implementation, m.compiles) for m in config.methods]
+    assert shape == [("baseline", "dynamic", False), ("baseline", "static", True), ("none", "static", True),
+                     ("prompt_lookup", "static", True), ("prompt_lookup", "static", True),
+                     ("hf_prompt_lookup", "dynamic", False)]
+    assert config.methods[4].options["num_tokens"] == 10 and config.methods[5].options["num_tokens"] == 10
+    header = GPU_CONFIG.read_text().split("description:")[0]
+    assert header.startswith("# Needs a CUDA GPU") and "under 5 minutes" in header
+
+
+def test_a_missing_cuda_device_is_refused_when_the_run_starts(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    path = tiny_config(tmp_path, methods=TWO_METHODS, device="cuda")
+    config = load_config(path)  # parses on a machine without a GPU
+    with pytest.raises(ConfigError, match=r"^device: 'cuda' needs a CUDA GPU, but torch.cuda.is_available\(\) is False"):
+        run(path, tmp_path / "out")
+    assert cli.main([str(path), "--out", str(tmp_path / "out")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("specdec bench: error: device: 'cuda' needs a CUDA GPU") and len(lines) == 2
+    assert not (tmp_path / "out").exists() and config.device == "cuda"
+
+
+def test_new_fields_hash_only_when_set(tmp_path):
+    plain = load_config(tiny_config(tmp_path, methods=TWO_METHODS))
+    questions = load_selected_questions(plain, tmp_path)
+    spelled = load_config(tiny_config(tmp_path, methods=[{**m, "cache_implementation": "dynamic", "compile": False}
+                                                         for m in TWO_METHODS], device="cpu", dtype="float32"))
+    assert config_hash(spelled, questions) == config_hash(plain, questions)  # defaults spelled out: same results
+    for changed in ({"dtype": "bfloat16"}, {"device": "auto"},
+                    {"methods": [TWO_METHODS[0], {**TWO_METHODS[1], "cache_implementation": "static"}]}):
+        other = load_config(tiny_config(tmp_path, **{"methods": TWO_METHODS, **changed}))
+        assert config_hash(other, questions) != config_hash(plain, questions), changed
+
+
+def test_first_difference_and_agreement():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None and first_difference([], []) is None
+    assert first_difference([1, 2, 4], [1, 2, 3]) == 2 and first_difference([9], [1, 2]) == 0
+    assert first_difference([1, 2], [1, 2, 3]) == 2 == first_difference([1, 2, 3], [1, 2])  # one stopped early
+    agreement = Agreement.of([([1, 2], [1, 2]), ([1, 5], [1, 2]), ([7], [1]), ([3, 3, 3, 3], [3, 3, 3]), ([1], None)])
+    assert (agreement.compared, agreement.identical, agreement.first_differences) == (4, 1, (1, 0, 3))
+    assert (agreement.share, agreement.earliest, agreement.median) == (0.25, 0, 1)
+    assert Agreement.of([]).share is None and Agreement.of([]).median is None
+
+
+def test_reference_outputs_prefer_the_reference_decoding_alone():
+    single = lambda m, q, ids: {"method": m, "question_id": q, "turn": 1, "output_ids": ids}  # noqa: E731
+    batch = lambda m, ids: {"method": m, "batch_size": 2, "batch_index": 0, "question_ids": [1, 2],  # noqa: E731
+                            "output_ids": ids}
+    rows = [single("ref", 1, [1, 1]), single("m", 1, [1, 2]), batch("ref", [[1, 1], [2, 2]]), batch("m", [[1, 1], [2, 3]])]
+    by_key = {row_key(r): r for r in rows}
+    assert reference_outputs(rows[1], by_key, "ref") == [[1, 1]]
+    assert reference_outputs(rows[0], by_key, "ref") == [None]  # never compared with itself
+    assert reference_outputs(rows[3], by_key, "ref") == [[1, 1], [2, 2]]  # alone for question 1, the batch for 2
+    assert reference_outputs(rows[2], by_key, "ref") == [[1, 1], None]
+    assert row_first_difference(rows[1], by_key, "ref") == 1 and row_first_difference(rows[3], by_key, "ref") == [None, 1]
+    with pytest.raises(LookupError):
+        row_first_difference(rows[2], by_key, "ref")
+
+
+def test_warm_up_sizes_and_the_cache_transformers_is_given():
+    assert warmup_batch_sizes([1], 5) == [1] and warmup_batch_sizes([1, 4], 3) == [1, 2, 3]
+    assert warmup_batch_sizes([2], 10) == [1, 2]
+    assert hf_cache_kwargs() == {} and hf_cache_kwargs("dynamic", False) == {}
+    assert hf_cache_kwargs("static") == {"cache_implementation": "static", "disable_compile": True}
+    compiled = hf_cache_kwargs("static", {"backend": "aot_eager"})
+    config = compiled["compile_config"]
+    assert compiled["cache_implementation"] == "static" and config._compile_all_devices
+    assert (config.backend, config.mode) == ("aot_eager", None)  # reduce-overhead is an inductor mode
+    assert hf_cache_kwargs("static", True)["compile_config"].mode == "reduce-overhead"  # transformers' default
+
+
+COMPILED_METHODS = [
+    {"name": "baseline", "generator": "baseline"},
+    {"name": "base_c", "generator": "baseline", "cache_implementation": "static", "compile": {"backend": "aot_eager"}},
+    {"name": "pl_s", "generator": "prompt_lookup", "cache_implementation": "static", "options": {"num_tokens": 3}},
+    {"name": "pl_c", "generator": "prompt_lookup", "cache_implementation": "static", "options": {"num_tokens": 3},
+     "compile": {"backend": "aot_eager"}},
+    {"name": "plain_c", "generator": "none", "cache_implementation": "static", "compile": {"backend": "aot_eager"}},
+    {"name": "hf_pl4", "generator": "hf_prompt_lookup", "options": {"num_tokens": 4}}]
+WARMUP_PAUSE = 1.0  # seconds each SpecDecoder.warmup call is made longer: they must reach no row
+
+
+@pytest.fixture(scope="module")
+def compiled_run(tmp_path_factory):
+    """A run with static caches and compiled forwards (aot_eager: seconds, not inductor's minutes), the compiled
+    baseline as the reference, at batch sizes 1 and 2; SpecDecoder.warmup made longer and watched, the target kept,
+    and the number of graphs dynamo compiled noted at every row."""
+    import torch._dynamo.utils as dynamo_utils
+
+    import specdec.bench.runner as runner_module
+    from specdec.decoder import SpecDecoder
+
+    folder = tmp_path_factory.mktemp("bench_compiled")
+    config = tiny_config(folder, methods=COMPILED_METHODS, reference="base_c", batch_sizes=[1, 2])
+    warmups, targets, graphs = [], [], []
+    real_warmup, real_load = SpecDecoder.warmup, runner_module.load_model
+
+    def slow_warmup(self, batch_size=1, max_length=1024):  # a warm-up that compiles takes WARMUP_PAUSE longer
+        warmups.append((batch_size, max_length, len(graphs)))
+        spent = real_warmup(self, batch_size, max_length)
+        if spent > 0:
+            time.sleep(WARMUP_PAUSE)
+            spent += WARMUP_PAUSE
+        return spent
+
+    def keep_target(name, **kwargs):
+        loaded = real_load(name, **kwargs)
+        targets.append(loaded[0])
+        return loaded
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(SpecDecoder, "warmup", slow_warmup)
+        patch.setattr(runner_module, "load_model", keep_target)
+        result = run(config, folder / "out", on_row=lambda row: graphs.append(dynamo_utils.counters["stats"]["unique_graphs"]))
+    return load_config(config), result, warmups, targets[0], graphs
+
+
+def test_compiled_methods_are_warmed_up_before_any_timed_call(compiled_run):
+    config, result, warmups, _, graphs = compiled_run
+    meta, rows = load_run(result.out_dir)
+    questions = load_selected_questions(config, result.out_dir.parent)
+    longest = longest_call(questions, load_model("tiny-random:llama")[1], config.generation.max_new_tokens)
+    # every SpecDecoder method (pl_s, pl_c, plain_c) at batch sizes 1 and 2, with a cache for the longest
+    # call, before the first row; pl_s compiles nothing, so its warm-up takes no time
+    assert [(b, n) for b, n, _ in warmups] == [(1, longest), (2, longest)] * 3
+    assert all(rows_before == 0 for _, _, rows_before in warmups)
+    assert all(r["prompt_tokens"] + r["new_tokens"] <= longest for r in rows if not is_batched(r))
+    assert len(set(graphs)) == 1  # every graph was compiled during the warm-up: none inside a timed call
+    seconds = meta["sessions"][-1]["warmup_seconds"]
+    assert sorted(seconds) == ["base_c", "pl_c", "plain_c"] and seconds["base_c"] > 0
+    assert seconds["pl_c"] >= 2 * WARMUP_PAUSE and seconds["plain_c"] >= 2 * WARMUP_PAUSE
+    assert max(r["seconds"] for r in rows) < WARMUP_PAUSE  # the pauses are in no row's time
+    overall = {s.method: s for s in summaries(meta, rows) if s.subtask == "overall"}
+    assert overall["pl_c"].seconds == pytest.approx(sum(r["seconds"] for r in rows
+                                                        if r["method"] == "pl_c" and not is_batched(r)))
+    report = (result.out_dir / "report.md").read_text()
+    section = report.split("## Warm-up (compile) seconds", 1)[1].split("\n## ", 1)[0]
+    assert f"| `pl_c` | {seconds['pl_c']:.1f} s |" in section and "| `base_c` |" in section
+    assert "`pl_s`" not in section and "no tokens/s above includes it" in section
+
+
+def test_compiled_and_static_runs_are_exact_and_record_first_differences(compiled_run):
+    config, result, _, target, _ = compiled_run
+    meta, rows = load_run(result.out_dir)
+    assert result.rows_new == result.rows_total == TURNS * 6 + 2 * 5  # 2 batches for the 5 methods that batch
+    for r in rows:
+        compiled = next(m for m in config.methods if m.name == r["method"]).compiles
+        assert (r["target_forwards"] is None) == compiled, r["method"]
+        if r["method"] == "base_c" and not is_batched(r):
+            assert "first_difference" not in r  # the reference is not compared with itself
+        elif is_batched(r):
+            assert r["first_difference"] == [None] * len(r["question_ids"]), r["method"]
+        else:
+            assert r["first_difference"] is None, r["method"]
+    overall = {s.method: s for s in summaries(meta, rows) if s.subtask == "overall"}
+    assert overall["base_c"].reference and overall["base_c"].speedup == 1.0 and overall["base_c"].agreement is None
+    assert overall["base_c"].mean_accepted_length == 1.0  # compiled: by definition, no forwards counted
+    for name in ("baseline", "pl_s", "pl_c", "plain_c", "hf_pl4"):
+        assert overall[name].exact_match == 1.0 and overall[name].agreement.identical == TURNS, name
+    assert overall["plain_c"].mean_accepted_length == 1.0
+    by = {(b.method, b.batch_size): b for b in batch_summaries(meta, rows)}
+    assert all(by[(m, 2)].exact_match == 1.0 for m in ("baseline", "base_c", "pl_s", "pl_c", "plain_c"))
+    report = (result.out_dir / "report.md").read_text()
+    assert "- Reference (speedup 1.00x, exact match `ref`): `base_c`." in report
+    assert "`pl_c` = prompt_lookup {'num_tokens': 3}, static cache, compiled {'backend': 'aot_eager'}" in report
+    section = report.split("## Identical to the reference", 1)[1].split("\n## ", 1)[0]
+    assert f"| `pl_s` | {TURNS} of {TURNS} | n/a | n/a |" in section and "`base_c` |" not in section
+    assert "- Compiled: `base_c`, `pl_c`, `plain_c`." in report
+    # the user's model: transformers compiled on copies of its generation config
+    assert target.generation_config.compile_config is None and target.generation_config.cache_implementation is None
+
+
+def test_report_counts_identical_outputs_and_first_differences(tmp_path):
+    out = _synthetic_run(tmp_path, [s.as_dict() for s in _policy_stats()])
+    store = ResultStore(out / RESULTS_FILE)
+    rows = store.load()
+    rows[1]["output_ids"] = [1] * 5 + [9] * 3  # `auto` differs from the baseline at position 5 of question 1
+    (out / RESULTS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    meta, rows = load_run(out)
+    overall = next(s for s in summaries(meta, rows) if s.method == "auto" and s.subtask == "overall")
+    assert overall.agreement == Agreement(2, (5,)) and overall.exact_match == 0.5
+    write_report(out, log=None)
+    section = (out / "report.md").read_text().split("## Identical to the reference", 1)[1].split("\n## ", 1)[0]
+    assert "| `auto` | 1 of 2 | 5 | 5 |" in section
 
 
 # -- method kinds, where results go, without matplotlib, signals --------------------------------

@@ -75,6 +75,12 @@ REFUSED = [
     (["demo", "--per-category", "0"], ["--per-category", ">= 1"]),
     (["demo", "--draft", "none"], ["--draft other than 'none'"]),
     (["demo", "--draft", "prompt_lookpu"], ["Did you mean 'prompt_lookup'?"]),
+    (["generate", "--device", "gpu", "hi"], ["--device", "expected one of cpu, cuda, cuda:N, auto, got 'gpu'"]),
+    (["generate", "--device", "cuda:one", "hi"], ["--device", "got 'cuda:one'"]),
+    (["generate", "--dtype", "fp16", "hi"], ["--dtype", "invalid choice: 'fp16'", "'bfloat16'"]),
+    (["generate", "--cache-implementation", "paged", "hi"], ["--cache-implementation", "invalid choice: 'paged'"]),
+    (["generate", "--compile", "hi"], ["--compile needs --cache-implementation static"]),
+    (["demo", "--compile"], ["--compile needs --cache-implementation static"]),
 ]
 
 
@@ -112,6 +118,13 @@ def test_a_plugin_generator_s_options_come_from_its_signature(capsys, no_model_l
         unregister_candidate_generator("test_cli_required")
 
 
+@pytest.mark.parametrize("command", [["generate", "hi"], ["demo"]])
+def test_a_missing_cuda_device_is_refused_before_any_model_loads(command, capsys, no_model_loads, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, _, err, _ = run_cli([command[0], "--device", "cuda", *command[1:]], capsys)
+    assert code == 2 and "--device: 'cuda' needs a CUDA GPU, but torch.cuda.is_available() is False" in err
+
+
 def test_load_model_suggests_the_closest_name():
     start = time.perf_counter()
     with pytest.raises(ModelNotAvailableError) as info:
@@ -137,11 +150,16 @@ def test_generate_runs_with_a_generator_and_with_a_draft_model(capsys):
     assert code == 0, err
 
 
-def test_demo_reports_progress_per_prompt_and_method(tmp_path, capsys):
-    questions = tmp_path / "question.jsonl"
+def write_questions(folder) -> str:
+    questions = folder / "question.jsonl"
     rows = [{"question_id": i, "category": c, "turns": [f"{c} {c} {c} again {c}"]}
             for i, c in enumerate(["extraction", "rag", "summarization", "translation", "writing"])]
     questions.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(questions)
+
+
+def test_demo_reports_progress_per_prompt_and_method(tmp_path, capsys):
+    questions = write_questions(tmp_path)
     code, out, err, _ = run_cli(["demo", "--target", "tiny-random:llama", "--dataset", str(questions),
                                  "--max-new-tokens", "6", "--threads", "1"], capsys)
     assert code == 0, err
@@ -252,3 +270,55 @@ def test_cached_smollm2_loads_identical_to_the_gguf(tmp_path, monkeypatch, capfd
     monkeypatch.setenv("SPECDEC_NO_WEIGHT_CACHE", "1")  # opted out: the GGUF again, nothing written
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "unused"))
     assert models.weight_cache_path("smollm2-135m") is None
+
+
+# -- devices, dtypes, static caches, compilation ------------------------------------------------------------
+@pytest.fixture
+def quick_compile(monkeypatch):
+    """``--compile`` compiles with aot_eager (seconds) instead of inductor (minutes on a CPU); the
+    SpecDecoder warm-ups are recorded as (batch size, max length)."""
+    import specdec.bench.runner as runner
+    import specdec.kv as kv
+    from specdec.decoder import SpecDecoder
+
+    real_forward, real_kwargs, real_warmup = kv.compiled_forward, runner.hf_cache_kwargs, SpecDecoder.warmup
+    calls = []
+    monkeypatch.setattr(kv, "compiled_forward", lambda model, options: real_forward(model, {"backend": "aot_eager",
+                                                                                            **options}))
+    monkeypatch.setattr(runner, "hf_cache_kwargs", lambda implementation="dynamic", compile=False: real_kwargs(
+        implementation, {"backend": "aot_eager"} if compile is True else compile))
+
+    def watched(self, batch_size=1, max_length=1024):
+        calls.append((batch_size, max_length))
+        return real_warmup(self, batch_size, max_length)
+
+    monkeypatch.setattr(SpecDecoder, "warmup", watched)
+    return calls
+
+
+def test_generate_with_a_static_cache_in_bfloat16(capsys):
+    code, out, err, _ = run_cli(["generate", "--target", "tiny-random:llama", "--max-new-tokens", "8", "--threads", "1",
+                                 "--raw", "--dtype", "bfloat16", "--cache-implementation", "static", "abcabcabc"], capsys)
+    assert code == 0 and out.strip() and "tokens/s" in err and "compiled" not in err
+
+
+def test_generate_compiles_before_timing(capsys, quick_compile):
+    code, out, err, _ = run_cli(["generate", "--target", "tiny-random:llama", "--max-new-tokens", "8", "--threads", "1",
+                                 "--raw", "--cache-implementation", "static", "--compile", "--option", "num_tokens=3",
+                                 "abcabcabc"], capsys)
+    assert code == 0, err
+    assert quick_compile == [(1, 9 + 8)]  # the byte-level prompt's 9 tokens + 8 new ones
+    lines = err.splitlines()
+    compiled = next(i for i, line in enumerate(lines) if line.startswith("compiled in ") and "not counted" in line)
+    assert compiled < next(i for i, line in enumerate(lines) if "tokens/s" in line)
+
+
+def test_demo_with_a_compiled_static_cache_stays_identical(tmp_path, capsys, quick_compile):
+    code, out, err, _ = run_cli(["demo", "--target", "tiny-random:llama", "--dataset", write_questions(tmp_path),
+                                 "--categories", "extraction,rag", "--max-new-tokens", "6", "--threads", "1",
+                                 "--cache-implementation", "static", "--compile"], capsys)
+    assert code == 0, err
+    longest = max(len(f"{c} {c} {c} again {c}") for c in ("extraction", "rag"))  # byte tokens, before the template
+    assert len(quick_compile) == 1 and quick_compile[0][0] == 1 and quick_compile[0][1] >= longest + 6
+    assert "compiled in " in err and err.index("compiled in ") < err.index("[1/2] extraction")
+    assert "outputs identical: True" in out

@@ -1,26 +1,35 @@
 """The benchmark YAML schema, validated with pydantic before any work is done.
 
-A config names a target (a :func:`specdec.models.load_model` name), a dataset (Spec-Bench JSONL,
-filtered by subtask and category, with a per-subtask count), generation settings, run settings
-(threads, warm-up, batch sizes) and a list of methods. A method is either a registered candidate
-generator with its options (and a ``draft`` model name when the generator takes a model), or one
-of the reference methods that call ``transformers`` directly::
+A config names a target (a :func:`specdec.models.load_model` name), the device and dtype its
+models are loaded with, a dataset (Spec-Bench JSONL, filtered by subtask and category, with a
+per-subtask count), generation settings, run settings (threads, warm-up, batch sizes) and a list
+of methods. A method is either a registered candidate generator with its options (and a
+``draft`` model name when the generator takes a model), or one of the reference methods that call
+``transformers`` directly; any method may keep its caches static and compile its forwards::
 
     methods:
       - {name: baseline, generator: baseline}                     # target.generate()
       - {name: pl10, generator: prompt_lookup, options: {num_tokens: 10}}
+      - {name: pl_static, generator: prompt_lookup, cache_implementation: static, compile: true}
+      - {name: plain, generator: none}                             # SpecDecoder drafting nothing
       - {name: dm, generator: draft_model, draft: tiny-random:llama}
       - {name: hf_pl10, generator: hf_prompt_lookup, options: {num_tokens: 10}}
       - {name: hf_dm, generator: hf_assisted, draft: tiny-random:llama}
 
+Speedups and identical outputs are measured against one ``baseline`` method, the *reference*:
+the only one, or the one ``reference:`` names when there are several (plain ``generate`` with a
+dynamic cache and with a compiled static one, say).
+
 Invariants: unknown fields are refused at every level; every error is one line naming the field
 (``methods[1].generator``) and the allowed values; names are checked against the registry and the
 reference methods; model names must be loadable (packaged, ``tiny-random:<arch>`` or a folder).
-Validation never loads a model and never writes a file.
+Validation never loads a model and never writes a file, and checks the spelling of ``device`` only:
+a CUDA config validates on a machine without a GPU, and the run refuses it when it starts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import inspect
 import os
@@ -29,10 +38,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
+
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ..models import PACKAGED_MODELS, TINY_ARCHS
+from ..generators import NoDraft
+from ..models import DTYPES, PACKAGED_MODELS, TINY_ARCHS, device_name_problem
 from ..prompts import DEFAULT_SPEC_BENCH, MT_BENCH_CATEGORIES, SUBTASKS
 from ..registry import UnknownGeneratorError, available_generators, get_candidate_generator
 
@@ -41,9 +53,13 @@ BASELINE = "baseline"
 HF_ASSISTED = "hf_assisted"
 HF_PROMPT_LOOKUP = "hf_prompt_lookup"
 REFERENCE_METHODS = (BASELINE, HF_ASSISTED, HF_PROMPT_LOOKUP)
+#: a SpecDecoder method that drafts nothing: plain decoding through SpecDecoder's own loop (as ``--draft none``)
+NO_DRAFT = "none"
 
 Subtask = Literal["mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"]
 assert set(Subtask.__args__) == set(SUBTASKS)  # noqa: S101 - keep the Literal in step with prompts.SUBTASKS
+DType = Literal["float32", "bfloat16", "float16"]
+assert set(DType.__args__) == set(DTYPES)  # noqa: S101 - keep the Literal in step with models.DTYPES
 
 
 class ConfigError(ValueError):
@@ -113,6 +129,11 @@ def model_name_problem(name: str) -> str | None:
     return f"unknown model {name!r}; allowed: {allowed}"
 
 
+def generator_class(name: str) -> type:
+    """The candidate-generator class a SpecDecoder method runs: the registry's, or ``NoDraft`` for ``none``."""
+    return NoDraft if name == NO_DRAFT else get_candidate_generator(name)
+
+
 def generator_needs_draft(cls: type) -> bool:
     """A generator takes a draft model when its constructor has a required positional parameter."""
     params = list(inspect.signature(cls).parameters.values())
@@ -121,6 +142,8 @@ def generator_needs_draft(cls: type) -> bool:
 
 def generator_option_problem(cls: type, options: dict, with_draft: bool) -> str | None:
     """Why ``cls(draft?, **options)`` cannot bind, or None (checks names only, not values)."""
+    if cls.__init__ is object.__init__ and options:  # no constructor (CandidateGenerator.__new__ takes anything)
+        return f"unknown option(s) {sorted(options)} for {cls.name or cls.__name__!r}; allowed: (none)"
     sig = inspect.signature(cls)
     try:
         sig.bind(*([object()] if with_draft else []), **options)
@@ -131,6 +154,17 @@ def generator_option_problem(cls: type, options: dict, with_draft: bool) -> str 
         what = f"unknown option(s) {unknown}" if unknown else "options do not fit"
         return f"{what} for {cls.name or cls.__name__!r}; allowed: {', '.join(accepted) or '(none)'}"
     return None
+
+
+def compile_option_names(generator: str) -> list[str]:
+    """The keys a method's ``compile:`` mapping may hold: ``transformers``' ``CompileConfig`` fields for
+    a reference method (``generate`` compiles itself), ``torch.compile``'s keyword arguments for a
+    SpecDecoder method (``SpecDecoder(compile=...)`` passes them on)."""
+    if generator in REFERENCE_METHODS:
+        from transformers import CompileConfig
+
+        return [f.name for f in dataclasses.fields(CompileConfig)]
+    return [name for name in inspect.signature(torch.compile).parameters if name != "model"]
 
 
 def _did_you_mean(name: str, known: list[str]) -> str:
@@ -172,15 +206,28 @@ class MethodConfig(_Strict):
     generator: str
     draft: str | None = None
     options: dict[str, Any] = Field(default_factory=dict)
+    cache_implementation: Literal["dynamic", "static"] = Field(
+        "dynamic", description="how the target (and the draft) keep their key/value caches")
+    compile: bool | dict[str, Any] = Field(False, description="torch.compile the forwards (static caches only): "
+                                                              "true, or a mapping of compile options")
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _compile_is_a_switch_or_options(cls, value: Any) -> Any:
+        """One clear line instead of pydantic's one line per member of the union."""
+        if isinstance(value, (bool, dict)):
+            return value
+        raise ValueError(f"expected true, false or a mapping of compile options (e.g. {{backend: aot_eager}}), "
+                         f"got {value!r}")
 
     @field_validator("generator")
     @classmethod
     def _known_generator(cls, value: str) -> str:
-        if value in REFERENCE_METHODS:
+        if value in REFERENCE_METHODS or value == NO_DRAFT:
             return value
         known = available_generators()
         if value not in known:
-            allowed = [*REFERENCE_METHODS, *known]
+            allowed = [*REFERENCE_METHODS, NO_DRAFT, *known]
             raise ValueError(f"unknown method {value!r}.{_did_you_mean(value, allowed)} Allowed: {', '.join(allowed)}")
         return value
 
@@ -204,7 +251,7 @@ class MethodConfig(_Strict):
                 raise ValueError(f"options.{_one_line(exc, REFERENCE_OPTIONS[self.generator])}") from None
         else:
             try:
-                cls = get_candidate_generator(self.generator)
+                cls = generator_class(self.generator)
             except UnknownGeneratorError as exc:  # pragma: no cover - checked by the field validator
                 raise ValueError(str(exc)) from None
             needs_draft = generator_needs_draft(cls)
@@ -215,7 +262,33 @@ class MethodConfig(_Strict):
             raise ValueError(f"draft: method {self.generator!r} needs a draft model (a load_model name)")
         if not needs_draft and self.draft is not None:
             raise ValueError(f"draft: method {self.generator!r} takes no draft model; remove 'draft'")
+        problem = self._cache_problem()
+        if problem:
+            raise ValueError(problem)
         return self
+
+    def _cache_problem(self) -> str | None:
+        """Why ``cache_implementation`` or ``compile`` cannot work for this method (``field: why``), or None."""
+        if self.cache_implementation == "static" and self.is_reference and not self.kind.baseline:
+            return (f"cache_implementation: {self.generator!r} takes the dynamic cache only: transformers' assisted "
+                    "generation writes drafted tokens past the end of a static cache (IndexError near max_new_tokens, "
+                    "transformers 5.24)")
+        if not self.compiles:
+            return None
+        if self.cache_implementation != "static":
+            return ("compile: needs cache_implementation: static (a dynamic cache changes shape every step, so "
+                    "compiled forwards would recompile)")
+        if isinstance(self.compile, dict):
+            allowed = compile_option_names(self.generator)
+            unknown = sorted(set(self.compile) - set(allowed))
+            if unknown:
+                return f"compile: unknown option(s) {unknown}; allowed: {', '.join(allowed)}"
+        return None
+
+    @property
+    def compiles(self) -> bool:
+        """Whether this method runs compiled forwards (and so is compiled during the warm-up)."""
+        return self.compile is not False
 
     @property
     def kind(self) -> MethodKind:
@@ -229,6 +302,9 @@ class MethodConfig(_Strict):
 class BenchConfig(_Strict):
     description: str = ""
     target: str
+    device: str = Field("cpu", description="where the models run: cpu, cuda, cuda:N, or auto (cuda when "
+                                           "torch.cuda.is_available(), else cpu); checked when the run starts")
+    dtype: DType = Field("float32", description="the target's and the drafts' weights")
     dataset: DatasetConfig = Field(default_factory=DatasetConfig)
     generation: GenerationSettings = Field(default_factory=GenerationSettings)
     methods: list[MethodConfig] = Field(min_length=1)
@@ -237,6 +313,16 @@ class BenchConfig(_Strict):
     batch_sizes: list[int] = Field(default_factory=lambda: [1], min_length=1,
                                    description="prompts per generate() call, one pass per size; 1 = per question, "
                                                "both MT-Bench turns; > 1 = first turns in batches, left-padded")
+    reference: str | None = Field(None, description="the baseline method speedups and identical outputs are "
+                                                    "measured against; needed only when there are several")
+
+    @field_validator("device")
+    @classmethod
+    def _device_spelling(cls, value: str) -> str:
+        problem = device_name_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
 
     @field_validator("target")
     @classmethod
@@ -270,20 +356,31 @@ class BenchConfig(_Strict):
         return value
 
     @model_validator(mode="after")
-    def _one_baseline(self) -> "BenchConfig":
+    def _one_reference(self) -> "BenchConfig":
         names = [m.name for m in self.methods]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"methods: duplicate method name(s) {dupes}; give each a distinct 'name'")
         baselines = [m.name for m in self.methods if m.kind.baseline]
-        if len(baselines) != 1:
-            raise ValueError(f"methods: need exactly one method with generator 'baseline' (speedups are measured "
-                             f"against it), found {len(baselines)}")
+        if not baselines:
+            raise ValueError("methods: need a method with generator 'baseline' (speedups are measured against it)")
+        if self.reference is None and len(baselines) > 1:
+            raise ValueError(f"reference: {len(baselines)} baseline methods ({', '.join(baselines)}); name the one "
+                             f"speedups are measured against with reference: <method name>")
+        if self.reference is not None and self.reference not in baselines:
+            raise ValueError(f"reference: {self.reference!r} is not a method with generator 'baseline'; "
+                             f"allowed: {', '.join(baselines)}")
         return self
 
     @property
-    def baseline(self) -> MethodConfig:
-        return next(m for m in self.methods if m.kind.baseline)
+    def reference_method(self) -> MethodConfig:
+        """The method speedups and identical outputs are measured against (:func:`reference_name`)."""
+        name = reference_name(self.model_dump(mode="json"))
+        return next(m for m in self.methods if m.name == name)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
 
     def dataset_path(self, config_dir: str | Path | None = None) -> Path:
         """The question file: the default Spec-Bench set, or ``dataset.path`` relative to the config."""
@@ -291,6 +388,12 @@ class BenchConfig(_Strict):
             return Path(DEFAULT_SPEC_BENCH)
         path = Path(self.dataset.path).expanduser()
         return path if path.is_absolute() or config_dir is None else Path(config_dir) / path
+
+
+def reference_name(config: dict) -> str:
+    """The name of the reference method of a config as dumped (``run.json``): ``reference`` when given,
+    else the only method with generator ``baseline`` (configs written before ``reference`` existed)."""
+    return config.get("reference") or next(m["name"] for m in config["methods"] if method_kind(m["generator"]).baseline)
 
 
 # -- loading and error messages ----------------------------------------------------------------

@@ -19,7 +19,7 @@ def plot_speedup(all_summaries: list[Summary], base_name: str, path: Path) -> bo
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    methods = list(dict.fromkeys(s.method for s in all_summaries if not s.kind.baseline))
+    methods = list(dict.fromkeys(s.method for s in all_summaries if s.method != base_name))
     groups = list(dict.fromkeys(s.subtask for s in all_summaries))
     if not methods:
         return False

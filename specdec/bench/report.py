@@ -6,18 +6,25 @@ so a report can always be rebuilt from the JSON lines alone.
 Groups are method x subtask, and method x all ("overall"). In a group, over the rows present:
 
 * tokens/s = sum of new tokens / sum of wall seconds;
-* speedup = tokens/s of the method / tokens/s of ``baseline``, both over the (question, turn) keys
-  that both have (Spec-Bench's definition; with identical outputs it equals the ratio of total
-  baseline time to total method time);
+* speedup = tokens/s of the method / tokens/s of the reference (the config's ``baseline`` method, or
+  the one ``reference`` names), both over the (question, turn) keys that both have (Spec-Bench's
+  definition; with identical outputs it equals the ratio of total reference time to total method
+  time);
 * mean accepted length, acceptance rate, per-position acceptance: the rows'
   :class:`~specdec.metrics.AcceptanceStats` merged (SpecDecoder methods). Methods that
   ``transformers`` runs expose no acceptance counts: their mean accepted length is
   ``AcceptanceStats(steps=target forwards, committed_tokens=new tokens).mean_accepted_length``
-  (forwards counted by a hook) and the acceptance rate is n/a;
+  (forwards counted by a hook; compiled forwards bypass hooks, so a compiled ``baseline`` gets
+  plain decoding's 1.0 and another compiled reference method n/a) and the acceptance rate is n/a;
 * K = drafted tokens / steps; c = :func:`draft_cost_ratio`; theoretical speedup =
   :func:`specdec.metrics.theoretical_speedup` (a = acceptance rate, K, c); efficiency = speedup /
   theoretical speedup;
-* exact match = share of keys whose new token ids equal ``baseline``'s (greedy only; n/a when sampling).
+* exact match = share of keys whose new token ids equal the reference's; identical count and the
+  first position where the others differ (earliest, median) in "Identical to the reference"; all
+  from :class:`~specdec.bench.results.Agreement` (greedy only; n/a when sampling).
+
+"Warm-up (compile) seconds": per method that compiles, the seconds its compile warm-up took in
+each session (``run.json``), which no tokens/s includes.
 
 "Draft lengths chosen" shows, per drafting method over the same rows as the overall table, the
 merged stats' mean K (drafted tokens / steps, as in the tables), the K distribution
@@ -53,10 +60,10 @@ from typing import Callable
 
 from ..metrics import AcceptanceStats, theoretical_speedup
 from ..prompts import SUBTASKS
-from .config import MethodKind, method_kind
+from .config import MethodKind, method_kind, reference_name
 from .plots import plot_acceptance, plot_forward_cost, plot_speedup
-from .results import (OVERALL, ACCEPTANCE_PNG, FORWARD_COST_PNG, REPORT_FILE, RESULTS_FILE, RUN_FILE, SPEEDUP_PNG, ResultStore, is_batched,
-                      planned_keys, row_key)
+from .results import (OVERALL, ACCEPTANCE_PNG, FORWARD_COST_PNG, REPORT_FILE, RESULTS_FILE, RUN_FILE, SPEEDUP_PNG, Agreement,
+                      ResultStore, is_batched, planned_keys, reference_outputs, row_key)
 
 MAX_POSITIONS = 16  # per-position columns shown in the table
 NA = "n/a"
@@ -71,11 +78,6 @@ def plots_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-def baseline_name(methods: list[dict]) -> str:
-    """The name of the config's baseline method (``methods`` as in ``run.json``)."""
-    return next(m["name"] for m in methods if method_kind(m["generator"]).baseline)
 
 
 def draft_cost_ratio(stats: AcceptanceStats) -> float | None:
@@ -103,11 +105,16 @@ class Summary:
     mean_accepted_length: float | None
     forwards_only: bool  # mean accepted length from counted forwards, no acceptance counts
     stats: AcceptanceStats | None
-    exact_match: float | None
+    agreement: Agreement | None  # outputs against the reference's (None: the reference itself, or sampling)
+    reference: bool = False  # the method speedups are measured against
 
     @property
     def kind(self) -> MethodKind:
         return method_kind(self.generator)
+
+    @property
+    def exact_match(self) -> float | None:
+        return self.agreement.share if self.agreement is not None else None
 
     @property
     def tokens_per_second(self) -> float:
@@ -145,8 +152,8 @@ def _throughput(rows: list[dict]) -> float:
 
 
 def summarize(method: str, generator: str, subtask: str, rows: list[dict], baseline: dict, greedy: bool,
-              is_baseline: bool) -> Summary:
-    """``rows``: one method's rows in the group; ``baseline``: (question_id, turn) -> baseline row."""
+              is_reference: bool) -> Summary:
+    """``rows``: one method's rows in the group; ``baseline``: (question_id, turn) -> the reference's row."""
     keyed = {(r["question_id"], r["turn"]): r for r in rows}
     shared = [k for k in keyed if k in baseline]
     speedup = None
@@ -161,15 +168,24 @@ def summarize(method: str, generator: str, subtask: str, rows: list[dict], basel
             stats = stats.merge(AcceptanceStats.from_dict(d))
         mean_len = stats.mean_accepted_length
     else:  # transformers ran it: count target forwards
-        counted = AcceptanceStats(steps=sum(r["target_forwards"] for r in rows),
-                                  committed_tokens=sum(r["new_tokens"] for r in rows))
-        mean_len = counted.mean_accepted_length if counted.steps else None
-    exact = None
-    if greedy and shared:
-        exact = sum(keyed[k]["output_ids"] == baseline[k]["output_ids"] for k in shared) / len(shared)
+        mean_len = _counted_mean_accepted_length(generator, rows)
+    agreement = None
+    if greedy and shared and not is_reference:
+        agreement = Agreement.of((keyed[k]["output_ids"], baseline[k]["output_ids"]) for k in shared)
     return Summary(method, generator, subtask, len(rows), sum(r["new_tokens"] for r in rows),
-                   sum(r["seconds"] for r in rows), 1.0 if is_baseline and shared else speedup, mean_len,
-                   stats is None, stats, exact)
+                   sum(r["seconds"] for r in rows), 1.0 if is_reference and shared else speedup, mean_len,
+                   stats is None, stats, agreement, is_reference)
+
+
+def _counted_mean_accepted_length(generator: str, rows: list[dict]) -> float | None:
+    """New tokens / counted target forwards, for methods that transformers runs. A compiled method's
+    forwards are not counted (``target_forwards`` null): plain decoding (``baseline``) commits one token
+    per forward by definition; for the others it is unknown."""
+    if any(r["target_forwards"] is None for r in rows):
+        return 1.0 if method_kind(generator).baseline else None
+    counted = AcceptanceStats(steps=sum(r["target_forwards"] for r in rows),
+                              committed_tokens=sum(r["new_tokens"] for r in rows))
+    return counted.mean_accepted_length if counted.steps else None
 
 
 def summaries(meta: dict, rows: list[dict]) -> list[Summary]:
@@ -178,7 +194,7 @@ def summaries(meta: dict, rows: list[dict]) -> list[Summary]:
     rows = [r for r in rows if not is_batched(r)]
     greedy = not config["generation"]["do_sample"]
     methods = [(m["name"] or m["generator"], m["generator"]) for m in config["methods"]]
-    base_name = baseline_name(config["methods"])
+    base_name = reference_name(config)
     present = {r["subtask"] for r in rows}
     groups = [s for s in SUBTASKS if s in present] + [OVERALL]
     out = []
@@ -189,7 +205,7 @@ def summaries(meta: dict, rows: list[dict]) -> list[Summary]:
             base = {(r["question_id"], r["turn"]): r for r in rows if r["method"] == base_name and in_group(r)}
             picked = [r for r in mine if in_group(r)]
             if picked:
-                out.append(summarize(name, generator, group, picked, base, greedy, method_kind(generator).baseline))
+                out.append(summarize(name, generator, group, picked, base, greedy, name == base_name))
     return out
 
 
@@ -269,9 +285,9 @@ def batch_summaries(meta: dict, rows: list[dict]) -> list[BatchSummary]:
     config = meta["config"]
     greedy = not config["generation"]["do_sample"]
     methods = [(m["name"] or m["generator"], m["generator"]) for m in config["methods"]]
-    base_name = baseline_name(config["methods"])
+    base_name = reference_name(config)
     singles = [r for r in rows if not is_batched(r) and int(r["turn"]) == 1]
-    alone = {r["question_id"]: r["output_ids"] for r in singles if r["method"] == base_name}
+    by_key = {row_key(r): r for r in rows}
     out = []
     for size in batch_sizes_of(config):
         if size == 1:
@@ -282,7 +298,9 @@ def batch_summaries(meta: dict, rows: list[dict]) -> list[BatchSummary]:
         for name, generator in methods:
             mine = {r["batch_index"]: r for r in batched if r["method"] == name}
             if mine:
-                out.append(_batched_summary(name, generator, size, mine, base, alone if greedy else None))
+                agreement = None if not greedy else Agreement.of(
+                    pair for r in mine.values() for pair in zip(r["output_ids"], reference_outputs(r, by_key, base_name)))
+                out.append(_batched_summary(name, generator, size, mine, base, agreement))
     return out
 
 
@@ -294,17 +312,17 @@ def _size_one_summaries(methods: list[tuple[str, str]], singles: list[dict], bas
     for name, generator in methods:
         mine = [r for r in singles if r["method"] == name]
         if mine:
-            baseline = method_kind(generator).baseline
-            s = summarize(name, generator, "first turns", mine, base, greedy, baseline)
+            s = summarize(name, generator, "first turns", mine, base, greedy, name == base_name)
             out.append(BatchSummary(name, generator, 1, len(mine), s.new_tokens, s.seconds, s.speedup,
-                                    s.mean_accepted_length, None if baseline else s.exact_match))
+                                    s.mean_accepted_length, s.exact_match))
     return out
 
 
 def _batched_summary(name: str, generator: str, size: int, mine: dict[int, dict], base: dict[int, dict],
-                     alone: dict[int, list[int]] | None) -> BatchSummary:
+                     agreement: Agreement | None) -> BatchSummary:
     """One method at one batch size > 1. ``mine``, ``base``: batch index -> row of this method, of the
-    baseline; ``alone``: question id -> the batch-size-1 baseline output (None when sampling: no exact match)."""
+    reference; ``agreement``: its outputs against :func:`~specdec.bench.results.reference_outputs`
+    (None when sampling: no exact match)."""
     kind = method_kind(generator)
     tokens = lambda rs: sum(sum(r["new_tokens"]) for r in rs)  # noqa: E731
     seconds = lambda rs: sum(r["seconds"] for r in rs)  # noqa: E731
@@ -322,18 +340,9 @@ def _batched_summary(name: str, generator: str, size: int, mine: dict[int, dict]
         for d in measured:
             stats = stats.merge(AcceptanceStats.from_dict(d))
         mean_len = stats.mean_accepted_length
-    exact = None
-    if alone is not None:
-        checks = []
-        for i, r in mine.items():
-            for j, (qid, ids) in enumerate(zip(r["question_ids"], r["output_ids"])):
-                if qid in alone:
-                    checks.append(ids == alone[qid])
-                elif not kind.baseline and i in base:
-                    checks.append(ids == base[i]["output_ids"][j])
-        exact = sum(checks) / len(checks) if checks else None
     return BatchSummary(name, generator, size, sum(len(r["question_ids"]) for r in mine.values()),
-                        tokens(mine.values()), seconds(mine.values()), speedup, mean_len, exact)
+                        tokens(mine.values()), seconds(mine.values()), speedup, mean_len,
+                        agreement.share if agreement is not None else None)
 
 
 def gain_ends(batch: list[BatchSummary]) -> list[str]:
@@ -385,7 +394,7 @@ def _metric_cells(s: Summary) -> list[str]:
         dash if baseline else _f(s.cost_ratio, ".3f"),
         dash if baseline else _f(s.theoretical_speedup, ".2f", "x"),
         dash if baseline else _f(s.efficiency, ".0%"),
-        "ref" if baseline else _f(s.exact_match, ".0%"),
+        "ref" if s.reference else _f(s.exact_match, ".0%"),
     ]
 
 
@@ -402,6 +411,7 @@ def _header(meta: dict, rows: list[dict]) -> list[str]:
     per_subtask: dict[str, int] = {}
     for q in meta["questions"]:
         per_subtask[q["subtask"]] = per_subtask.get(q["subtask"], 0) + 1
+    placed = f"{config.get('dtype', 'float32')} on {env.get('device', 'cpu')}"
     mode = ("greedy" if not gen["do_sample"] else
             f"sampling (temperature {gen['temperature']}, top_k {gen['top_k']}, top_p {gen['top_p']}, seed {gen['seed']})")
     batched = [str(b) for b in sizes if b > 1]
@@ -411,19 +421,32 @@ def _header(meta: dict, rows: list[dict]) -> list[str]:
     return out + [
         f"- Command: `specdec bench {meta['config_file']}`; rebuild this page from the JSON lines with "
         f"`specdec bench report <this directory>`.",
-        f"- Target: `{config['target']}`. Dataset: {len(meta['questions'])} questions "
+        f"- Target: `{config['target']}` ({placed}). Dataset: {len(meta['questions'])} questions "
         f"({', '.join(f'{k} {v}' for k, v in per_subtask.items())}), {sum(q['turns'] for q in meta['questions'])} turns; "
         f"{mode}, max_new_tokens {gen['max_new_tokens']}.",
         f"- Machine: {env.get('platform', '?')}, {env.get('processor', '?')}, {env.get('cpu_count', '?')} CPUs "
-        f"({env.get('device', 'cpu')}), torch {env.get('torch', '?')} with {config['threads']} threads, "
+        f"({env.get('device', 'cpu')}{', ' + env['gpu'] if env.get('gpu') else ''}), torch {env.get('torch', '?')} "
+        f"with {config['threads']} threads, "
         f"transformers {env.get('transformers', '?')}, specdec {env.get('specdec', '?')}. Started {meta.get('created', '?')}.",
         f"- Rows: {done} of {total} (method x question x turn"
         + (f"; method x batch at batch sizes {', '.join(batched)})" if batched else ")")
         + ("." if done >= total else " — **incomplete run**: rerun the command to resume."),
         "- Methods, interleaved per question after one warm-up each: "
         + "; ".join(f"`{m['name']}` = {m['generator']}" + (f" {m['options']}" if m["options"] else "")
-                    + (f" draft `{m['draft']}`" if m.get("draft") else "") for m in methods) + ".",
+                    + (f" draft `{m['draft']}`" if m.get("draft") else "") + _cache_words(m) for m in methods) + ".",
+        f"- Reference (speedup 1.00x, exact match `ref`): `{reference_name(config)}`.",
     ]
+
+
+def _cache_words(method: dict) -> str:
+    """How a method keeps its cache, in words (nothing for the default dynamic cache)."""
+    compile = method.get("compile", False)
+    if method.get("cache_implementation", "dynamic") == "dynamic" and compile is False:
+        return ""
+    words = f", {method['cache_implementation']} cache"
+    if compile is not False:
+        words += ", compiled" + (f" {compile}" if isinstance(compile, dict) and compile else "")
+    return words
 
 
 def _subtask_tables(meta: dict, all_summaries: list[Summary], subtasks: list[str]) -> list[str]:
@@ -432,6 +455,7 @@ def _subtask_tables(meta: dict, all_summaries: list[Summary], subtasks: list[str
     by = {(s.method, s.subtask): s for s in all_summaries}
     out = ["", "## Overall", ""]
     out += _table(["method"] + METRIC_HEADER, [[f"`{s.method}`"] + _metric_cells(s) for s in overall])
+    out += _identical_section(meta, overall)
     out += ["", "## Speedup over baseline by subtask", ""]
     out += _table(["method"] + subtasks + [OVERALL],
                   [[f"`{m['name']}`"] + [_f(by[(m["name"], g)].speedup, ".2f", "x") if (m["name"], g) in by else NA
@@ -448,6 +472,34 @@ def _subtask_tables(meta: dict, all_summaries: list[Summary], subtasks: list[str
                       [[f"`{s.method}`"] + [f"{v:.2f}" for v in (s.stats.per_position_acceptance + [0.0] * width)[:width]]
                        for s in measured])
     return out
+
+
+def _identical_section(meta: dict, overall: list[Summary]) -> list[str]:
+    """Per method: outputs identical to the reference's, and where the others first differ (greedy only)."""
+    compared = [s for s in overall if s.agreement is not None and s.agreement.compared]
+    if not compared:
+        return []
+    out = ["", "## Identical to the reference", "",
+           f"Rows (question, turn) whose new token ids equal `{reference_name(meta['config'])}`'s, of the rows both "
+           "have; for the rows that differ, the first position where they do (0 = the first new token; "
+           "`first_difference` in results.jsonl), earliest and median.", ""]
+    body = [[f"`{s.method}`", f"{s.agreement.identical} of {s.agreement.compared}", _f(s.agreement.earliest, "d"),
+             _f(s.agreement.median, "g")] for s in compared]
+    return out + _table(["method", "identical", "first difference: earliest", "median"], body)
+
+
+def _warmup_section(meta: dict) -> list[str]:
+    """Seconds each compiled method spent compiling before the timed runs, per session."""
+    sessions = [s.get("warmup_seconds") or {} for s in meta.get("sessions", [])]
+    names = [m["name"] for m in meta["config"]["methods"] if any(m["name"] in s for s in sessions)]
+    if not names:
+        return []
+    out = ["", "## Warm-up (compile) seconds", "",
+           "Compiling each compiled method before the first timed call (every batch size it decodes, caches as long "
+           "as the run's longest call); no tokens/s above includes it. One value per session: a resumed run "
+           "compiles again.", ""]
+    body = [[f"`{n}`", ", ".join(_f(s.get(n), ".1f", " s") for s in sessions if n in s)] for n in names]
+    return out + _table(["method", "warm-up (compile)"], body)
 
 
 def _draft_lengths_section(meta: dict, rows: list[dict], all_summaries: list[Summary],
@@ -472,10 +524,10 @@ def _draft_lengths_section(meta: dict, rows: list[dict], all_summaries: list[Sum
     return out
 
 
-def _batch_cell(b: BatchSummary | None, size: int, kind: MethodKind) -> str:
+def _batch_cell(b: BatchSummary | None, size: int, kind: MethodKind, reference: bool) -> str:
     if b is None:
         return "not run" if size > 1 and not kind.batched else NA
-    exact = "ref" if b.exact_match is None and kind.baseline else _f(b.exact_match, ".0%")
+    exact = "ref" if b.exact_match is None and reference else _f(b.exact_match, ".0%")
     return (f"{b.tokens_per_second:.1f} tok/s; {_f(b.speedup, '.2f', 'x')}; {_f(b.mean_accepted_length, '.2f')}; "
             f"{exact}")
 
@@ -483,7 +535,7 @@ def _batch_cell(b: BatchSummary | None, size: int, kind: MethodKind) -> str:
 def _batch_section(meta: dict, rows: list[dict]) -> list[str]:
     """Throughput by batch size (only when a size > 1 was configured) and where each method's gain ends."""
     config = meta["config"]
-    methods, sizes, base_name = config["methods"], batch_sizes_of(config), baseline_name(config["methods"])
+    methods, sizes, base_name = config["methods"], batch_sizes_of(config), reference_name(config)
     if not any(b > 1 for b in sizes):
         return []
     batch = batch_summaries(meta, rows)
@@ -494,8 +546,8 @@ def _batch_section(meta: dict, rows: list[dict]) -> list[str]:
            "(the batch-size-1 `" + base_name + "` output; against the batched `" + base_name
            + "` when batch size 1 was not run).", ""]
     bb = {(b.method, b.batch_size): b for b in batch}
-    body = [[f"`{m['name']}`"] + [_batch_cell(bb.get((m["name"], size)), size, method_kind(m["generator"]))
-                                  for size in sizes] for m in methods]
+    body = [[f"`{m['name']}`"] + [_batch_cell(bb.get((m["name"], size)), size, method_kind(m["generator"]),
+                                              m["name"] == base_name) for size in sizes] for m in methods]
     out += _table(["method"] + [f"batch {s}" for s in sizes], body)
     ends = gain_ends(batch)
     if ends:
@@ -532,6 +584,12 @@ def _notes(meta: dict, figures: list[str], plots_skipped: bool) -> list[str]:
            "method and exposes no acceptance counts, so its acceptance rate, K, c and theoretical speedup are n/a.",
            "- Theoretical speedup: Leviathan et al. (1 - a^(K+1)) / ((1 - a)(K c + 1)) with the measured acceptance "
            "rate a, drafts per step K and draft cost c; efficiency = measured speedup / theoretical speedup."]
+    compiled = [m["name"] for m in config["methods"] if m.get("compile", False) is not False]
+    if compiled:
+        out.append(f"- Compiled: {', '.join(f'`{n}`' for n in compiled)}. Compiled forwards bypass module hooks, so "
+                   "their target forwards are not counted (a compiled `baseline` shows plain decoding's 1.00 mean "
+                   "accepted length by definition); compiling happened before the first timed call (\"Warm-up "
+                   "(compile) seconds\") and is in no tokens/s.")
     if config["generation"]["do_sample"]:
         out.append("- Sampling: outputs of different methods are different samples, so exact match is n/a; "
                    "each (question, turn) uses the same seed in every method and every rerun.")
@@ -554,7 +612,7 @@ def render_markdown(meta: dict, rows: list[dict], all_summaries: list[Summary], 
                     plots_skipped: bool = False) -> str:
     subtasks = [g for g in SUBTASKS if any(s.subtask == g for s in all_summaries)]
     single = [r for r in rows if not is_batched(r)]
-    out = (_header(meta, rows) + _subtask_tables(meta, all_summaries, subtasks)
+    out = (_header(meta, rows) + _subtask_tables(meta, all_summaries, subtasks) + _warmup_section(meta)
            + _draft_lengths_section(meta, rows, all_summaries, figures) + _batch_section(meta, rows)
            + _pairs_section(meta, single, all_summaries, subtasks) + _notes(meta, figures, plots_skipped))
     return "\n".join(out) + "\n"
@@ -563,8 +621,7 @@ def render_markdown(meta: dict, rows: list[dict], all_summaries: list[Summary], 
 def _identical_share(rows: list[dict], a: str, b: str) -> float | None:
     pick = lambda name: {(r["question_id"], r["turn"]): r["output_ids"] for r in rows if r["method"] == name}  # noqa: E731
     ours, theirs = pick(a), pick(b)
-    shared = [k for k in ours if k in theirs]
-    return sum(ours[k] == theirs[k] for k in shared) / len(shared) if shared else None
+    return Agreement.of((ours[k], theirs[k]) for k in ours if k in theirs).share
 
 
 # -- entry point -------------------------------------------------------------------------------
@@ -590,7 +647,7 @@ def write_report(out_dir: str | Path, log: Callable[[str], None] | None = lambda
     figures = []
     plots = plots_available()
     if plots:
-        base_name = baseline_name(meta["config"]["methods"])
+        base_name = reference_name(meta["config"])
         for name, draw in ((SPEEDUP_PNG, lambda p: plot_speedup(all_summaries, base_name, p)),
                            (ACCEPTANCE_PNG, lambda p: plot_acceptance(all_summaries, p)),
                            (FORWARD_COST_PNG, lambda p: plot_forward_cost(

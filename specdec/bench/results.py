@@ -4,14 +4,20 @@
   or that folder's parent when the folder is named ``configs`` (so ``benchmarks/configs/quick.yaml``
   writes to ``benchmarks/results/quick/``);
 * :class:`ResultStore`: ``results.jsonl``, one JSON object per line, appended and synced row by row;
-* :func:`row_key`, :func:`planned_keys`: which rows a run has written and which it will write.
+* :func:`row_key`, :func:`planned_keys`: which rows a run has written and which it will write;
+* :func:`first_difference`, :func:`reference_outputs`, :class:`Agreement`: how a row's outputs
+  compare with the reference method's, token for token. The one definition of "identical": the
+  runner writes each row's ``first_difference`` with it, the report counts with it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterable
 
 RESULTS_FILE = "results.jsonl"
 RUN_FILE = "run.json"
@@ -102,3 +108,83 @@ class ResultStore:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
             f.flush()
             os.fsync(f.fileno())
+
+
+# -- outputs against the reference -----------------------------------------------------------------
+def first_difference(ids: list[int], reference: list[int]) -> int | None:
+    """The first position (0 = the first new token) where ``ids`` and ``reference`` differ, or None
+    when they are identical. Where one is a prefix of the other, they differ where the shorter ends
+    (one stopped, the other went on)."""
+    for position, (a, b) in enumerate(zip(ids, reference)):
+        if a != b:
+            return position
+    return None if len(ids) == len(reference) else min(len(ids), len(reference))
+
+
+def reference_outputs(row: dict, rows: dict[tuple, dict], reference: str) -> list[list[int] | None]:
+    """What each output of ``row`` is compared with (one entry per output; one for a batch-size-1 row):
+    ``reference``'s output of the same question and turn decoded alone (batch size 1) when ``rows``
+    (:func:`row_key` -> row) has it, else, for a row of a batch, the reference's output of the same row
+    of the same batch; None where neither exists. The reference's own rows are compared only with it
+    decoding alone (a batch against batch size 1), never with themselves."""
+    own = row["method"] == reference
+    if not is_batched(row):
+        alone = None if own else rows.get((reference, int(row["question_id"]), int(row["turn"])))
+        return [alone["output_ids"] if alone else None]
+    batch = None if own else rows.get((reference, "batch", int(row["batch_size"]), int(row["batch_index"])))
+    out = []
+    for j, qid in enumerate(row["question_ids"]):
+        alone = rows.get((reference, int(qid), 1))
+        out.append(alone["output_ids"] if alone else batch["output_ids"][j] if batch else None)
+    return out
+
+
+def row_first_difference(row: dict, rows: dict[tuple, dict], reference: str) -> int | list[int | None] | None:
+    """``first_difference`` of a row against its :func:`reference_outputs` (a list for a batch row).
+    Raises LookupError when an output has no reference output to compare with (the row then gets no
+    ``first_difference`` field: the field's null means identical)."""
+    refs = reference_outputs(row, rows, reference)
+    if any(r is None for r in refs):
+        raise LookupError("no reference output to compare with")
+    if not is_batched(row):
+        return first_difference(row["output_ids"], refs[0])
+    return [first_difference(ids, ref) for ids, ref in zip(row["output_ids"], refs)]
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """A method's outputs against the reference's, over the outputs both have: how many were compared,
+    and the :func:`first_difference` of each one that differs."""
+
+    compared: int = 0
+    first_differences: tuple[int, ...] = field(default=())
+
+    @classmethod
+    def of(cls, pairs: Iterable[tuple[list[int], list[int] | None]]) -> "Agreement":
+        """From (output, reference output) pairs; pairs without a reference output are left out."""
+        compared, differences = 0, []
+        for ids, reference in pairs:
+            if reference is None:
+                continue
+            compared += 1
+            position = first_difference(ids, reference)
+            if position is not None:
+                differences.append(position)
+        return cls(compared, tuple(differences))
+
+    @property
+    def identical(self) -> int:
+        return self.compared - len(self.first_differences)
+
+    @property
+    def share(self) -> float | None:
+        """Identical outputs / outputs compared (the report's "exact match"), or None if none was compared."""
+        return self.identical / self.compared if self.compared else None
+
+    @property
+    def earliest(self) -> int | None:
+        return min(self.first_differences) if self.first_differences else None
+
+    @property
+    def median(self) -> float | None:
+        return statistics.median(self.first_differences) if self.first_differences else None

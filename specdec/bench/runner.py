@@ -1,9 +1,10 @@
 """Run a benchmark config: every method on the same prompts, interleaved per question, resumable.
 
 Plan. Questions are selected deterministically (per subtask, evenly spaced by question_id). For
-each question, every method runs in config order, each turn in order; an MT-Bench question's
-second turn is built from the first turn, that method's *own* first answer and the second turn,
-through the chat template (plain text for a model without one). Interleaving methods per question
+each question, every method runs, the reference method first (so that every other row can record
+where its output first differs from the reference's) and the others in config order, each turn in
+order; an MT-Bench question's second turn is built from the first turn, that method's *own* first
+answer and the second turn, through the chat template (plain text for a model without one). Interleaving methods per question
 keeps a shared, noisy machine from favouring whichever method ran during a quiet minute.
 
 Rows. One row is one (method, question_id, turn): a JSON line in ``results.jsonl``, appended,
@@ -27,18 +28,30 @@ first). A different hash is refused unless ``fresh=True``, which discards this d
 A config whose ``batch_sizes`` is ``[1]`` hashes as it did before the field existed.
 
 Measurement, the same for every method: wall time (``time.perf_counter``) around one
-``generate()`` call; new tokens = tokens after the prompt; target forwards counted by a forward
-hook on the target (public ``nn.Module`` API), so methods that ``transformers`` runs (``baseline``,
-``hf_*``) get an honest mean accepted length (new tokens / target forwards). SpecDecoder methods
-also record their :class:`~specdec.metrics.AcceptanceStats`.
+``generate()`` call, the new tokens back on the host before the clock stops (a CUDA call returns
+before its kernels finish); new tokens = tokens after the prompt; target forwards counted by a
+forward hook on the target (public ``nn.Module`` API), so methods that ``transformers`` runs
+(``baseline``, ``hf_*``) get an honest mean accepted length (new tokens / target forwards).
+Compiled forwards bypass module hooks, so a compiled method's rows have ``target_forwards: null``.
+SpecDecoder methods also record their :class:`~specdec.metrics.AcceptanceStats`. Under greedy
+decoding every row but the reference's own records ``first_difference``
+(:func:`~specdec.bench.results.row_first_difference`: null when identical to the reference).
+
+Devices and compilation. The target and the drafts are loaded with the config's ``dtype`` onto its
+``device`` (a CUDA device this machine lacks is a :class:`ConfigError` when the run starts). A
+method with ``compile`` is compiled before anything is timed: ``SpecDecoder.warmup`` for every
+batch size it can decode (a batch shrinks as its rows finish) and a cache that holds the run's
+longest call (:func:`longest_call`); ``transformers``' compiled ``generate`` by one untimed call of
+that length per batch size. The seconds go to ``run.json`` (per session: a resumed run compiles
+again) and the report, never into a row.
 
 Where: ``--out`` (``out_dir``) when given, else :func:`~specdec.bench.results.default_out_dir`
 (``results/<config stem>/`` beside the config, or beside its ``configs/`` folder); the run logs
 the directory before it starts.
 
-Before anything is written: the config is valid, the dataset exists and yields questions, every
-model loads, every method is built and warmed up once. So a bad config or a mismatched draft
-leaves no half-written directory.
+Before anything is written: the config is valid, the dataset exists and yields questions, the
+device exists, every model loads, every method is built, compiled (if it compiles) and warmed up
+once. So a bad config or a mismatched draft leaves no half-written directory.
 """
 
 from __future__ import annotations
@@ -49,9 +62,10 @@ import os
 import platform
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -60,14 +74,14 @@ import torch
 from ..decoder import SpecDecoder
 from ..metrics import AcceptanceStats
 from ..modelinfo import ForwardTimer, eos_token_ids, pad_token_id
-from ..models import load_model
+from ..models import load_model, resolve_device
 from ..prompts import encode_chat, left_pad, load_questions, subtask_of
-from ..registry import get_candidate_generator
 from .config import (HF_ASSISTED, HF_PROMPT_LOOKUP, REFERENCE_OPTIONS, BenchConfig, ConfigError, GenerationSettings,
-                     MethodConfig)
+                     MethodConfig, generator_class)
 from .report import PLOTS_NEED_MATPLOTLIB, plots_available, write_report
 from .results import (OWN_FILES, RESULTS_FILE, RUN_FILE, ResultStore, batch_groups, default_out_dir, planned_keys,
-                      row_key, shown_path)
+                      row_first_difference, row_key, shown_path)
+
 WARMUP_PROMPT = "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox"
 
 
@@ -147,7 +161,7 @@ def config_hash(config: BenchConfig, questions: list[Question]) -> str:
 
     ``batch_sizes: [1]`` is hashed as the single-size field it replaced (``batch_size: 1``), so results
     written before batch sizes existed still resume."""
-    dumped = config.model_dump(mode="json", exclude={"description", "batch_sizes"})
+    dumped = _without_later_defaults(config.model_dump(mode="json", exclude={"description", "batch_sizes"}))
     if config.batch_sizes == [1]:
         dumped["batch_size"] = 1
     else:
@@ -156,55 +170,120 @@ def config_hash(config: BenchConfig, questions: list[Question]) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
-def environment() -> dict:
+#: fields added after results were first written: hashed only when set to something other than their
+#: default, so those results still resume
+_LATER_FIELDS = {"config": ("device", "dtype", "reference"), "method": ("cache_implementation", "compile")}
+
+
+def _without_later_defaults(dumped: dict) -> dict:
+    """``dumped`` (a config's ``model_dump``) without the :data:`_LATER_FIELDS` at their defaults."""
+    def strip(data: dict, model, names) -> dict:
+        return {k: v for k, v in data.items() if not (k in names and v == model.model_fields[k].default)}
+
+    out = strip(dumped, BenchConfig, _LATER_FIELDS["config"])
+    out["methods"] = [strip(m, MethodConfig, _LATER_FIELDS["method"]) for m in dumped["methods"]]
+    return out
+
+
+def environment(device: torch.device | None = None) -> dict:
+    """The machine a session ran on; ``device`` is where its models ran (default: the CPU)."""
     import transformers
 
     from .. import __version__
 
-    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "specdec": __version__, "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "device": "cuda" if torch.cuda.is_available() else "cpu"}
+    device = device or torch.device("cpu")
+    env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+           "specdec": __version__, "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+           "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": str(device)}
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+    return env
 
 
 # -- methods -----------------------------------------------------------------------------------
-def hf_generation_kwargs(gen: GenerationSettings, target) -> dict:
+def hf_generation_kwargs(gen: GenerationSettings, target, max_new_tokens: int | None = None) -> dict:
     """``generate()`` settings for transformers, neutral processors spelled out so that the model's
-    own generation_config cannot add any (top_k would default to 50, for one)."""
-    kwargs = dict(max_new_tokens=gen.max_new_tokens, do_sample=gen.do_sample, pad_token_id=pad_token_id(target),
-                  repetition_penalty=1.0, no_repeat_ngram_size=0, min_new_tokens=0)
+    own generation_config cannot add any (top_k would default to 50, for one). ``max_new_tokens``
+    overrides the settings' (the warm-up's shorter calls)."""
+    kwargs = dict(max_new_tokens=max_new_tokens or gen.max_new_tokens, do_sample=gen.do_sample,
+                  pad_token_id=pad_token_id(target), repetition_penalty=1.0, no_repeat_ngram_size=0, min_new_tokens=0)
     if gen.do_sample:
         kwargs.update(temperature=gen.temperature, top_k=gen.top_k or 0, top_p=1.0 if gen.top_p is None else gen.top_p)
     return kwargs
 
 
+def hf_cache_kwargs(cache_implementation: str = "dynamic", compile: bool | dict = False) -> dict:
+    """``generate()`` arguments that make ``transformers`` keep its cache and compile as asked, and no
+    more: nothing for the default dynamic cache (today's calls stay as they were);
+    ``cache_implementation="static"`` and ``disable_compile=True`` for a static cache without
+    ``compile`` (on CUDA transformers would otherwise compile on its own, untimed warm-up or not); with
+    ``compile``, a ``CompileConfig`` (``compile``'s mapping are its fields) marked to compile on every
+    device (transformers compiles only on accelerators by default). Given per call, so they apply to a
+    copy of the generation config: the model's own is never changed."""
+    if cache_implementation == "dynamic":
+        return {}
+    if compile is False:
+        return {"cache_implementation": cache_implementation, "disable_compile": True}
+    from transformers import CompileConfig
+
+    options = dict(compile) if isinstance(compile, dict) else {}
+    if options.get("backend", "inductor") != "inductor":
+        options.setdefault("mode", None)  # CompileConfig's "reduce-overhead" is an inductor mode
+    config = CompileConfig(**options)
+    config._compile_all_devices = True
+    return {"cache_implementation": cache_implementation, "compile_config": config}
+
+
+#: decoding steps of :func:`hf_warmup`: a compiled step, then a few more (CUDA graphs are recorded on a later run)
+HF_WARMUP_NEW_TOKENS = 16
+
+
+def hf_warmup(target, cache: dict, batch_size: int, max_length: int, new_tokens: int = HF_WARMUP_NEW_TOKENS) -> float:
+    """One untimed ``target.generate`` with ``cache`` (:func:`hf_cache_kwargs`) that compiles its decoding
+    forward for ``batch_size`` rows: ``max_length - new_tokens`` prompt tokens, so the static cache, which
+    transformers sizes to the longest call so far, holds every later call up to ``max_length``;
+    ``min_new_tokens`` keeps an EOS from ending it before the compiled steps ran. Returns the seconds."""
+    started = time.perf_counter()
+    vocab = min(int(target.get_input_embeddings().weight.shape[0]), 256)
+    ids = torch.arange(max(max_length - new_tokens, 1)).remainder(vocab)[None, :].repeat(batch_size, 1)
+    ids = ids.to(target.device)
+    with torch.no_grad():
+        target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                        min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_token_id(target), **cache)
+    return time.perf_counter() - started
+
+
 @dataclass
 class MethodRunner:
-    """One method, ready to run: ``run(input_ids [1, L], seed) -> (new token ids, stats or None)``;
-    ``run_batch(input_ids [B, P], attention_mask [B, P], seed) -> ([B, N] new ids, stats or None)``
-    (None for the methods transformers runs only at batch size 1)."""
+    """One method, ready to run: ``run(input_ids [1, L], seed, max_new_tokens=None) -> (new token ids,
+    stats or None)``; ``run_batch(input_ids [B, P], attention_mask [B, P], seed, max_new_tokens=None)
+    -> ([B, N] new ids, stats or None)`` (None for the methods transformers runs only at batch size 1);
+    ``warmup(batch_size, max_length) -> seconds`` compiles what the method will run (None when it
+    does not compile). ``max_new_tokens`` overrides the config's (the warm-up's short calls)."""
 
     config: MethodConfig
-    run: Callable[[torch.Tensor, int | None], tuple[list[int], AcceptanceStats | None]]
-    run_batch: Callable[[torch.Tensor, torch.Tensor, int | None], tuple[torch.Tensor, AcceptanceStats | None]] | None = None
+    run: Callable[..., tuple[list[int], AcceptanceStats | None]]
+    run_batch: Callable[..., tuple[torch.Tensor, AcceptanceStats | None]] | None = None
+    warmup: Callable[[int, int], float] | None = None
 
 
-def _hf_runner(target, gen: GenerationSettings, extra: Callable[[], dict]):
-    def run(input_ids, seed):
+def _hf_runner(target, gen: GenerationSettings, extra: Callable[[], dict], cache: dict):
+    def run(input_ids, seed, max_new_tokens=None):
         if seed is not None:
             torch.manual_seed(seed)
         out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                              **hf_generation_kwargs(gen, target), **extra())
+                              **hf_generation_kwargs(gen, target, max_new_tokens), **cache, **extra())
         return out[0, input_ids.shape[1]:].tolist(), None
     return run
 
 
-def _hf_batch_runner(target, gen: GenerationSettings):
+def _hf_batch_runner(target, gen: GenerationSettings, cache: dict):
     """Plain batched ``target.generate`` on a left-padded batch (the ``baseline`` of a batched pass)."""
-    def run_batch(input_ids, attention_mask, seed):
+    def run_batch(input_ids, attention_mask, seed, max_new_tokens=None):
         if seed is not None:
             torch.manual_seed(seed)
-        out = target.generate(input_ids, attention_mask=attention_mask, **hf_generation_kwargs(gen, target))
+        out = target.generate(input_ids, attention_mask=attention_mask,
+                              **hf_generation_kwargs(gen, target, max_new_tokens), **cache)
         return out[:, input_ids.shape[1]:], None
     return run_batch
 
@@ -239,46 +318,50 @@ def _hf_extra(method: MethodConfig, target, tokenizer, draft) -> Callable[[], di
     return dict  # baseline: nothing extra
 
 
-def _spec_runner(method: MethodConfig, target, tokenizer, draft, gen: GenerationSettings):
-    cls = get_candidate_generator(method.generator)
+def _spec_runner(method: MethodConfig, target, tokenizer, draft, gen: GenerationSettings) -> MethodRunner:
+    cls = generator_class(method.generator)
     draft_model, draft_tokenizer = draft if draft is not None else (None, None)
     try:
         instance = cls(draft_model, **method.options) if draft_model is not None else cls(**method.options)
+        decoder = SpecDecoder(target, instance, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer,
+                              cache_implementation=method.cache_implementation, compile=method.compile)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"methods: {method.name!r}: bad options for {method.generator!r}: {exc}") from None
-    decoder = SpecDecoder(target, instance, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
 
-    def run(input_ids, seed):
+    def call(input_ids, attention_mask, seed, max_new_tokens):
         generator = None
         if seed is not None:
             torch.manual_seed(seed)
-            generator = torch.Generator().manual_seed(seed)
-        out = decoder.generate(input_ids, max_new_tokens=gen.max_new_tokens, do_sample=gen.do_sample,
-                               temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p, generator=generator)
+            generator = torch.Generator(device=target.device).manual_seed(seed)
+        return decoder.generate(input_ids, attention_mask, max_new_tokens=max_new_tokens or gen.max_new_tokens,
+                                do_sample=gen.do_sample, temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p,
+                                generator=generator)
+
+    def run(input_ids, seed, max_new_tokens=None):
+        out = call(input_ids, None, seed, max_new_tokens)
         return out.sequences[0, input_ids.shape[1]:].tolist(), out.stats
 
-    def run_batch(input_ids, attention_mask, seed):
-        generator = None
-        if seed is not None:
-            torch.manual_seed(seed)
-            generator = torch.Generator().manual_seed(seed)
-        out = decoder.generate(input_ids, attention_mask, max_new_tokens=gen.max_new_tokens, do_sample=gen.do_sample,
-                               temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p, generator=generator)
+    def run_batch(input_ids, attention_mask, seed, max_new_tokens=None):
+        out = call(input_ids, attention_mask, seed, max_new_tokens)
         return out.sequences[:, input_ids.shape[1]:], out.stats
-    return run, run_batch
+    # every SpecDecoder method warms up: a generator may compile its own draft (self_draft) even
+    # where the method's target does not; warmup() returns 0.0 when nothing compiles
+    return MethodRunner(method, run, run_batch, decoder.warmup)
+
+
+def _reference_runner(method: MethodConfig, target, tokenizer, draft, gen: GenerationSettings) -> MethodRunner:
+    cache = hf_cache_kwargs(method.cache_implementation, method.compile)
+    run = _hf_runner(target, gen, _hf_extra(method, target, tokenizer, draft), cache)
+    run_batch = _hf_batch_runner(target, gen, cache) if method.kind.baseline else None
+    warmup = partial(hf_warmup, target, cache) if method.compiles else None
+    return MethodRunner(method, run, run_batch, warmup)
 
 
 def build_methods(config: BenchConfig, target, tokenizer, drafts: dict) -> list[MethodRunner]:
-    runners = []
-    for m in config.methods:
-        draft = drafts.get(m.draft) if m.draft else None
-        if m.is_reference:
-            run = _hf_runner(target, config.generation, _hf_extra(m, target, tokenizer, draft))
-            run_batch = _hf_batch_runner(target, config.generation) if m.kind.baseline else None
-        else:
-            run, run_batch = _spec_runner(m, target, tokenizer, draft, config.generation)
-        runners.append(MethodRunner(m, run, run_batch))
-    return runners
+    """Every method of the config, in config order, ready to run on ``target``."""
+    build = lambda m: _reference_runner if m.is_reference else _spec_runner  # noqa: E731
+    return [build(m)(m, target, tokenizer, drafts.get(m.draft) if m.draft else None, config.generation)
+            for m in config.methods]
 
 
 # -- the run -----------------------------------------------------------------------------------
@@ -311,10 +394,13 @@ def prepare_out_dir(out_dir: Path, digest: str, fresh: bool) -> None:
 
 
 def _write_run_file(out_dir: Path, config: BenchConfig, config_file: str, digest: str,
-                    questions: list[Question], done: int) -> None:
+                    questions: list[Question], done: int, device: torch.device | None = None,
+                    warmup_seconds: dict[str, float] | None = None) -> None:
+    """Create ``run.json`` (or add this session to it): the session's machine and, per compiled
+    method, the seconds its compile warm-up took."""
     path = out_dir / RUN_FILE
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    env = environment()
+    env = environment(device)
     if path.exists():
         meta = json.loads(path.read_text())
     else:
@@ -322,25 +408,80 @@ def _write_run_file(out_dir: Path, config: BenchConfig, config_file: str, digest
                 "questions": [{"question_id": q.question_id, "subtask": q.subtask, "turns": len(q.turns)}
                               for q in questions],
                 "created": now, "environment": env, "sessions": []}
-    meta["sessions"].append({"started": now, "rows_done_before": done, "environment": env})
+    meta["sessions"].append({"started": now, "rows_done_before": done, "environment": env,
+                             "warmup_seconds": warmup_seconds or {}})
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(meta, indent=1))
     tmp.replace(path)
 
 
-def _load_drafts(config: BenchConfig) -> dict:
+def run_device(config: BenchConfig) -> torch.device:
+    """The device the config's ``device`` means on this machine, or a :class:`ConfigError` naming the field."""
+    try:
+        return resolve_device(config.device)
+    except ValueError as exc:
+        raise ConfigError(f"device: {exc}") from None
+
+
+def _load_drafts(config: BenchConfig, device: torch.device) -> dict:
     """Each distinct draft name loaded once, separately from the target (hooks count the target only)."""
-    return {name: load_model(name) for name in dict.fromkeys(m.draft for m in config.methods if m.draft)}
+    return {name: load_model(name, dtype=config.torch_dtype, device=device)
+            for name in dict.fromkeys(m.draft for m in config.methods if m.draft)}
 
 
-def _warm_up(runners: list[MethodRunner], tokenizer, batched: bool = False, pad_id: int = 0) -> None:
-    """Run every method once, unrecorded: first-call costs (allocations, lazy inits) leave the timings, and
-    a method that cannot run at all (a mismatched draft) fails here, before anything is written. With
-    ``batched``, each method that runs batches also decodes one left-padded batch of two prompts."""
+#: tokens added per earlier answer in :func:`longest_call` (re-encoding text may split it differently)
+ANSWER_MARGIN = 8
+
+
+def longest_call(questions: list[Question], tokenizer, max_new_tokens: int, every_turn: bool = True) -> int:
+    """An upper bound of prompt + new tokens over the run's ``generate()`` calls: the length a compiled
+    method's caches are warmed up to. A question's last turn carries the method's earlier answers, each
+    counted as ``max_new_tokens`` plus :data:`ANSWER_MARGIN` (its text is encoded again, which may
+    split it differently); ``every_turn=False``: first turns only (the batched passes)."""
+    longest = 0
+    for q in questions:
+        turns = q.turns if every_turn else q.turns[:1]
+        prompt = encode_chat(tokenizer, build_messages(turns, [""] * (len(turns) - 1))).shape[1]
+        longest = max(longest, prompt + len(turns) * max_new_tokens + (len(turns) - 1) * ANSWER_MARGIN)
+    return longest
+
+
+def warmup_batch_sizes(batch_sizes: list[int], questions: int) -> list[int]:
+    """Every batch size a compiled method can decode: 1 for the per-question pass, and up to B for a
+    pass at B (a batch shrinks as its rows finish; the last batch may be smaller)."""
+    largest = max(min(b, questions) for b in batch_sizes)
+    return list(range(1, largest + 1)) if largest > 1 else [1]
+
+
+def _compile(runners: list[MethodRunner], batch_sizes: list[int], max_length: int,
+             log: Callable[[str], None]) -> dict[str, float]:
+    """Compile every method that compiles, before anything is timed: method name -> seconds."""
+    seconds = {}
+    for r in runners:
+        if r.warmup is None:
+            continue
+        if r.config.compiles:
+            log(f"compiling {r.config.name} (batch sizes {', '.join(map(str, batch_sizes))}, up to {max_length} "
+                "tokens) ...")
+        try:
+            spent = sum(r.warmup(b, max_length) for b in batch_sizes)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"method {r.config.name!r} ({r.config.generator}) cannot compile: {exc}") from None
+        if spent > 0:
+            seconds[r.config.name] = spent
+    return seconds
+
+
+def _warm_up(runners: list[MethodRunner], tokenizer, new_tokens: int, device: torch.device, batched: bool = False,
+             pad_id: int = 0) -> None:
+    """Run every method once (``new_tokens`` each), unrecorded: first-call costs (allocations, lazy inits)
+    leave the timings, and a method that cannot run at all (a mismatched draft) fails here, before
+    anything is written. With ``batched``, each method that runs batches also decodes one left-padded
+    batch of two prompts."""
     ids = encode_chat(tokenizer, [{"role": "user", "content": WARMUP_PROMPT}])
     for r in runners:
         try:
-            r.run(ids, None)
+            r.run(ids.to(device), None, new_tokens)
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"method {r.config.name!r} ({r.config.generator}) cannot run: {exc}") from None
     if not batched:
@@ -351,7 +492,7 @@ def _warm_up(runners: list[MethodRunner], tokenizer, batched: bool = False, pad_
         if r.run_batch is None:
             continue
         try:
-            r.run_batch(batch_ids, batch_mask, None)
+            r.run_batch(batch_ids.to(device), batch_mask.to(device), None, new_tokens)
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"batch_sizes: method {r.config.name!r} ({r.config.generator}) cannot run a batch: "
                               f"{exc}") from None
@@ -368,27 +509,33 @@ def real_new_tokens(new: torch.Tensor, eos: set[int]) -> list[list[int]]:
 
 @dataclass
 class _Models:
-    """The loaded target and the methods built on it, ready to run."""
+    """The loaded target and the methods built on it, ready to run (the reference method first)."""
 
     target: torch.nn.Module
     tokenizer: object
     runners: list[MethodRunner]
     pad_id: int
     eos: set[int]
+    device: torch.device
+    warmup_seconds: dict[str, float] = field(default_factory=dict)  # compiled methods only
 
 
-def _load_and_warm_up(config: BenchConfig, log: Callable[[str], None]) -> _Models:
-    """Load the target and drafts, build every method, warm each up once (nothing is written)."""
-    log(f"loading {config.target} ...")
-    target, tokenizer = load_model(config.target)
-    drafts = _load_drafts(config)
-    runners = build_methods(config, target, tokenizer, drafts)
-    warm = config.model_copy(update={"generation": config.generation.model_copy(
-        update={"max_new_tokens": config.warmup_new_tokens})})
+def _load_and_warm_up(config: BenchConfig, questions: list[Question], log: Callable[[str], None]) -> _Models:
+    """Load the target and drafts, build every method, compile those that compile, warm each up once
+    (nothing is written)."""
+    device = run_device(config)
+    log(f"loading {config.target} ({config.dtype} on {device}) ...")
+    target, tokenizer = load_model(config.target, dtype=config.torch_dtype, device=device)
+    runners = build_methods(config, target, tokenizer, _load_drafts(config, device))
+    reference = config.reference_method.name
+    runners.sort(key=lambda r: r.config.name != reference)  # stable: the others stay in config order
+    sizes = warmup_batch_sizes(config.batch_sizes, len(questions))
+    longest = longest_call(questions, tokenizer, config.generation.max_new_tokens, every_turn=1 in config.batch_sizes)
+    compiled = _compile(runners, sizes, longest, log)
     pad_id = pad_token_id(target)
-    _warm_up(build_methods(warm, target, tokenizer, drafts), tokenizer, batched=any(b > 1 for b in config.batch_sizes),
+    _warm_up(runners, tokenizer, config.warmup_new_tokens, device, batched=any(b > 1 for b in config.batch_sizes),
              pad_id=pad_id)
-    return _Models(target, tokenizer, runners, pad_id, set(eos_token_ids(target)))
+    return _Models(target, tokenizer, runners, pad_id, set(eos_token_ids(target)), device, compiled)
 
 
 @contextmanager
@@ -408,12 +555,20 @@ def _process_settings(threads: int) -> Iterator[None]:
 
 
 class _Recorder:
-    """Appends rows to the store (synced), keeps ``done`` and the progress bar up to date."""
+    """Appends rows to the store (synced), keeps ``done`` and the progress bar up to date. With a
+    ``reference`` (greedy runs), each row records where it first differs from the reference's output."""
 
-    def __init__(self, store: ResultStore, done: dict, result: RunResult, bar, on_row: Callable[[dict], None] | None):
+    def __init__(self, store: ResultStore, done: dict, result: RunResult, bar, on_row: Callable[[dict], None] | None,
+                 reference: str | None = None):
         self.store, self.done, self.result, self.bar, self.on_row = store, done, result, bar, on_row
+        self.reference = reference
 
     def __call__(self, row: dict, label: str) -> None:
+        if self.reference is not None:
+            try:
+                row["first_difference"] = row_first_difference(row, self.done, self.reference)
+            except LookupError:
+                pass  # the reference's own row, or no reference output to compare with
         self.store.append(row)
         self.done[row_key(row)] = row
         self.result.rows_new += 1
@@ -424,16 +579,17 @@ class _Recorder:
 
 
 def _open_results(out_dir: Path, config: BenchConfig, config_file: str, digest: str, questions: list[Question],
-                  runners: list[MethodRunner], fresh: bool, log: Callable[[str], None]) -> tuple[ResultStore, dict, RunResult]:
+                  models: _Models, fresh: bool, log: Callable[[str], None]) -> tuple[ResultStore, dict, RunResult]:
     """Create (or resume) the output directory: the store, the rows already done, the run's counts."""
     out_dir.mkdir(parents=True, exist_ok=True)
     prepare_out_dir(out_dir, digest, fresh)
     store = ResultStore(out_dir / RESULTS_FILE)
     done = {row_key(r): r for r in store.load(repair=True)}
-    planned = planned_keys([(r.config.name, r.run_batch is not None) for r in runners],
+    planned = planned_keys([(r.config.name, r.run_batch is not None) for r in models.runners],
                            [(q.question_id, len(q.turns)) for q in questions], config.batch_sizes)
     result = RunResult(out_dir, len(planned), len(planned & set(done)))
-    _write_run_file(out_dir, config, config_file, digest, questions, result.rows_done_before)
+    _write_run_file(out_dir, config, config_file, digest, questions, result.rows_done_before, models.device,
+                    models.warmup_seconds)
     if result.rows_done_before:
         log(f"resuming: {result.rows_done_before}/{result.rows_total} rows already in {store.path}")
     return store, done, result
@@ -441,7 +597,7 @@ def _open_results(out_dir: Path, config: BenchConfig, config_file: str, digest: 
 
 def _run_per_question(models: _Models, questions: list[Question], gen: GenerationSettings, done: dict,
                       record: _Recorder) -> None:
-    """The batch-size-1 pass: every question, every method in order, every turn in order."""
+    """The batch-size-1 pass: every question, every method (the reference first), every turn in order."""
     for q in questions:
         for runner in models.runners:
             answers: list[str] = []
@@ -486,12 +642,13 @@ def run_benchmark(config: BenchConfig, *, config_file: str | Path, out_dir: str 
         log(PLOTS_NEED_MATPLOTLIB)
 
     with _process_settings(config.threads):
-        models = _load_and_warm_up(config, log)
+        models = _load_and_warm_up(config, questions, log)
         # -- from here on, files are written ------------------------------------------------------
-        store, done, result = _open_results(out_dir, config, config_file, digest, questions, models.runners, fresh, log)
+        store, done, result = _open_results(out_dir, config, config_file, digest, questions, models, fresh, log)
         with tqdm(total=result.rows_total, initial=result.rows_done_before, unit="row", disable=not progress,
                   desc=Path(config_file).stem, dynamic_ncols=True) as bar:
-            record = _Recorder(store, done, result, bar, on_row)
+            reference = None if config.generation.do_sample else config.reference_method.name
+            record = _Recorder(store, done, result, bar, on_row, reference)
             if 1 in config.batch_sizes:
                 _run_per_question(models, questions, config.generation, done, record)
             for size in (b for b in config.batch_sizes if b > 1):
@@ -503,19 +660,29 @@ def run_benchmark(config: BenchConfig, *, config_file: str | Path, out_dir: str 
 def _run_one(runner: MethodRunner, q: Question, turn: int, answers: list[str], models: _Models,
              gen: GenerationSettings) -> dict:
     tokenizer = models.tokenizer
-    input_ids = encode_chat(tokenizer, build_messages(q.turns[:turn], answers))  # [1, L]
+    input_ids = encode_chat(tokenizer, build_messages(q.turns[:turn], answers)).to(models.device)  # [1, L]
     seed = question_seed(gen.seed, q.question_id, turn) if gen.do_sample else None
-    with ForwardTimer(models.target) as forwards:
+    with _forward_counter(models.target, runner.config) as forwards:
         started = time.perf_counter()
-        new_ids, stats = runner.run(input_ids, seed)
+        new_ids, stats = runner.run(input_ids, seed)  # a list: on the host
         seconds = time.perf_counter() - started
     return {
         "method": runner.config.name, "generator": runner.config.generator, "question_id": q.question_id,
         "category": q.category, "subtask": q.subtask, "turn": turn, "prompt_tokens": int(input_ids.shape[1]),
-        "new_tokens": len(new_ids), "seconds": seconds, "target_forwards": forwards.calls, "seed": seed,
+        "new_tokens": len(new_ids), "seconds": seconds, "target_forwards": _calls(forwards), "seed": seed,
         "stats": stats.as_dict() if stats is not None else None,
         "output_ids": new_ids, "text": tokenizer.decode(new_ids, skip_special_tokens=True),
     }
+
+
+def _forward_counter(target, method: MethodConfig):
+    """A :class:`ForwardTimer` on the target; nothing for a compiled method, whose compiled forwards
+    bypass module hooks (a count would be wrong, and a hook must not enter a graph compiled later)."""
+    return nullcontext() if method.compiles else ForwardTimer(target)
+
+
+def _calls(forwards: ForwardTimer | None) -> int | None:
+    return forwards.calls if forwards is not None else None
 
 
 def _total_tokens(row: dict) -> int:
@@ -526,10 +693,12 @@ def _run_batch(runner: MethodRunner, group: list[Question], prompts: list[torch.
                batch_index: int, models: _Models, gen: GenerationSettings) -> dict:
     """One left-padded batch of first turns through one method: one row with per-row outputs."""
     input_ids, attention_mask = left_pad(prompts, models.pad_id)
+    input_ids, attention_mask = input_ids.to(models.device), attention_mask.to(models.device)
     seed = batch_seed(gen.seed, batch_size, batch_index) if gen.do_sample else None
-    with ForwardTimer(models.target) as forwards:
+    with _forward_counter(models.target, runner.config) as forwards:
         started = time.perf_counter()
         new, stats = runner.run_batch(input_ids, attention_mask, seed)
+        new = new.cpu()  # waits for the device: its kernels are part of the call
         seconds = time.perf_counter() - started
     outputs = real_new_tokens(new, models.eos)
     return {
@@ -537,6 +706,6 @@ def _run_batch(runner: MethodRunner, group: list[Question], prompts: list[torch.
         "batch_index": batch_index, "question_ids": [q.question_id for q in group],
         "categories": [q.category for q in group], "subtasks": [q.subtask for q in group], "turn": 1,
         "prompt_tokens": [int(p.numel()) for p in prompts], "padded_width": int(input_ids.shape[1]),
-        "new_tokens": [len(o) for o in outputs], "seconds": seconds, "target_forwards": forwards.calls, "seed": seed,
+        "new_tokens": [len(o) for o in outputs], "seconds": seconds, "target_forwards": _calls(forwards), "seed": seed,
         "stats": stats.as_dict() if stats is not None else None, "output_ids": outputs,
     }
