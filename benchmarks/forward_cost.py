@@ -3,15 +3,15 @@
     python benchmarks/forward_cost.py [--threads 2] [--widths 1 2 4 8 16] [--variants ...]
 
 For the packaged SmolLM2-135M-Instruct (fp32 target) and the copies ``self_draft`` builds
-(bfloat16, int8), on a cached context of ``--context`` tokens: the median milliseconds of one
+(bfloat16, int8 weight-only, w8a8), on a cached context of ``--context`` tokens: the median milliseconds of one
 forward feeding ``w`` new tokens (logits for each, as verification needs), through the same
 cache backends ``SpecDecoder`` uses (``specdec.kv``), with compile time measured apart. Variants:
 
 * ``fp32-dynamic``: the default path (``DynamicCache``, eager);
 * ``fp32-static``, ``fp32-static-compiled``: ``cache_implementation="static"`` without / with
   ``compile=True``;
-* ``bf16-dynamic``, ``bf16-static-compiled``, ``int8-dynamic``, ``int8-static-compiled``: draft
-  copies (``candidate_generators.self_draft.build_copy``).
+* ``bf16-*``, ``int8-*``, ``w8a8-*``: the draft copies ``self_draft`` builds
+  (``candidate_generators.self_draft.build_copy``), eager (dynamic cache) and compiled.
 
 Results: ``benchmarks/results/forward_cost/{rows.json,report.md,forward_cost.png}``, written
 after each variant (an interrupted run keeps what it measured).
@@ -35,7 +35,7 @@ from specdec.modelinfo import cache_argument
 from specdec.threads import configure_threads
 
 VARIANTS = ("fp32-dynamic", "fp32-static", "fp32-static-compiled", "bf16-dynamic", "bf16-static-compiled",
-            "int8-dynamic", "int8-static-compiled")
+            "int8-dynamic", "int8-static-compiled", "w8a8-dynamic", "w8a8-static-compiled")
 OUT = Path(__file__).parent / "results" / "forward_cost"
 
 
@@ -43,7 +43,7 @@ def model_for(variant: str, target):
     from candidate_generators.self_draft import build_copy
 
     weights = variant.split("-")[0]
-    return target if weights == "fp32" else build_copy(target, {"bf16": "bfloat16", "int8": "int8"}[weights])
+    return target if weights == "fp32" else build_copy(target, {"bf16": "bfloat16"}.get(weights, weights))
 
 
 def settings_for(variant: str) -> CacheSettings:
@@ -123,7 +123,8 @@ def report(rows: dict, meta: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", default="2")
-    parser.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 8, 16],
+                        help="forward widths (each compiles once per compiled variant: about a minute on 2 cores)")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--reps", type=int, default=7)

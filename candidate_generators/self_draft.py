@@ -11,6 +11,9 @@ and the copy drafts for the rows where no n-gram matches.
 * ``"bfloat16"`` / ``"float16"``: a cast copy (no extra package);
 * ``"int8"``: int8 weight-only linear layers with bfloat16 activations, by ``torchao``
   (``pip install "specdec[quant]"``);
+* ``"w8a8"``: int8 weights and int8 activations quantized per token on the fly (``torchao``),
+  everything else in the target's dtype: int8 matrix products, the fastest draft on a CPU with
+  VNNI/AMX int8 instructions (docs/self_draft.md has the measurements);
 * ``"int4"``: int4 weight-only (``torchao``; needs a backend with int4 kernels).
 
 Its draft steps run on a static cache with compiled one-token forwards (``compile_draft``, default on:
@@ -23,7 +26,6 @@ from __future__ import annotations
 import copy
 import threading
 import weakref
-from typing import Any
 
 import torch
 
@@ -33,7 +35,8 @@ from specdec.registry import register_candidate_generator
 from .draft_model import DraftModelGenerator
 from .prompt_lookup import PromptLookupGenerator
 
-WEIGHTS = ("bfloat16", "float16", "int8", "int4")
+WEIGHTS = ("bfloat16", "float16", "int8", "w8a8", "int4")
+QUANTIZED = ("int8", "w8a8", "int4")
 
 
 def build_copy(target, weights: str):
@@ -43,23 +46,26 @@ def build_copy(target, weights: str):
     if getattr(target.config, "vision_config", None) is not None or hasattr(target, "get_rope_index"):
         raise ValueError(f"self_draft drafts for text-only models; {type(target).__name__} is a vision-language "
                          "model (pass a text draft model instead)")
-    if weights in ("int8", "int4"):
+    if weights in QUANTIZED:
         quantize, config = _torchao(weights)
     draft = copy.deepcopy(target)
-    dtype = torch.float16 if weights == "float16" else torch.bfloat16
-    draft.to(dtype)
-    if weights in ("int8", "int4"):
+    if weights != "w8a8":  # w8a8 keeps the target's dtype outside its int8 products
+        draft.to(torch.float16 if weights == "float16" else torch.bfloat16)
+    if weights in QUANTIZED:
         quantize(draft, config)
     return draft.eval()
 
 
 def _torchao(weights: str):
     try:
-        from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+        from torchao.quantization import (Int4WeightOnlyConfig, Int8DynamicActivationInt8WeightConfig,
+                                          Int8WeightOnlyConfig, quantize_)
     except ImportError as exc:
         raise ImportError(f"self_draft with weights={weights!r} needs torchao: pip install \"specdec[quant]\" "
                           "(or use weights='bfloat16', which needs no extra package)") from exc
-    return quantize_, (Int8WeightOnlyConfig() if weights == "int8" else Int4WeightOnlyConfig())
+    configs = {"int8": Int8WeightOnlyConfig, "w8a8": Int8DynamicActivationInt8WeightConfig,
+               "int4": Int4WeightOnlyConfig}
+    return quantize_, configs[weights]()
 
 
 def tensor_bytes(module: torch.nn.Module) -> int:
@@ -84,16 +90,14 @@ class _Copies:
     """The copies one configured generator built, per (target, weights); shared by its sessions."""
 
     def __init__(self):
-        self._made: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, Any]]" = weakref.WeakKeyDictionary()
+        self._made: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.nn.Module]]" = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
-        self.target_bytes = 0
 
     def get(self, target, weights: str):
         with self._lock:
             made = self._made.setdefault(target, {})
             if weights not in made:
                 made[weights] = build_copy(target, weights)
-                self.target_bytes = tensor_bytes(target)
             return made[weights]
 
 
@@ -135,10 +139,10 @@ class SelfDraftGenerator(DraftModelGenerator):
         drafted = super().propose(ctx, max_drafts)
         return merge(found, drafted, use_second=missing.to(drafted.lengths.device), vocab=ctx.target_vocab_size)
 
-    def report(self) -> dict[str, Any]:
-        """The copy's memory next to the target's: what drafting with it costs in bytes."""
-        return {"weights": self.weights, "draft_bytes": tensor_bytes(self.draft),
-                "target_bytes": self._copies.target_bytes}
+    def memory(self, target) -> dict[str, int]:
+        """The copy's memory next to the target's (bytes as stored): what drafting with it costs.
+        Builds the copy if no call has yet."""
+        return {"draft_bytes": tensor_bytes(self._copies.get(target, self.weights)), "target_bytes": tensor_bytes(target)}
 
 
 def merge(first: Proposal, second: Proposal, use_second: torch.Tensor, vocab: int) -> Proposal:

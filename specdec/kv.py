@@ -16,12 +16,15 @@ With ``compile`` the static backend runs ``torch.compile`` d forwards. Widths ar
 their logits dropped), the mask always spans the whole cache, and caches are reused across calls
 from a per-model pool, so each (width, batch, cache length) compiles once per process. A first
 forward (the prefill) and any forward wider than the widest bucket run eagerly, as in
-``transformers``. Compiled forwards bypass ``nn.Module`` hooks.
+``transformers``. Compiled forwards bypass ``nn.Module`` hooks. The first compiled forward of
+each width is checked against an eager one: a model whose compiled graph disagrees (seen with
+torchao's int8-activation layers under inductor on CPU) runs eagerly from then on, with a warning.
 """
 
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -150,7 +153,8 @@ class StaticKV:
         self.settings = settings
         self.length = _round_up(max(capacity, settings.min_length), LENGTH_STEP)
         self.cache = _POOL.acquire(model, batch, self.length)
-        self.compiled = compiled_forward(model, settings.options) if settings.compile else None
+        compiles = settings.compile and model not in _MISCOMPILED
+        self.compiled = compiled_forward(model, settings.options) if compiles else None
 
     def forward(self, model, kwargs: dict, *, first_slot: int, width: int, first: bool, mask,
                 needs_mask: bool, direct: bool = False) -> torch.Tensor:
@@ -168,8 +172,27 @@ class StaticKV:
         if kwargs["input_ids"].device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()
         with torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
-            logits = self.compiled(model, **kwargs).logits
-        return logits[:, :width].clone()
+            logits = self.compiled(model, **kwargs).logits[:, :width].clone()
+        if (fed, self.length) not in _CHECKED.get(model, ()):
+            logits = self._check(model, kwargs, first_slot, fed, logits)
+        return logits
+
+    def _check(self, model, kwargs: dict, first_slot: int, fed: int, logits: torch.Tensor) -> torch.Tensor:
+        """The first compiled forward of each width is run eagerly too (same slots, same inputs): a
+        compiled graph whose top token is not among the eager forward's top 5 anywhere is wrong
+        (a miscompiled quantized kernel, say), and the model runs eagerly from then on."""
+        for layer in self.cache.layers:
+            layer.cumulative_length.fill_(first_slot)
+        eager = model.forward(**kwargs).logits[:, : logits.shape[1]]
+        top = eager.topk(min(5, eager.shape[-1]), dim=-1).values[..., -1:]
+        if bool((eager.gather(-1, logits.argmax(-1, keepdim=True)) >= top).all()):
+            _CHECKED.setdefault(model, set()).add((fed, self.length))
+            return logits
+        _MISCOMPILED.add(model)
+        self.compiled = None
+        warnings.warn(f"torch.compile gave {type(model).__name__} outputs that disagree with its eager forward; "
+                      "it runs eagerly from now on", RuntimeWarning, stacklevel=2)
+        return eager
 
     @property
     def slots(self) -> int:
@@ -269,6 +292,10 @@ class _CachePool:
 
 
 _POOL = _CachePool()
+#: compiled (width, cache length) pairs checked against eager forwards, per model
+_CHECKED: "weakref.WeakKeyDictionary[torch.nn.Module, set]" = weakref.WeakKeyDictionary()
+#: models whose compiled forward disagreed with the eager one: never compiled again
+_MISCOMPILED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 _COMPILED: dict[tuple, Any] = {}
 _COMPILED_LOCK = threading.Lock()
 

@@ -176,3 +176,25 @@ def test_compiled_widths_are_checked_and_sorted():
     assert CacheSettings.make("static", True, widths=(2, 1, 2)).widths == (1, 2)
     with pytest.raises(ValueError, match="positive ints"):
         CacheSettings.make("static", True, widths=(0,))
+
+
+def test_a_miscompiled_forward_is_caught_and_run_eagerly():
+    """A compiled graph whose outputs disagree with the eager forward (here a backend that negates
+    the logits) is detected at its first use: output stays exact and the model stops compiling."""
+    target, _, _ = tiny_pair("llama", seed=7)
+    vocab = target.config.vocab_size
+
+    def wrong_backend(graph, example_inputs):
+        def run(*args):
+            return [-o if isinstance(o, torch.Tensor) and o.is_floating_point() and o.shape[-1] == vocab else o
+                    for o in graph(*args)]
+        return run
+
+    decoder = SpecDecoder(target, "prompt_lookup", cache_implementation="static", compile={"backend": wrong_backend})
+    ids = repetitive_prompt(12)
+    with pytest.warns(RuntimeWarning, match="disagree with its eager forward"):
+        out = decoder.generate(ids, max_new_tokens=30)
+    assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=30, do_sample=False))
+    graphs = counters["stats"]["unique_graphs"]
+    assert torch.equal(decoder.generate(ids, max_new_tokens=30).sequences, out.sequences)
+    assert counters["stats"]["unique_graphs"] == graphs  # never compiled again
