@@ -23,6 +23,7 @@ torchao's int8-activation layers under inductor on CPU) runs eagerly from then o
 
 from __future__ import annotations
 
+import copy
 import threading
 import warnings
 import weakref
@@ -90,10 +91,10 @@ def static_problem(model, prefill_inputs: bool) -> str | None:
 class DynamicKV:
     """A ``DynamicCache``; every row's slots ``[0, cached_slots)`` are stored, no more."""
 
-    static = False
     slots = 0  # grows with what it holds
 
     def __init__(self, model, batch: int, capacity: int, settings: CacheSettings):
+        self.settings = settings
         self.cache = DynamicCache()
 
     def forward(self, model, kwargs: dict, *, first_slot: int, width: int, first: bool, mask,
@@ -135,8 +136,6 @@ class DynamicKV:
 
     def load(self, cache, slots: int) -> None:
         """Start from a copy of another cache holding ``slots`` slots (a prefix)."""
-        import copy
-
         self.cache = copy.deepcopy(cache)
 
     def release(self) -> None:
@@ -145,8 +144,6 @@ class DynamicKV:
 
 class StaticKV:
     """A ``StaticCache`` of full-length ``StaticLayer`` s, written in place (see the module doc)."""
-
-    static = True
 
     def __init__(self, model, batch: int, capacity: int, settings: CacheSettings):
         self.model_ref = weakref.ref(model)

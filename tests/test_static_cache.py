@@ -19,7 +19,7 @@ from transformers import StaticCache
 from specdec import SpecDecoder
 from specdec.kv import WIDTHS
 
-from helpers import ForwardRecorder, left_pad, repetitive_prompt, tiny_pair
+from helpers import left_pad, repetitive_prompt, tiny_pair
 
 ARCHS = ["llama", "qwen3", "gemma2", "mistral"]  # gemma2 and mistral: sliding window 8
 FAST_COMPILE = {"backend": "aot_eager"}
