@@ -168,7 +168,7 @@ class StaticKV:
         kwargs.pop("logits_to_keep", None)  # an int argument would compile one graph per value
         if kwargs["input_ids"].device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()
-        with torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
+        with _recompile_room():
             logits = self.compiled(model, **kwargs).logits[:, :width].clone()
         if (fed, self.length) not in _CHECKED.get(model, ()):
             logits = self._check(model, kwargs, first_slot, fed, logits)
@@ -311,6 +311,15 @@ def compiled_forward(model, options: dict):
         if key not in _COMPILED:
             _COMPILED[key] = torch.compile(type(model).forward, **settings)
         return _COMPILED[key]
+
+
+def _recompile_room():
+    """Dynamo's recompile limits, raised for the duration of one compiled call: each (width, batch
+    size, cache length) of each compiled model is a graph of its own, which the defaults (a few per
+    function, a few hundred per process) would otherwise turn into silent eager fallbacks."""
+    config = torch._dynamo.config
+    return config.patch(recompile_limit=max(1024, config.recompile_limit),
+                        accumulated_recompile_limit=max(8192, config.accumulated_recompile_limit))
 
 
 def _round_up(n: int, step: int) -> int:

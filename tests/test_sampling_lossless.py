@@ -205,7 +205,7 @@ def exact_three_token_joint(model, prompt: torch.Tensor, params: SamplingParams)
 @pytest.mark.parametrize("drafter,params", [
     ("prompt_lookup", SamplingParams(True, 0.8, top_k=6)),
     ("draft_model", SamplingParams(True, 1.2, top_p=0.9)),
-    ("self_draft", SamplingParams(True, 1.0)),
+    ("self_draft", SamplingParams(True, 0.8, top_k=6)),
 ])
 def test_generate_samples_the_target_distribution(tiny_models, drafter, params, cache):
     target, draft = tiny_models

@@ -22,6 +22,14 @@ from specdec.models import tiny_random
 from helpers import left_pad, repetitive_prompt
 
 FAST_COMPILE = {"backend": "aot_eager"}  # dynamo capture without inductor's minutes of codegen on CPU
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_dynamo():
+    """Start from an empty dynamo cache: earlier test modules compile the same model classes with
+    other backends (the bench and CLI tests), and dynamo's per-process state must not leak in."""
+    torch._dynamo.reset()
+    yield
 # int8 and w8a8 copies need torchao: the test command installs the quant extra
 
 

@@ -25,6 +25,14 @@ ARCHS = ["llama", "qwen3", "gemma2", "mistral"]  # gemma2 and mistral: sliding w
 FAST_COMPILE = {"backend": "aot_eager"}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def fresh_dynamo():
+    """Start from an empty dynamo cache: earlier test modules compile the same model classes with
+    other backends (the bench and CLI tests), and dynamo's per-process state must not leak in."""
+    torch._dynamo.reset()
+    yield
+
+
 @pytest.fixture(scope="module")
 def pairs():
     return {arch: tiny_pair(arch) for arch in ARCHS}
