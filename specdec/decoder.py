@@ -127,8 +127,9 @@ class SpecDecoder:
 
     def warmup(self, batch_size: int = 1, max_length: int = 1024) -> float:
         """Compile every forward a call can run (``compile=True``, or a generator whose draft
-        compiles, like ``self_draft``): the target's and each assistant's, at every padded width, for ``batch_size`` rows and a static cache of at
-        least ``max_length`` slots (prompt + new tokens), and calibrate the draft-length policy.
+        compiles, like ``self_draft``): the target's and each assistant's, at every padded width,
+        for ``batch_size`` rows and a static cache of at least ``max_length`` slots (prompt + new
+        tokens), and calibrate the draft-length policy.
         From then on every call's static caches hold at least ``max_length`` slots, so calls of
         that batch size up to that length compile nothing new (a batch whose rows finish at
         different times runs smaller batches too: warm those up as well). Returns the
