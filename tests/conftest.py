@@ -31,3 +31,12 @@ def smollm2_prompts(smollm2):
     prompts = [encode_chat(tokenizer, [{"role": "user", "content": q["turns"][0]}]) for q in picked]
     assert all(p.shape[1] >= 48 for p in prompts)
     return prompts
+
+
+@pytest.fixture(scope="module")
+def fresh_dynamo():
+    """Start a compiling test module from an empty dynamo cache: earlier modules compile the same
+    model classes with other backends (the bench and CLI tests), and dynamo's per-process state
+    must not leak in (seen as "fullgraph=True found no compiled frames")."""
+    torch._dynamo.reset()
+    yield

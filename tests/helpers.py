@@ -10,6 +10,22 @@ from specdec.models import tiny_random
 from specdec.prompts import left_pad  # noqa: F401  (re-exported for the tests)
 
 
+#: torch.compile options for tests: dynamo's capture and guards without inductor's code generation,
+#: which takes a minute per graph on a 2-core CPU
+FAST_COMPILE = {"backend": "aot_eager"}
+
+
+def tiny_llava():
+    """A tiny random LLaVA (vision-language model) for refusal tests."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    text = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                              image_size=16, patch_size=8)
+    return LlavaForConditionalGeneration(LlavaConfig(text_config=text, vision_config=vision, image_token_id=63)).eval()
+
+
 def perturbed_copy(model, scale: float = 0.3, seed: int = 0):
     """A draft that agrees with ``model`` often but not always: its weights plus relative noise."""
     draft = copy.deepcopy(model)

@@ -19,17 +19,10 @@ from specdec import SpecDecoder
 from specdec.generators import Proposal
 from specdec.models import tiny_random
 
-from helpers import left_pad, repetitive_prompt
-
-FAST_COMPILE = {"backend": "aot_eager"}  # dynamo capture without inductor's minutes of codegen on CPU
+from helpers import FAST_COMPILE, left_pad, repetitive_prompt, tiny_llava
 
 
-@pytest.fixture(scope="module", autouse=True)
-def fresh_dynamo():
-    """Start from an empty dynamo cache: earlier test modules compile the same model classes with
-    other backends (the bench and CLI tests), and dynamo's per-process state must not leak in."""
-    torch._dynamo.reset()
-    yield
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 # int8 and w8a8 copies need torchao: the test command installs the quant extra
 
 
@@ -114,15 +107,8 @@ def test_bad_options_and_vision_language_targets_are_refused(target):
         SpecDecoder(target, "self_draft", weights="int3")
     with pytest.raises(TypeError, match="compile_draft"):
         SpecDecoder(target, "self_draft", compile_draft="always")
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
-
-    text = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                       num_attention_heads=2, num_key_value_heads=1)
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                              image_size=16, patch_size=8)
-    vlm = LlavaForConditionalGeneration(LlavaConfig(text_config=text, vision_config=vision, image_token_id=63))
     with pytest.raises(ValueError, match="text-only"):
-        build_copy(vlm.eval(), "bfloat16")
+        build_copy(tiny_llava(), "bfloat16")
 
 
 def test_merge_takes_each_row_from_its_source():

@@ -19,18 +19,11 @@ from transformers import StaticCache
 from specdec import SpecDecoder
 from specdec.kv import WIDTHS
 
-from helpers import left_pad, repetitive_prompt, tiny_pair
+from helpers import FAST_COMPILE, left_pad, repetitive_prompt, tiny_llava, tiny_pair
 
 ARCHS = ["llama", "qwen3", "gemma2", "mistral"]  # gemma2 and mistral: sliding window 8
-FAST_COMPILE = {"backend": "aot_eager"}
 
-
-@pytest.fixture(scope="module", autouse=True)
-def fresh_dynamo():
-    """Start from an empty dynamo cache: earlier test modules compile the same model classes with
-    other backends (the bench and CLI tests), and dynamo's per-process state must not leak in."""
-    torch._dynamo.reset()
-    yield
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 @pytest.fixture(scope="module")
@@ -166,15 +159,8 @@ def test_static_settings_are_checked(pairs):
 
 
 def test_vision_language_targets_are_refused_on_the_static_path():
-    from transformers import LlavaConfig, LlavaForConditionalGeneration, CLIPVisionConfig, LlamaConfig
-
-    text = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                       num_attention_heads=2, num_key_value_heads=1)
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                              image_size=16, patch_size=8)
-    model = LlavaForConditionalGeneration(LlavaConfig(text_config=text, vision_config=vision, image_token_id=63))
     with pytest.raises(ValueError, match="text-only"):
-        SpecDecoder(model.eval(), "prompt_lookup", cache_implementation="static")
+        SpecDecoder(tiny_llava(), "prompt_lookup", cache_implementation="static")
 
 
 def test_compiled_widths_are_checked_and_sorted():
