@@ -14,7 +14,7 @@ row b verifies ``min(W, available_b)`` drafts.
 Inputs, all measured while decoding:
 
 * :class:`CostModel`: seconds of one target forward as a function of the tokens it feeds
-  (width x batch), kept per (model, device, dtype) for the process: a short calibration the
+  (width x batch), kept per (model, device, dtype, cache kind) for the process: a short calibration the
   first time (forwards of 1..64 tokens on a throwaway cache), then corrected by every forward
   the loop runs;
 * the drafting cost per proposed token, measured per call from the generator's ``propose``;
