@@ -109,6 +109,7 @@ class SelfDraftGenerator(DraftModelGenerator):
             raise ValueError(f"self_draft: weights must be one of {WEIGHTS}, got {weights!r}")
         if not isinstance(compile_draft, (bool, dict)):
             raise TypeError(f"compile_draft must be True, False or a dict of torch.compile options, got {compile_draft!r}")
+        # no draft yet: setup() builds it from the call's target (once per decoder, see _Copies)
         super().__init__(torch.nn.Module(), num_tokens=num_tokens, schedule=schedule, max_tokens=max_tokens)
         self.weights, self.compile_draft = weights, compile_draft
         self.lookup = PromptLookupGenerator(schedule="auto", max_tokens=max_tokens) if lookup else None
