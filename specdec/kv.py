@@ -116,12 +116,7 @@ class DynamicKV:
 
     def shift_rows(self, shifts: torch.Tensor) -> None:
         """Move row b's cached entries right by ``shifts[b]`` slots, padding its start with zeros."""
-        moves = [(b, int(s)) for b, s in enumerate(shifts.tolist()) if s > 0]
-        for layer in _layers(self.cache):
-            for tensor in (layer.keys, layer.values):  # [B, heads, slots, dim]
-                for b, s in moves:
-                    tensor[b, :, s:] = tensor[b, :, : tensor.shape[2] - s].clone()
-                    tensor[b, :, :s] = 0
+        _shift_rows(self.cache, shifts)
 
     def trim_left(self, count: int, cached_slots: int) -> None:
         """Drop the first ``count`` slots of every row (padding common to all rows)."""
@@ -220,14 +215,10 @@ class StaticKV:
         pass  # the write position is set before every forward; stale slots are masked, then overwritten
 
     def shift_rows(self, shifts: torch.Tensor) -> None:
-        moves = [(b, int(s)) for b, s in enumerate(shifts.tolist()) if s > 0]
-        for layer in _static_layers(self.cache):
-            for tensor in (layer.keys, layer.values):
-                for b, s in moves:
-                    tensor[b, :, s:] = tensor[b, :, : tensor.shape[2] - s].clone()
+        _shift_rows(self.cache, shifts)
 
     def trim_left(self, count: int, cached_slots: int) -> None:
-        for layer in _static_layers(self.cache):
+        for layer in _layers(self.cache):
             for tensor in (layer.keys, layer.values):
                 tensor[:, :, : cached_slots - count] = tensor[:, :, count: cached_slots].clone()
 
@@ -327,10 +318,8 @@ def _round_up(n: int, step: int) -> int:
 
 
 def _batch_of(cache) -> int:
-    for layer in cache.layers:
-        if layer.is_initialized:
-            return int(layer.keys.shape[0])
-    return 0
+    layers = _layers(cache)
+    return int(layers[0].keys.shape[0]) if layers else 0
 
 
 def _ensure_initialized(new_layer, like, batch: int) -> None:
@@ -341,13 +330,20 @@ def _ensure_initialized(new_layer, like, batch: int) -> None:
         new_layer.lazy_initialization(keys, values)
 
 
-def _static_layers(cache):
-    return [layer for layer in cache.layers if layer.is_initialized]
-
-
 def _layers(cache: DynamicCache):
     return [layer for layer in cache.layers
             if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel()]
+
+
+def _shift_rows(cache, shifts: torch.Tensor) -> None:
+    """Move row b's cached entries right by ``shifts[b]`` slots inside the same tensors; the slots
+    it leaves are zeroed (a static cache masks them anyway)."""
+    moves = [(b, int(n)) for b, n in enumerate(shifts.tolist()) if n > 0]
+    for layer in _layers(cache):
+        for tensor in (layer.keys, layer.values):  # [B, heads, slots, dim]
+            for b, n in moves:
+                tensor[b, :, n:] = tensor[b, :, : tensor.shape[2] - n].clone()
+                tensor[b, :, :n] = 0
 
 
 def make_kv(model, batch: int, capacity: int, settings: CacheSettings | None):
