@@ -46,12 +46,20 @@ from .modelinfo import cache_argument
 
 #: token counts at which a forward's cost is tracked
 COST_GRID = (1, 2, 4, 8, 16, 32, 64)
-#: the counts timed by the first calibration (the others are interpolated until observed)
-CALIBRATED = (1, 4, 16, 64)
+#: the counts timed by the first calibration (the others are interpolated until observed); the
+#: small ones matter most: the first drafts' cost decides whether drafting pays at all
+CALIBRATED = (1, 2, 3, 4, 8, 16, 64)
+#: context lengths (tokens already cached) at which costs are tracked: a forward of several tokens
+#: costs more over a long context (2-core CPU, SmolLM2-135M: 5 tokens cost 1.4x one token after 32
+#: cached tokens, 2.0x after 700)
+CONTEXT_GRID = (32, 512, 2048)
 #: extra cost of each further token fed, in one-token forwards, by device kind: the fixed curve
 #: used where decisions must not depend on timings (sampling, so that a seeded call reproduces).
 #: Measured for SmolLM2-135M: 2-core CPU about 1 + k/8; H200, eager, 32 tokens 1.28x one token.
 FIXED_SLOPE = {"cpu": 1 / 8, "cuda": 0.28 / 31}
+#: how far one observed forward moves the cost model: the machine's load (one factor for the whole
+#: curve, so a slower machine makes every width slower) and the curve's shape near that point
+LOAD_RATE, SHAPE_RATE = 0.05, 0.05
 
 
 def expected_tokens(accept: torch.Tensor) -> torch.Tensor:
@@ -80,20 +88,39 @@ def choose_width(accept: torch.Tensor, available: torch.Tensor, step_seconds: to
     return int((rate >= best * (1 - 1e-9)).nonzero()[0])  # the smallest of the best
 
 
-class CostModel:
-    """Seconds of one forward of a model as a function of the tokens it feeds (width x batch).
+def _bracket(grid: torch.Tensor, x: float) -> tuple[int, int, float]:
+    """(lo, hi, weight of hi) of ``x`` in ``grid``, clamped to its ends (one point: (0, 0, 0.0))."""
+    if grid.numel() == 1:
+        return 0, 0, 0.0
+    x = min(max(x, float(grid[0])), float(grid[-1]))
+    hi = int(torch.searchsorted(grid, torch.tensor(x, dtype=torch.float64)).clamp(1, grid.numel() - 1))
+    return hi - 1, hi, (x - float(grid[hi - 1])) / float(grid[hi] - grid[hi - 1])
 
-    Piecewise linear through ``COST_GRID``; each observed forward pulls the two grid points around
-    it towards the observation (weight ``rate``), so the curve follows the machine's load.
+
+class CostModel:
+    """Seconds of one forward of a model as a function of the tokens it feeds (width x batch) and
+    of its context (tokens already cached).
+
+    ``seconds [C, G]``: one curve per ``contexts`` point (one row: the same at every context),
+    piecewise linear through ``COST_GRID`` (linear past its last point), linear between contexts
+    (constant past the ends). Each observed forward moves the whole model by a load factor and the
+    points around it (one token excepted) by a shape correction: the model follows the machine's
+    load at every width, also widths the loop seldom runs, and learns its shape relative to the
+    one-token step over time.
     """
 
     _shared: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, CostModel]]" = weakref.WeakKeyDictionary()
     _lock = threading.Lock()
 
-    def __init__(self, seconds: list[float], rate: float = 0.05):
+    def __init__(self, seconds: list, rate: float = SHAPE_RATE, contexts: tuple[int, ...] = (0,)):
+        table = torch.tensor(seconds, dtype=torch.float64)
+        self.seconds = table[None, :] if table.dim() == 1 else table  # [C, G]
+        if self.seconds.shape != (len(contexts), len(COST_GRID)):
+            raise ValueError(f"seconds must be [{len(contexts)}, {len(COST_GRID)}], got {list(self.seconds.shape)}")
         self.grid = torch.tensor(COST_GRID, dtype=torch.float64)
-        self.seconds = torch.tensor(seconds, dtype=torch.float64)
-        self.rate = rate  # 0: a fixed curve that observations do not move
+        self.contexts = torch.tensor(contexts, dtype=torch.float64)
+        self.load = 1.0  # the machine's load relative to the table
+        self.rate = rate  # 0: a fixed model that observations do not move
 
     @classmethod
     def fixed(cls, device_type: str) -> "CostModel":
@@ -115,18 +142,20 @@ class CostModel:
         if found is not None:
             return found, 0.0
         started = time.perf_counter()
-        made = cls(calibrate(model, calibrate_with, cache, slots))
+        made = calibrate(model, calibrate_with, cache, slots)
         spent = time.perf_counter() - started
         with cls._lock:
             return cls._shared.setdefault(model, {}).setdefault(key, made), spent
 
-    def predict(self, tokens: torch.Tensor | float) -> torch.Tensor:
-        """Seconds for forwards feeding ``tokens`` (any shape)."""
+    def predict(self, tokens: torch.Tensor | float, context: float = 0.0) -> torch.Tensor:
+        """Seconds for forwards feeding ``tokens`` (any shape) after ``context`` cached tokens."""
+        lo, hi, w = _bracket(self.contexts, float(context))
+        row = self.seconds[lo] * (1 - w) + self.seconds[hi] * w  # [G]
+        curve = torch.cummax(row, dim=0).values * self.load  # never cheaper to feed more
         x = torch.as_tensor(tokens, dtype=torch.float64)
-        curve = torch.cummax(self.seconds, dim=0).values  # never cheaper to feed more
-        hi = torch.searchsorted(self.grid, x.clamp(min=1.0)).clamp(1, len(COST_GRID) - 1)
-        lo = hi - 1
-        x0, x1, y0, y1 = self.grid[lo], self.grid[hi], curve[lo], curve[hi]
+        right = torch.searchsorted(self.grid, x.clamp(min=1.0)).clamp(1, len(COST_GRID) - 1)
+        left = right - 1
+        x0, x1, y0, y1 = self.grid[left], self.grid[right], curve[left], curve[right]
         return y0 + (y1 - y0) * (x - x0) / (x1 - x0)  # linear past the last point too
 
     @classmethod
@@ -136,20 +165,22 @@ class CostModel:
         with cls._lock:
             cls._shared.setdefault(model, {})[_cost_key(model, cache or CacheSettings())] = costs
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        """One forward that fed ``tokens`` took ``seconds`` (counts past the grid are ignored)."""
+    def observe(self, tokens: int, seconds: float, context: float = 0.0) -> None:
+        """One forward that fed ``tokens`` after ``context`` cached tokens took ``seconds`` (counts
+        past the grid are ignored)."""
         x = float(max(tokens, 1))
-        if x > COST_GRID[-1] or self.rate == 0.0:
+        if x > COST_GRID[-1] or self.rate == 0.0 or seconds <= 0.0:
             return
-        hi = int(torch.searchsorted(self.grid, torch.tensor(x, dtype=torch.float64)).clamp(1, len(COST_GRID) - 1))
-        lo = hi - 1
-        weight_hi = min(max((x - float(self.grid[lo])) / float(self.grid[hi] - self.grid[lo]), 0.0), 1.0)
-        predicted = float(self.predict(x))
-        # one forward slowed by another process must not move the curve far: clip to +-50%
-        residual = min(max(seconds - predicted, -0.5 * predicted), 0.5 * predicted)
-        self.seconds[lo] += self.rate * (1 - weight_hi) * residual
-        self.seconds[hi] += self.rate * weight_hi * residual
-        self.seconds.clamp_(min=1e-6)
+        predicted = float(self.predict(x, context))
+        # one forward slowed by another process must not move the model far: clip to x/÷ 1.5
+        ratio = min(max(seconds / predicted, 1 / 1.5), 1.5)
+        self.load *= ratio ** LOAD_RATE
+        c_lo, c_hi, c_w = _bracket(self.contexts, float(context))
+        g_lo, g_hi, g_w = _bracket(self.grid, x)
+        for c, cw in ((c_lo, 1 - c_w), (c_hi, c_w)):
+            for g, gw in ((g_lo, 1 - g_w), (g_hi, g_w)):
+                if g > 0:  # one token is the anchor: the load alone moves it, the shape is relative to it
+                    self.seconds[c, g] *= ratio ** (self.rate * cw * gw)
 
 
 def _cost_key(model, cache: CacheSettings) -> tuple:
@@ -158,19 +189,47 @@ def _cost_key(model, cache: CacheSettings) -> tuple:
 
 
 def calibrate(model, tokens: torch.Tensor, cache: CacheSettings | None = None, slots: int = 0,
-              reps: int = 2) -> list[float]:
-    """Seconds per forward at every ``COST_GRID`` count: the median of ``reps`` forwards at each
-    ``CALIBRATED`` count after a short cached context, interpolated in between. Runs on a
-    throwaway cache of the call's kind (compiled forwards compile here if not warmed up); the
-    user's model is only read. It calls ``model.forward`` itself, so forward hooks that watch
-    decoding do not see these forwards (their time is reported apart, as
-    ``AcceptanceStats.calibration_seconds``)."""
+              reps: int = 3) -> CostModel:
+    """A :class:`CostModel` from timed forwards: the median of ``reps`` forwards at each
+    ``CALIBRATED`` count after a cached context of 32 tokens, and again after 512 where the model's
+    positions (and a static cache of ``slots`` slots) allow; interpolated in between, extrapolated
+    to the longer ``CONTEXT_GRID`` contexts. Runs on a throwaway cache of the call's kind (compiled
+    forwards compile here if not warmed up); the user's model is only read. It calls
+    ``model.forward`` itself, so forward hooks that watch decoding do not see these forwards
+    (their time is reported apart, as ``AcceptanceStats.calibration_seconds``)."""
+    cache = cache or CacheSettings()
     device = next(model.parameters()).device
-    context = tokens.reshape(-1)[:32].to(device)
-    if context.numel() == 0:
-        context = torch.zeros(1, dtype=torch.long, device=device)
-    kv = make_kv(model, 1, max(slots, context.numel() + CALIBRATED[-1] + 1), cache)
+    tokens = tokens.reshape(-1).to(device)
+    if tokens.numel() == 0:
+        tokens = torch.zeros(1, dtype=torch.long, device=device)
+    room = int(getattr(model.config.get_text_config(), "max_position_embeddings", 0) or 0) or CONTEXT_GRID[1] * 4
+    if cache.static:
+        room = min(room, slots)  # a static cache's length is part of its compiled graphs
+    contexts = [c for c in CONTEXT_GRID[:2] if c == CONTEXT_GRID[0] or c + CALIBRATED[-1] + 1 <= room]
     cache_kwarg = cache_argument(model)
+    curves = []
+    with torch.no_grad():
+        for length in contexts:
+            context = tokens.repeat(length // tokens.numel() + 1)[:length]
+            kv = make_kv(model, 1, max(slots, length + CALIBRATED[-1] + 1), cache)
+            curves.append(_time_widths(model, kv, cache_kwarg, context, reps))
+            kv.release()
+    xs = torch.tensor(CALIBRATED, dtype=torch.float64)
+    grid = torch.tensor(COST_GRID, dtype=torch.float64)
+    hi = torch.searchsorted(xs, grid).clamp(1, len(CALIBRATED) - 1)
+    lo = hi - 1
+    ys = torch.tensor(curves, dtype=torch.float64)  # [contexts, CALIBRATED]
+    rows = ys[:, lo] + (ys[:, hi] - ys[:, lo]) * (grid - xs[lo]) / (xs[hi] - xs[lo])  # [contexts, G]
+    if len(contexts) == 1:
+        return CostModel(rows[0].tolist())
+    growth = (rows[1] - rows[0]).clamp_min(0.0) / (contexts[1] - contexts[0])  # seconds per cached token
+    table = [rows[0] + growth * (c - contexts[0]) for c in CONTEXT_GRID]
+    return CostModel(torch.stack(table).tolist(), contexts=CONTEXT_GRID)
+
+
+def _time_widths(model, kv, cache_kwarg: str, context: torch.Tensor, reps: int) -> list[float]:
+    """Median seconds of a forward of each ``CALIBRATED`` count after ``context [L]`` is cached."""
+    device = context.device
 
     def forward(ids: torch.Tensor, first_slot: int) -> None:
         width = ids.shape[1]
@@ -182,27 +241,21 @@ def calibrate(model, tokens: torch.Tensor, cache: CacheSettings | None = None, s
         kv.forward(model, kwargs, first_slot=first_slot, width=width, first=first_slot == 0, mask=mask,
                    needs_mask=False, direct=True)
 
-    measured = []
-    with torch.no_grad():
-        forward(context[None, :], 0)
-        for count in (CALIBRATED[0],) + CALIBRATED:  # the first forward warms up
-            ids = context.repeat(count // context.numel() + 1)[:count][None, :]  # [1, count]
-            times = []
-            for _ in range(reps):
-                synchronize(device)
-                start = time.perf_counter()
-                forward(ids, context.numel())
-                synchronize(device)
-                times.append(time.perf_counter() - start)
-                kv.crop(context.numel() + count, context.numel())
-            measured.append(sorted(times)[(reps - 1) // 2])
-    kv.release()
-    measured = measured[1:]
-    grid = torch.tensor(COST_GRID, dtype=torch.float64)
-    xs, ys = torch.tensor(CALIBRATED, dtype=torch.float64), torch.tensor(measured, dtype=torch.float64)
-    hi = torch.searchsorted(xs, grid).clamp(1, len(CALIBRATED) - 1)
-    lo = hi - 1
-    return (ys[lo] + (ys[hi] - ys[lo]) * (grid - xs[lo]) / (xs[hi] - xs[lo])).tolist()
+    length = context.numel()
+    forward(context[None, :], 0)
+    forward(context[:1][None, :], length)  # warms up the step path
+    kv.crop(length + 1, length)
+    times: dict[int, list[float]] = {count: [] for count in CALIBRATED}
+    for _ in range(reps):  # rounds over every count, so a change of load skews no count alone
+        for count in CALIBRATED:
+            ids = context.repeat(count // length + 1)[:count][None, :]  # [1, count]
+            synchronize(device)
+            start = time.perf_counter()
+            forward(ids, length)
+            synchronize(device)
+            times[count].append(time.perf_counter() - start)
+            kv.crop(length + count, length)
+    return [sorted(t)[(reps - 1) // 2] for t in times.values()]
 
 
 def synchronize(device) -> None:
@@ -263,20 +316,22 @@ class DraftPolicy:
     measured: bool = True  # False: fixed costs and a fixed drafting cost, decisions free of timings
     step_overhead: float = 0.0  # seconds of a step outside the target forward and drafting (decayed mean)
 
-    def budget(self, remaining: torch.Tensor, pending: int) -> torch.Tensor:
-        """Drafts to ask each row for before proposing (drafting cost included). remaining [B]."""
-        return self._cap(remaining, pending, self.draft_seconds_per_token)
+    def budget(self, remaining: torch.Tensor, pending: int, context: int = 0) -> torch.Tensor:
+        """Drafts to ask each row for before proposing (drafting cost included). remaining [B];
+        ``context``: tokens the verification will attend to besides its own (the longest row's)."""
+        return self._cap(remaining, pending, context, self.draft_seconds_per_token)
 
-    def trim(self, offered: torch.Tensor, pending: int) -> torch.Tensor:
+    def trim(self, offered: torch.Tensor, pending: int, context: int = 0) -> torch.Tensor:
         """Drafts to verify once proposed (drafting is paid): offered [B] -> [B]."""
-        return self._cap(offered, pending, 0.0)
+        return self._cap(offered, pending, context, 0.0)
 
-    def _cap(self, counts: torch.Tensor, pending: int, per_draft: float) -> torch.Tensor:
+    def _cap(self, counts: torch.Tensor, pending: int, context: int, per_draft: float) -> torch.Tensor:
         """counts [B] capped at the width that maximises committed tokens per second, where each
         draft costs ``per_draft`` seconds to make on top of verifying it."""
         available = counts.cpu().clamp(0, self.max_drafts)  # [B]
         widths = torch.arange(self.max_drafts + 1, dtype=torch.float64)
-        seconds = self.costs.predict((widths + pending) * available.shape[0]) + per_draft * widths + self.step_overhead
+        seconds = (self.costs.predict((widths + pending) * available.shape[0], context)
+                   + per_draft * widths + self.step_overhead)
         width = choose_width(self.acceptance.estimate(), available, seconds)
         return available.clamp(max=width).to(counts.device)
 

@@ -151,7 +151,8 @@ class DecodeRun:
         target, policy = self.target, self.policy
         remaining = self.settings.max_new_tokens - (target.lengths - self.prompt_lengths) - 1  # [B]
         pending = target.pending_width()
-        ask = policy.budget(remaining, pending) if policy is not None else remaining  # [B]
+        context = target.cached_slots  # cache slots the verification attends to besides its own tokens
+        ask = policy.budget(remaining, pending, context) if policy is not None else remaining  # [B]
         proposal = self.session.propose(self.ctx, ask)
         drafted = time.perf_counter()
         check_proposal(proposal, self.plugin, target.batch_size, self.vocab, self.settings.sampling.do_sample)
@@ -161,7 +162,7 @@ class DecodeRun:
         if policy is not None:
             if not first:  # the first proposal also prefills any assistant: not a drafting cost per token
                 policy.observe_drafting(drafted - tick, int(offered.max()))
-            offered = policy.trim(offered, pending)
+            offered = policy.trim(offered, pending, context)
             self.stats.skipped_steps += int(((ask == 0) & (remaining > 0)).sum())
         k = int(offered.max())
         draft_ids = proposal.token_ids[:, :k].to(target.device)  # [B, k]
@@ -174,7 +175,7 @@ class DecodeRun:
             tokens = (pending + k) * target.batch_size
             self.stats.record_forward(tokens, forward_seconds)
             if policy is not None:
-                policy.costs.observe(tokens, forward_seconds)
+                policy.costs.observe(tokens, forward_seconds, context)
         verdict = self._verify(logits, draft_ids, offered, proposal)
         block = torch.cat([draft_ids, verdict.next_token[:, None]], dim=1)  # [B, k+1]
         block.scatter_(1, verdict.accepted[:, None], verdict.next_token[:, None])  # the target's token after the accepted

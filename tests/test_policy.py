@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 from specdec import SpecDecoder
 from specdec.generators import CandidateGenerator, Proposal
 from specdec.models import tiny_random
-from specdec.policy import COST_GRID, AcceptanceTracker, CostModel, choose_width, expected_tokens
+from specdec import policy as policy_module
+from specdec.policy import (COST_GRID, CONTEXT_GRID, LOAD_RATE, AcceptanceTracker, CostModel, choose_width,
+                            expected_tokens)
 
 from helpers import repetitive_prompt
 
@@ -71,8 +73,8 @@ def test_free_verification_of_certain_drafts_takes_them_all():
 def test_cost_model_interpolates_and_follows_observations():
     model = CostModel([1.0 + x / 8 for x in COST_GRID])
     assert float(model.predict(3)) == pytest.approx(1 + 3 / 8)
-    model.observe(16, 100.0)  # one forward slowed by another process moves the curve by at most 50% x rate
-    assert float(model.predict(16)) <= (1 + 16 / 8) * (1 + 0.5 * model.rate) + 1e-9
+    model.observe(16, 100.0)  # one forward slowed by another process moves the model by at most 1.5x ** rates
+    assert float(model.predict(16)) <= (1 + 16 / 8) * 1.5 ** (LOAD_RATE + model.rate) + 1e-9
     for _ in range(200):  # the machine became slower for wide forwards
         model.observe(16, 10.0)
     assert float(model.predict(16)) == pytest.approx(10.0, rel=0.05)
@@ -81,6 +83,41 @@ def test_cost_model_interpolates_and_follows_observations():
     before = fixed.predict(8).item()
     fixed.observe(8, 100.0)
     assert fixed.predict(8).item() == before
+
+
+def test_a_slower_machine_makes_every_width_slower():
+    """Observations at one width (the common one-token step) scale the widths never observed too,
+    so a loaded machine does not make a draft look free."""
+    model = CostModel([1.0 + x / 8 for x in COST_GRID])
+    for _ in range(100):
+        model.observe(1, 2 * (1 + 1 / 8))  # every one-token forward now takes twice as long
+    assert float(model.predict(1)) == pytest.approx(2 * (1 + 1 / 8), rel=0.05)
+    assert float(model.predict(2)) > float(model.predict(1)) * 1.05  # a draft still costs something
+    assert float(model.predict(8)) > 1.5 * (1 + 8 / 8)
+
+
+def test_cost_model_by_context():
+    short = [1.0 + x / 8 for x in COST_GRID]
+    long = [1.0 + x / 2 for x in COST_GRID]  # wide forwards cost more over a long context
+    model = CostModel([short, long], contexts=(0, 1000))
+    assert float(model.predict(4, 0)) == pytest.approx(1.5)
+    assert float(model.predict(4, 1000)) == pytest.approx(3.0)
+    assert float(model.predict(4, 500)) == pytest.approx(2.25)
+    assert float(model.predict(4, 5000)) == pytest.approx(3.0)  # constant past the ends
+    for _ in range(300):
+        model.observe(4, 4.0, context=1000)
+    assert float(model.predict(4, 1000)) == pytest.approx(4.0, rel=0.05)
+    with pytest.raises(ValueError, match="seconds must be"):
+        CostModel([short], contexts=(0, 1000))
+
+
+def test_calibration_times_a_long_context_where_the_model_allows(monkeypatch):
+    target, _ = tiny_random("llama", seed=3)
+    model = policy_module.calibrate(target, torch.arange(5, 20))
+    assert model.contexts.tolist() == list(CONTEXT_GRID)
+    assert bool((model.seconds > 0).all())
+    short, _ = tiny_random("llama", seed=3, max_position_embeddings=128)
+    assert policy_module.calibrate(short, torch.arange(5, 20)).contexts.tolist() == [0.0]
 
 
 def test_acceptance_tracker_counts_positions_and_decays():
