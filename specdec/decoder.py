@@ -8,10 +8,8 @@ One ``generate()`` call:
 3. ``while run.step()``: propose, verify, commit, stop, sync (the data path is in ``run.py``);
 4. return ``SpecOutput(sequences, stats)`` shaped like ``transformers``' output.
 
-The decoder holds configuration (models, tokenizers, the generator as the user built it) and one
-piece of learned state, the acceptance of deeper drafts that its greedy calls measured (a prior
-for the next call's draft-length policy, kept under a lock), so one decoder serves several calls
-at once. Nothing here mutates the user's models, configs or
+The decoder holds only configuration (models, tokenizers, the generator as the user built it),
+so one decoder serves several calls at once. Nothing here mutates the user's models, configs or
 tensors, and nothing here knows a generator by name beyond asking the registry.
 """
 
@@ -26,7 +24,6 @@ import torch
 from .generators import CandidateGenerator, NoDraft
 from .kv import CacheSettings, static_problem
 from .metrics import AcceptanceStats
-from .policy import AcceptancePrior
 from .modelinfo import UNSET, eos_token_ids, pad_token_id
 from .multimodal import PrefillSpec, Prefix, check_call, declared_inputs
 from .registry import get_candidate_generator, option_problem
@@ -66,7 +63,6 @@ class SpecDecoder:
             if problem:
                 raise ValueError(f"target: {problem}")
         self.candidate_generator = self._resolve(draft, generator_options)
-        self.acceptance = AcceptancePrior()  # what greedy calls learned about deeper drafts, for the next
 
     def _resolve(self, draft, options: dict) -> CandidateGenerator:
         if isinstance(draft, CandidateGenerator):
@@ -117,7 +113,6 @@ class SpecDecoder:
         settings = CallSettings(
             max_new_tokens=check_max_new_tokens(max_new_tokens), sampling=sampling, generator=generator,
             pad=pad_token_id(self.target, eos), streamer=streamer, cache=self.cache,
-            acceptance=None if sampling.do_sample else self.acceptance,
             stopper=Stopper(max_new_tokens=int(max_new_tokens), eos_token_ids=eos, stop_strings=stop_strings,
                             tokenizer=self.tokenizer, stopping_criteria=stopping_criteria))
         run = DecodeRun(self.target, self.candidate_generator, prompt, settings,

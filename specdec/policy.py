@@ -20,8 +20,7 @@ Inputs, all measured while decoding:
 * the drafting cost per proposed token, measured per call from the generator's ``propose``;
 * :class:`AcceptanceTracker`: per row and position, decayed counts of accepted / offered drafts
   with a prior. Counts decay every step, also when a row does not draft, so a row that stopped
-  drafting drifts back towards the prior and probes again later. Under greedy decoding the priors
-  of the deeper positions come from the decoder's earlier calls (:class:`AcceptancePrior`).
+  drafting drifts back towards the prior and probes again later.
 
 :func:`choose_width` is a pure function (tested with hypothesis): never above what rows can
 offer, zero when no width pays, and never a wider block when acceptance falls.
@@ -270,29 +269,22 @@ class AcceptanceTracker:
     A row that drafted forgets at ``decay`` per step; a row that did not draft forgets slowly
     (``idle_decay``), so after a run of rejections its estimate climbs back to the prior over a
     few dozen steps and it probes again, rarely enough to cost little where drafting never pays.
-    ``carried [K]`` (NaN where unknown): per-position priors measured by earlier calls
-    (:class:`AcceptancePrior`), used for positions 2 and deeper.
     """
 
     def __init__(self, batch: int, positions: int, *, prior: float = 0.5, prior_weight: float = 2.0,
-                 decay: float = 0.9, idle_decay: float = 0.97, carried: torch.Tensor | None = None):
+                 decay: float = 0.9, idle_decay: float = 0.97):
         self.offered = torch.zeros(batch, positions, dtype=torch.float64)
         self.accepted = torch.zeros(batch, positions, dtype=torch.float64)
-        self.tried_total = torch.zeros(positions, dtype=torch.float64)  # undecayed, over rows: for the next call
-        self.hit_total = torch.zeros(positions, dtype=torch.float64)
         self.prior, self.prior_weight, self.decay, self.idle_decay = prior, prior_weight, decay, idle_decay
-        self.carried = torch.full((positions,), float("nan"), dtype=torch.float64) if carried is None else carried
 
     def estimate(self) -> torch.Tensor:
-        """[B, K] conditional acceptance per position. Position 1's prior is ``prior`` (so every call
-        probes); position i's is what earlier calls measured there, else the estimate at position
-        i-1, so positions rarely reached borrow from the shallower ones (conditional acceptance
-        seldom falls with depth: a copy that held for i-1 tokens tends to hold on)."""
+        """[B, K] conditional acceptance per position. Position 1's prior is ``prior``; position i's
+        is the estimate at position i-1, so positions rarely reached borrow from the shallower
+        ones (conditional acceptance seldom falls with depth: a copy that held for i-1 tokens
+        tends to hold on)."""
         rates = []
         prior = torch.full_like(self.offered[:, 0], self.prior)  # [B]
         for i in range(self.offered.shape[1]):
-            if i > 0 and not bool(torch.isnan(self.carried[i])):
-                prior = torch.full_like(prior, float(self.carried[i]))
             prior = (self.accepted[:, i] + prior * self.prior_weight) / (self.offered[:, i] + self.prior_weight)
             rates.append(prior)
         return torch.stack(rates, dim=1) if rates else self.offered.clone()
@@ -307,51 +299,10 @@ class AcceptanceTracker:
         keep = torch.where(offered > 0, self.decay, self.idle_decay).double()  # [B, 1]
         self.offered.mul_(keep).add_(tried.double())
         self.accepted.mul_(keep).add_(hit.double())
-        self.tried_total += tried.double().sum(0)
-        self.hit_total += hit.double().sum(0)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         rows = rows.cpu()
         self.offered, self.accepted = self.offered[rows], self.accepted[rows]
-
-
-class AcceptancePrior:
-    """Per-position acceptance carried from one call to the next: one per decoder, greedy calls only
-    (under sampling a seeded call must not depend on earlier calls).
-
-    A draft deeper than the first is verified only where the policy expects it to pay, so one call
-    sees few of them and, from its own counts alone, keeps underrating them. The decoder's earlier
-    calls have seen many more. Counts are kept undecayed up to ``weight`` drafts tried at the first
-    position, then scaled down, so the prior follows the text the decoder is given."""
-
-    def __init__(self, weight: float = 1000.0, min_tried: float = 8.0):
-        self.tried = torch.zeros(0, dtype=torch.float64)
-        self.hit = torch.zeros(0, dtype=torch.float64)
-        self.weight, self.min_tried = weight, min_tried
-        self._lock = threading.Lock()
-
-    def rates(self, positions: int) -> torch.Tensor:
-        """[positions] conditional acceptance per position; NaN where too few drafts were tried."""
-        with self._lock:
-            out = torch.full((positions,), float("nan"), dtype=torch.float64)
-            n = min(positions, self.tried.numel())
-            known = self.tried[:n] >= self.min_tried
-            out[:n][known] = self.hit[:n][known] / self.tried[:n][known]
-            return out
-
-    def absorb(self, tracker: AcceptanceTracker) -> None:
-        """Add one call's counts."""
-        with self._lock:
-            n = max(self.tried.numel(), tracker.tried_total.numel())
-            self.tried = _padded(self.tried, n) + _padded(tracker.tried_total, n)
-            self.hit = _padded(self.hit, n) + _padded(tracker.hit_total, n)
-            if n and float(self.tried[0]) > self.weight:
-                scale = self.weight / float(self.tried[0])
-                self.tried, self.hit = self.tried * scale, self.hit * scale
-
-
-def _padded(x: torch.Tensor, n: int) -> torch.Tensor:
-    return torch.cat([x, x.new_zeros(n - x.numel())])
 
 
 @dataclass

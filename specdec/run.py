@@ -33,7 +33,7 @@ from .kv import CacheSettings, static_problem
 from .metrics import AcceptanceStats
 from .modelinfo import vocab_size
 from .multimodal import PrefillSpec, Prefix, check_assistant
-from .policy import AcceptancePrior, AcceptanceTracker, CostModel, DraftPolicy, synchronize
+from .policy import AcceptanceTracker, CostModel, DraftPolicy, synchronize
 from .sampling import SamplingParams
 from .state import ModelState, cache_problem
 from .stopping import Stopper, StreamFeed
@@ -61,7 +61,6 @@ class CallSettings:
     stopper: Stopper
     streamer: Any = None
     cache: CacheSettings = CacheSettings()
-    acceptance: AcceptancePrior | None = None  # the decoder's, carried across its greedy calls
 
 
 class DecodeRun:
@@ -135,16 +134,15 @@ class DecodeRun:
         cap = self.session.draft_cap()
         if cap <= 0:
             return None
+        acceptance = AcceptanceTracker(prompt.rows.shape[0], cap)
         if self.settings.sampling.do_sample:
-            acceptance = AcceptanceTracker(prompt.rows.shape[0], cap)
             size = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
             ratio = sum(size(s.model) for s in (*self.followers, *self.own)) / size(target)
             return DraftPolicy(CostModel.fixed(target.device.type), acceptance, cap, ratio, measured=False)
         costs, spent = CostModel.for_model(target, prompt.rows[0, : int(prompt.lengths[0])], self.settings.cache,
                                            slots=self.target.kv.slots)
         self.stats.calibration_seconds += spent
-        carried = self.settings.acceptance.rates(cap) if self.settings.acceptance is not None else None
-        return DraftPolicy(costs, AcceptanceTracker(prompt.rows.shape[0], cap, carried=carried), cap)
+        return DraftPolicy(costs, acceptance, cap)
 
     # -- the loop ---------------------------------------------------------------------------------
     def step(self) -> bool:
@@ -237,8 +235,6 @@ class DecodeRun:
     def finish(self, input_ids: torch.Tensor, started: float) -> tuple[torch.Tensor, AcceptanceStats]:
         """-> (sequences [B, P + new]: the prompt as given, then each row's new tokens right-padded; stats)."""
         self.feed.end()
-        if self.policy is not None and self.policy.measured and self.settings.acceptance is not None:
-            self.settings.acceptance.absorb(self.policy.acceptance)
         self.stats.generator = self.session.report()
         self.stats.total_seconds = time.perf_counter() - started
         longest = max(o.numel() for o in self.outputs)

@@ -12,7 +12,7 @@ from specdec import SpecDecoder
 from specdec.generators import CandidateGenerator, Proposal
 from specdec.models import tiny_random
 from specdec import policy as policy_module
-from specdec.policy import (COST_GRID, CONTEXT_GRID, LOAD_RATE, AcceptancePrior, AcceptanceTracker, CostModel, choose_width,
+from specdec.policy import (COST_GRID, CONTEXT_GRID, LOAD_RATE, AcceptanceTracker, CostModel, choose_width,
                             expected_tokens)
 
 from helpers import repetitive_prompt
@@ -174,40 +174,3 @@ def test_sampling_with_auto_is_reproducible_and_timing_free():
             for _ in range(2)]
     assert torch.equal(runs[0].sequences, runs[1].sequences)
     assert runs[0].stats.calibration_seconds == 0.0  # no timing entered the decisions
-
-
-def test_acceptance_prior_carries_deeper_positions_to_the_next_call():
-    tracker = AcceptanceTracker(1, 4)
-    for _ in range(20):  # position 1 right half the time; once right, the next draft is always right
-        tracker.update(torch.tensor([2]), torch.tensor([2]))
-        tracker.update(torch.tensor([2]), torch.tensor([0]))
-    prior = AcceptancePrior(min_tried=8)
-    assert torch.isnan(prior.rates(4)).all()  # nothing measured yet
-    prior.absorb(tracker)
-    rates = prior.rates(4)
-    assert rates[0] == pytest.approx(0.5) and rates[1] == pytest.approx(1.0)
-    assert torch.isnan(rates[2:]).all()  # never tried
-    fresh = AcceptanceTracker(1, 4, carried=rates).estimate()[0]
-    assert fresh[0] == pytest.approx(0.5)  # position 1 keeps the plain prior: every call probes
-    assert fresh[1] == pytest.approx(1.0) and fresh[2] == pytest.approx(1.0)  # measured, then borrowed
-    for _ in range(100):  # capped weight: later text moves the prior
-        prior.absorb(AcceptanceTracker(1, 4))
-        more = AcceptanceTracker(1, 4)
-        for _ in range(20):
-            more.update(torch.tensor([2]), torch.tensor([1]))
-        prior.absorb(more)
-    assert prior.rates(4)[1] < 0.2
-
-
-def test_greedy_calls_feed_the_decoders_prior_and_sampled_calls_do_not():
-    target, _ = tiny_random("llama", seed=3)
-    ids = repetitive_prompt(8)
-    decoder = SpecDecoder(target, "prompt_lookup")
-    decoder.generate(ids, max_new_tokens=20, do_sample=True, generator=torch.Generator().manual_seed(0))
-    assert decoder.acceptance.tried.sum() == 0
-    out = decoder.generate(ids, max_new_tokens=40)
-    assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=40, do_sample=False))
-    verified = sum(out.stats.drafts_verified[1:])
-    assert verified > 0
-    assert float(decoder.acceptance.tried[0]) == verified  # every step that verified drafts tried position 1
-    assert float(decoder.acceptance.hit.sum()) == out.stats.accepted_tokens
