@@ -34,6 +34,7 @@ so its choices follow from the committed tokens alone.
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 import weakref
@@ -77,24 +78,28 @@ def choose_width(accept: torch.Tensor, available: torch.Tensor, step_seconds: to
     drafting included. Row b verifies ``min(W, available[b])``. Ties go to the smaller W.
     """
     k = accept.shape[1]
-    expected = expected_tokens(accept)  # [B, K+1]
-    widths = torch.arange(k + 1)
-    taken = torch.minimum(widths[None, :], available.long().clamp(0, k)[:, None])  # [B, K+1]
-    total = expected.gather(1, taken).sum(dim=0)  # [K+1]
-    reach = int(available.max()) if available.numel() else 0
-    rate = total / step_seconds.double().clamp_min(1e-12)
-    rate[reach + 1:] = -1.0  # wider than any row can offer: never chosen
-    best = rate.max()
-    return int((rate >= best * (1 - 1e-9)).nonzero()[0])  # the smallest of the best
+    total = [0.0] * (k + 1)  # committed tokens of the batch for w = 0..K (plain floats: B x K is small)
+    for rates, offer in zip(accept.double().tolist(), available.long().clamp(0, k).tolist()):
+        expected, reach = 1.0, 1.0
+        for w in range(k + 1):
+            if 0 < w <= offer:
+                reach *= rates[w - 1]
+                expected += reach
+            total[w] += expected
+    widest = int(available.max()) if available.numel() else 0
+    rate = [t / max(c, 1e-12) for t, c in zip(total, step_seconds.double().tolist())][: widest + 1]
+    best = max(rate)
+    return next(w for w, r in enumerate(rate) if r >= best * (1 - 1e-9))  # the smallest of the best
 
 
-def _bracket(grid: torch.Tensor, x: float) -> tuple[int, int, float]:
-    """(lo, hi, weight of hi) of ``x`` in ``grid``, clamped to its ends (one point: (0, 0, 0.0))."""
-    if grid.numel() == 1:
+def _bracket(grid: list[float], x: float) -> tuple[int, int, float]:
+    """(lo, hi, weight of hi) of ``x`` in the ascending ``grid``: clamped below its first point,
+    the last segment past its last point (weight above 1)."""
+    if len(grid) == 1:
         return 0, 0, 0.0
-    x = min(max(x, float(grid[0])), float(grid[-1]))
-    hi = int(torch.searchsorted(grid, torch.tensor(x, dtype=torch.float64)).clamp(1, grid.numel() - 1))
-    return hi - 1, hi, (x - float(grid[hi - 1])) / float(grid[hi] - grid[hi - 1])
+    x = max(x, grid[0])
+    hi = min(max(bisect.bisect_left(grid, x), 1), len(grid) - 1)
+    return hi - 1, hi, (x - grid[hi - 1]) / (grid[hi] - grid[hi - 1])
 
 
 class CostModel:
@@ -106,7 +111,7 @@ class CostModel:
     (constant past the ends). Each observed forward moves the whole model by a load factor and the
     points around it (one token excepted) by a shape correction: the model follows the machine's
     load at every width, also widths the loop seldom runs, and learns its shape relative to the
-    one-token step over time.
+    one-token step over time. Plain Python numbers inside: the loop asks it twice per step.
     """
 
     _shared: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, CostModel]]" = weakref.WeakKeyDictionary()
@@ -114,13 +119,19 @@ class CostModel:
 
     def __init__(self, seconds: list, rate: float = SHAPE_RATE, contexts: tuple[int, ...] = (0,)):
         table = torch.tensor(seconds, dtype=torch.float64)
-        self.seconds = table[None, :] if table.dim() == 1 else table  # [C, G]
-        if self.seconds.shape != (len(contexts), len(COST_GRID)):
-            raise ValueError(f"seconds must be [{len(contexts)}, {len(COST_GRID)}], got {list(self.seconds.shape)}")
-        self.grid = torch.tensor(COST_GRID, dtype=torch.float64)
-        self.contexts = torch.tensor(contexts, dtype=torch.float64)
+        table = table[None, :] if table.dim() == 1 else table
+        if table.shape != (len(contexts), len(COST_GRID)):
+            raise ValueError(f"seconds must be [{len(contexts)}, {len(COST_GRID)}], got {list(table.shape)}")
+        self.table: list[list[float]] = table.tolist()  # [C][G]
+        self.grid = [float(x) for x in COST_GRID]
+        self.contexts = [float(c) for c in contexts]
         self.load = 1.0  # the machine's load relative to the table
         self.rate = rate  # 0: a fixed model that observations do not move
+
+    @property
+    def seconds(self) -> torch.Tensor:
+        """[C, G] the table (without the load factor)."""
+        return torch.tensor(self.table, dtype=torch.float64)
 
     @classmethod
     def fixed(cls, device_type: str) -> "CostModel":
@@ -149,14 +160,23 @@ class CostModel:
 
     def predict(self, tokens: torch.Tensor | float, context: float = 0.0) -> torch.Tensor:
         """Seconds for forwards feeding ``tokens`` (any shape) after ``context`` cached tokens."""
-        lo, hi, w = _bracket(self.contexts, float(context))
-        row = self.seconds[lo] * (1 - w) + self.seconds[hi] * w  # [G]
-        curve = torch.cummax(row, dim=0).values * self.load  # never cheaper to feed more
+        curve = self._curve(float(context))
         x = torch.as_tensor(tokens, dtype=torch.float64)
-        right = torch.searchsorted(self.grid, x.clamp(min=1.0)).clamp(1, len(COST_GRID) - 1)
-        left = right - 1
-        x0, x1, y0, y1 = self.grid[left], self.grid[right], curve[left], curve[right]
-        return y0 + (y1 - y0) * (x - x0) / (x1 - x0)  # linear past the last point too
+        out = []
+        for t in x.reshape(-1).tolist():
+            lo, hi, w = _bracket(self.grid, t)
+            out.append(curve[lo] + (curve[hi] - curve[lo]) * w)  # linear past the last point too
+        return torch.tensor(out, dtype=torch.float64).reshape(x.shape)
+
+    def _curve(self, context: float) -> list[float]:
+        """Seconds at each ``COST_GRID`` count after ``context`` cached tokens, never cheaper for more."""
+        lo, hi, w = _bracket(self.contexts, context)
+        w = min(w, 1.0)  # constant past the last context
+        curve, top = [], 0.0
+        for a, b in zip(self.table[lo], self.table[hi]):
+            top = max(top, (a * (1 - w) + b * w) * self.load)
+            curve.append(top)
+        return curve
 
     @classmethod
     def pin(cls, model, costs: "CostModel", cache: CacheSettings | None = None) -> None:
@@ -176,12 +196,12 @@ class CostModel:
         ratio = min(max(seconds / predicted, 1 / 1.5), 1.5)
         self.load *= ratio ** LOAD_RATE
         c_lo, c_hi, c_w = _bracket(self.contexts, float(context))
+        c_w = min(c_w, 1.0)
         g_lo, g_hi, g_w = _bracket(self.grid, x)
         for c, cw in ((c_lo, 1 - c_w), (c_hi, c_w)):
             for g, gw in ((g_lo, 1 - g_w), (g_hi, g_w)):
                 if g > 0:  # one token is the anchor: the load alone moves it, the shape is relative to it
-                    self.seconds[c, g] *= ratio ** (self.rate * cw * gw)
-
+                    self.table[c][g] *= ratio ** (self.rate * cw * gw)
 
 def _cost_key(model, cache: CacheSettings) -> tuple:
     param = next(model.parameters())
@@ -282,12 +302,15 @@ class AcceptanceTracker:
         is the estimate at position i-1, so positions rarely reached borrow from the shallower
         ones (conditional acceptance seldom falls with depth: a copy that held for i-1 tokens
         tends to hold on)."""
-        rates = []
-        prior = torch.full_like(self.offered[:, 0], self.prior)  # [B]
-        for i in range(self.offered.shape[1]):
-            prior = (self.accepted[:, i] + prior * self.prior_weight) / (self.offered[:, i] + self.prior_weight)
-            rates.append(prior)
-        return torch.stack(rates, dim=1) if rates else self.offered.clone()
+        w = self.prior_weight
+        rows = []
+        for accepted, offered in zip(self.accepted.tolist(), self.offered.tolist()):  # plain floats: B x K is small
+            rate, row = self.prior, []
+            for a, o in zip(accepted, offered):
+                rate = (a + rate * w) / (o + w)
+                row.append(rate)
+            rows.append(row)
+        return torch.tensor(rows, dtype=torch.float64).reshape(self.offered.shape)
 
     def update(self, offered: torch.Tensor, accepted: torch.Tensor) -> None:
         """offered [B], accepted [B] drafts of this step (position i is tried if offered > i and
