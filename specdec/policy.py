@@ -14,9 +14,11 @@ row b verifies ``min(W, available_b)`` drafts.
 Inputs, all measured while decoding:
 
 * :class:`CostModel`: seconds of one target forward as a function of the tokens it feeds
-  (width x batch), kept per (model, device, dtype, cache kind) for the process: a short calibration the
-  first time (forwards of 1..64 tokens on a throwaway cache), then corrected by every forward
-  the loop runs;
+  (width x batch) and of the tokens it attends to (its context), kept per (model, device, dtype,
+  cache kind) for the process: a short calibration the first time (forwards of 1..64 tokens
+  after contexts of 32 and 512 tokens, on a throwaway cache), then corrected by every forward
+  the loop runs: a load factor moves every width at once, a slower shape correction the widths
+  near the one observed;
 * the drafting cost per proposed token, measured per call from the generator's ``propose``;
 * :class:`AcceptanceTracker`: per row and position, decayed counts of accepted / offered drafts
   with a prior. Counts decay every step, also when a row does not draft, so a row that stopped
