@@ -194,7 +194,7 @@ class CostModel:
         if x > COST_GRID[-1] or self.rate == 0.0 or seconds <= 0.0:
             return
         predicted = float(self.predict(x, context))
-        # one forward slowed by another process must not move the model far: clip to x/÷ 1.5
+        # one forward slowed by another process must not move the model far: the ratio is clipped to 1.5x
         ratio = min(max(seconds / predicted, 1 / 1.5), 1.5)
         self.load *= ratio ** LOAD_RATE
         c_lo, c_hi, c_w = _bracket(self.contexts, float(context))
@@ -204,6 +204,7 @@ class CostModel:
             for g, gw in ((g_lo, 1 - g_w), (g_hi, g_w)):
                 if g > 0:  # one token is the anchor: the load alone moves it, the shape is relative to it
                     self.table[c][g] *= ratio ** (self.rate * cw * gw)
+
 
 def _cost_key(model, cache: CacheSettings) -> tuple:
     param = next(model.parameters())
@@ -343,7 +344,7 @@ class DraftPolicy:
 
     def budget(self, remaining: torch.Tensor, pending: int, context: int = 0) -> torch.Tensor:
         """Drafts to ask each row for before proposing (drafting cost included). remaining [B];
-        ``context``: tokens the verification will attend to besides its own (the longest row's)."""
+        ``context``: the cache slots the verification attends to besides the tokens it feeds."""
         return self._cap(remaining, pending, context, self.draft_seconds_per_token)
 
     def trim(self, offered: torch.Tensor, pending: int, context: int = 0) -> torch.Tensor:

@@ -42,6 +42,21 @@ def test_expected_tokens_follows_the_formula():
 
 @settings(max_examples=300, deadline=None)
 @given(situations())
+def test_choice_maximises_the_batch_rate_of_the_formula(case):
+    """choose_width (plain Python numbers) picks the smallest width of best rate E / T, with E from
+    expected_tokens and each row verifying min(W, what it offers)."""
+    accept, available, seconds = case
+    expected = expected_tokens(accept)  # [B, K+1]
+    taken = torch.minimum(torch.arange(K + 1)[None, :], available[:, None])
+    rate = expected.gather(1, taken).sum(0) / seconds
+    rate = rate[: int(available.max()) + 1]
+    width = choose_width(accept, available, seconds)
+    assert float(rate[width]) >= float(rate.max()) * (1 - 1e-9)
+    assert all(float(r) < float(rate.max()) * (1 - 1e-9) for r in rate[:width])
+
+
+@settings(max_examples=300, deadline=None)
+@given(situations())
 def test_never_more_than_any_row_can_offer(case):
     accept, available, seconds = case
     width = choose_width(accept, available, seconds)
@@ -111,7 +126,7 @@ def test_cost_model_by_context():
         CostModel([short], contexts=(0, 1000))
 
 
-def test_calibration_times_a_long_context_where_the_model_allows(monkeypatch):
+def test_calibration_times_a_long_context_where_the_model_allows():
     target, _ = tiny_random("llama", seed=3)
     model = policy_module.calibrate(target, torch.arange(5, 20))
     assert model.contexts == [float(c) for c in CONTEXT_GRID]
