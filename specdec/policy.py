@@ -67,9 +67,17 @@ LOAD_RATE, SHAPE_RATE = 0.05, 0.05
 
 def expected_tokens(accept: torch.Tensor) -> torch.Tensor:
     """accept [B, K] conditional acceptance per position -> [B, K+1]: E(k) for k = 0..K."""
-    reach = torch.cumprod(accept.double(), dim=1)  # [B, K] P(position i accepted)
-    zero = torch.zeros_like(reach[:, :1])
-    return 1.0 + torch.cat([zero, torch.cumsum(reach, dim=1)], dim=1)
+    rows = [_expected(rates) for rates in accept.double().tolist()]
+    return torch.tensor(rows, dtype=torch.float64).reshape(accept.shape[0], accept.shape[1] + 1)
+
+
+def _expected(rates: list[float]) -> list[float]:
+    """E(k) for k = 0..K of one row (plain floats: the loop asks every step, and B x K is small)."""
+    out, reach = [1.0], 1.0
+    for a in rates:
+        reach *= a  # P(drafts 1..i all accepted)
+        out.append(out[-1] + reach)
+    return out
 
 
 def choose_width(accept: torch.Tensor, available: torch.Tensor, step_seconds: torch.Tensor) -> int:
@@ -80,14 +88,11 @@ def choose_width(accept: torch.Tensor, available: torch.Tensor, step_seconds: to
     drafting included. Row b verifies ``min(W, available[b])``. Ties go to the smaller W.
     """
     k = accept.shape[1]
-    total = [0.0] * (k + 1)  # committed tokens of the batch for w = 0..K (plain floats: B x K is small)
+    total = [0.0] * (k + 1)  # committed tokens of the batch for w = 0..K
     for rates, offer in zip(accept.double().tolist(), available.long().clamp(0, k).tolist()):
-        expected, reach = 1.0, 1.0
+        expected = _expected(rates)
         for w in range(k + 1):
-            if 0 < w <= offer:
-                reach *= rates[w - 1]
-                expected += reach
-            total[w] += expected
+            total[w] += expected[min(w, offer)]
     widest = int(available.max()) if available.numel() else 0
     rate = [t / max(c, 1e-12) for t, c in zip(total, step_seconds.double().tolist())][: widest + 1]
     best = max(rate)
@@ -237,18 +242,17 @@ def calibrate(model, tokens: torch.Tensor, cache: CacheSettings | None = None, s
             kv = make_kv(model, 1, max(slots, length + CALIBRATED[-1] + 1), cache)
             curves.append(_time_widths(model, kv, cache_kwarg, context, reps))
             kv.release()
-    xs = torch.tensor(CALIBRATED, dtype=torch.float64)
-    grid = torch.tensor(COST_GRID, dtype=torch.float64)
-    hi = torch.searchsorted(xs, grid).clamp(1, len(CALIBRATED) - 1)
-    lo = hi - 1
-    ys = torch.tensor(curves, dtype=torch.float64)  # [contexts, CALIBRATED]
-    rows = ys[:, lo] + (ys[:, hi] - ys[:, lo]) * (grid - xs[lo]) / (xs[hi] - xs[lo])  # [contexts, G]
+    calibrated = [float(c) for c in CALIBRATED]
+    rows = []  # [contexts][COST_GRID], interpolated between the calibrated counts
+    for curve in curves:
+        points = [_bracket(calibrated, float(x)) for x in COST_GRID]
+        rows.append([curve[lo] + (curve[hi] - curve[lo]) * w for lo, hi, w in points])
     if len(contexts) == 1:
-        return CostModel(rows[0].tolist())
-    growth = (rows[1] - rows[0]).clamp_min(0.0) / (contexts[1] - contexts[0])  # seconds per cached token
-    table = [rows[0] + growth * (c - contexts[0]) for c in CONTEXT_GRID]
-    return CostModel(torch.stack(table).tolist(), contexts=CONTEXT_GRID)
-
+        return CostModel(rows[0])
+    span = contexts[1] - contexts[0]
+    growth = [max(b - a, 0.0) / span for a, b in zip(*rows)]  # seconds per further cached token
+    table = [[a + g * (c - contexts[0]) for a, g in zip(rows[0], growth)] for c in CONTEXT_GRID]
+    return CostModel(table, contexts=CONTEXT_GRID)
 
 def _time_widths(model, kv, cache_kwarg: str, context: torch.Tensor, reps: int) -> list[float]:
     """Median seconds of a forward of each ``CALIBRATED`` count after ``context [L]`` is cached."""
