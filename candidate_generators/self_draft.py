@@ -30,9 +30,11 @@ import weakref
 import torch
 
 from specdec.generators import DecodeContext, Proposal
+from specdec.modelinfo import tensor_bytes
 from specdec.registry import register_candidate_generator
 
 from .draft_model import DraftModelGenerator
+from .int8 import quantize_linears
 from .prompt_lookup import PromptLookupGenerator
 
 WEIGHTS = ("bfloat16", "float16", "int8", "w8a8", "int4")
@@ -46,11 +48,13 @@ def build_copy(target, weights: str):
     if getattr(target.config, "vision_config", None) is not None or hasattr(target, "get_rope_index"):
         raise ValueError(f"self_draft drafts for text-only models; {type(target).__name__} is a vision-language "
                          "model (pass a text draft model instead)")
-    if weights in QUANTIZED:
+    on_cpu = next(target.parameters()).device.type == "cpu"
+    if weights in QUANTIZED and not (weights == "w8a8" and on_cpu):
         quantize, config = _torchao(weights)
     draft = copy.deepcopy(target)
-    if weights != "w8a8":  # w8a8 keeps the target's dtype outside its int8 products
-        draft.to(torch.float16 if weights == "float16" else torch.bfloat16)
+    if weights == "w8a8":  # the target's dtype outside the int8 products
+        return (quantize_linears(draft) if on_cpu else quantize(draft, config) or draft).eval()
+    draft.to(torch.float16 if weights == "float16" else torch.bfloat16)
     if weights in QUANTIZED:
         quantize(draft, config)
     return draft.eval()
@@ -66,24 +70,6 @@ def _torchao(weights: str):
     configs = {"int8": Int8WeightOnlyConfig, "w8a8": Int8DynamicActivationInt8WeightConfig,
                "int4": Int4WeightOnlyConfig}
     return quantize_, configs[weights]()
-
-
-def tensor_bytes(module: torch.nn.Module) -> int:
-    """Bytes of a module's parameters and buffers as stored (quantized tensors by their parts)."""
-    seen: set[int] = set()
-
-    def size(t: torch.Tensor) -> int:
-        flatten = getattr(type(t), "__tensor_flatten__", None)
-        if flatten is not None and type(t) not in (torch.Tensor, torch.nn.Parameter):
-            names, _ = t.__tensor_flatten__()
-            return sum(size(getattr(t, name)) for name in names)
-        storage = t.untyped_storage()
-        if storage.data_ptr() in seen:  # tied weights are stored once
-            return 0
-        seen.add(storage.data_ptr())
-        return storage.nbytes()
-
-    return sum(size(t) for t in (*module.parameters(), *module.buffers()))
 
 
 class _Copies:
@@ -125,6 +111,11 @@ class SelfDraftGenerator(DraftModelGenerator):
         super().setup(ctx)
         if self.lookup is not None:
             self.lookup.setup(ctx)
+
+    def acceptance_prior(self) -> float:
+        # the copy is the target rounded: its greedy token agreed with the target's on 90-99% of
+        # positions (docs/self_draft.md); a lookup hit is accepted less often
+        return 0.6 if self.lookup is not None else 0.85
 
     def attach_options(self) -> dict:
         # a draft step feeds one token, two after a fully accepted block; wider re-feeds run eagerly

@@ -15,14 +15,13 @@ tensors, and nothing here knows a generator by name beyond asking the registry.
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from .generators import CandidateGenerator, NoDraft
-from .kv import CacheSettings, static_problem
+from .kv import CacheSettings, length_ladder, static_problem
 from .metrics import AcceptanceStats
 from .modelinfo import UNSET, eos_token_ids, pad_token_id
 from .multimodal import PrefillSpec, Prefix, check_call, declared_inputs
@@ -128,30 +127,38 @@ class SpecDecoder:
     def warmup(self, batch_size: int = 1, max_length: int = 1024) -> float:
         """Compile every forward a call can run (``compile=True``, or a generator whose draft
         compiles, like ``self_draft``): the target's and each assistant's, at every padded width,
-        for ``batch_size`` rows and a static cache of at least ``max_length`` slots (prompt + new
-        tokens), and calibrate the draft-length policy.
-        From then on every call's static caches hold at least ``max_length`` slots, so calls of
-        that batch size up to that length compile nothing new (a batch whose rows finish at
-        different times runs smaller batches too: warm those up as well). Returns the
-        seconds spent (report them apart from decoding time); 0.0 when nothing compiles."""
+        for ``batch_size`` rows and static caches of each length of ``kv.length_ladder`` up to
+        ``max_length`` tokens (prompt + new tokens; 1024 -> caches of 256, 512 and 1024 slots and a
+        margin), and calibrate the draft-length policy.
+        From then on each call takes the shortest warmed-up cache it fits in (attention reads every
+        slot, so short calls stay fast), and calls of that batch size up to ``max_length`` compile
+        nothing new (a batch whose rows finish at different times runs smaller batches too: warm
+        those up as well). Returns the seconds spent (report them apart from decoding time); 0.0
+        when nothing compiles."""
         started = time.perf_counter()
-        self.cache = dataclasses.replace(self.cache, min_length=max(self.cache.min_length, max_length))
         vocab = min(int(self.target.get_input_embeddings().weight.shape[0]), 256)
         ids = torch.arange(8).remainder(vocab)[None, :].repeat(batch_size, 1)
         prompt = self._prompt(ids, None, {}, None)
-        settings = CallSettings(max_new_tokens=max(max_length - ids.shape[1], 1), sampling=SamplingParams(),
-                                generator=None, pad=pad_token_id(self.target, ()), cache=self.cache,
-                                stopper=Stopper(max_new_tokens=1, eos_token_ids=(), stop_strings=None,
-                                                tokenizer=None, stopping_criteria=None))
-        run = DecodeRun(self.target, self.candidate_generator, prompt, settings,
-                        tokenizer=self.tokenizer, draft_tokenizer=self.draft_tokenizer)
-        compiled = [state for state in run.states() if state.compiled]
-        try:
-            with torch.no_grad():
-                for state in compiled:
-                    state.warm_up()
-        finally:
-            run.release()
+        compiled = False
+        for length in length_ladder(max_length + ModelState.margin()):
+            # one new token: the caches then hold exactly ``length`` slots
+            settings = CallSettings(max_new_tokens=1, sampling=SamplingParams(), generator=None,
+                                    pad=pad_token_id(self.target, ()), cache=replace(self.cache, lengths=(length,)),
+                                    stopper=Stopper(max_new_tokens=1, eos_token_ids=(), stop_strings=None,
+                                                    tokenizer=None, stopping_criteria=None))
+            run = DecodeRun(self.target, self.candidate_generator, prompt, settings,
+                            tokenizer=self.tokenizer, draft_tokenizer=self.draft_tokenizer)
+            states = [state for state in run.states() if state.compiled]
+            try:
+                with torch.no_grad():
+                    for state in states:
+                        state.warm_up()
+            finally:
+                run.release()
+            if not states:
+                break  # nothing compiles: no cache length matters
+            compiled = True
+            self.cache = replace(self.cache, lengths=tuple(sorted({*self.cache.lengths, length})))
         return time.perf_counter() - started if compiled else 0.0
 
     def prefill(self, input_ids, attention_mask=None, **model_inputs) -> Prefix:

@@ -155,6 +155,13 @@ class CandidateGenerator:
             return schedule.max_tokens if schedule.kind == "auto" else 0
         return DEFAULT_MAX_DRAFTS
 
+    def acceptance_prior(self) -> float:
+        """The policy's estimate that a draft is accepted before it has measured any this call (in
+        (0, 1)); measurements take over within a few steps. A generator that knows its drafts
+        agree with the target more often (a copy of the target, say) says so, and the policy
+        drafts from the first step instead of waiting to learn it."""
+        return 0.5
+
 
 class NoDraft(CandidateGenerator):
     """Proposes nothing: the loop degenerates to plain decoding (mean accepted length 1.0)."""

@@ -46,13 +46,15 @@ IMPLEMENTATIONS = ("dynamic", "static")
 class CacheSettings:
     """How every model of a call keeps its cache: ``implementation`` "dynamic" or "static";
     ``compile`` False, True, or a dict of ``torch.compile`` options (static only). A static
-    cache holds at least ``min_length`` slots (set by ``SpecDecoder.warmup``: every call up to
-    that length then runs the graphs the warm-up compiled)."""
+    cache takes the shortest of ``lengths`` its call fits in (the lengths ``SpecDecoder.warmup``
+    compiled: a call that fits one runs the graphs compiled for it), else the call's length
+    rounded up to ``LENGTH_STEP``. Attention reads every slot of a static cache, so a short call
+    runs faster on a short cache."""
 
     implementation: str = "dynamic"
     compile: Any = False
     options: dict = field(default_factory=dict, compare=False, hash=False)
-    min_length: int = 0
+    lengths: tuple[int, ...] = ()
     widths: tuple[int, ...] = WIDTHS  # the widths compiled forwards pad to; wider ones run eagerly
 
     @classmethod
@@ -143,7 +145,7 @@ class StaticKV:
     def __init__(self, model, batch: int, capacity: int, settings: CacheSettings):
         self.model_ref = weakref.ref(model)
         self.settings = settings
-        self.length = _round_up(max(capacity, settings.min_length), LENGTH_STEP)
+        self.length = self._length_for(capacity)
         self.cache = _POOL.acquire(model, batch, self.length)
         compiles = settings.compile and model not in _MISCOMPILED
         self.compiled = compiled_forward(model, settings.options) if compiles else None
@@ -196,13 +198,17 @@ class StaticKV:
             return width
         return next((w for w in self.settings.widths if w >= width), width)
 
+    def _length_for(self, slots: int) -> int:
+        """The shortest warmed-up length that holds ``slots``, else ``slots`` rounded up."""
+        return next((n for n in sorted(self.settings.lengths) if n >= slots), _round_up(slots, LENGTH_STEP))
+
     def _reserve(self, model, slots: int) -> None:
         """Grow the cache (copying what it holds) if ``slots`` do not fit."""
         if slots <= self.length:
             return
         old, old_length = self.cache, self.length
         batch = _batch_of(old)
-        self.length = _round_up(max(slots, 2 * old_length), LENGTH_STEP)
+        self.length = self._length_for(max(slots, 2 * old_length))
         self.cache = _POOL.acquire(model, batch, self.length)
         for new_layer, old_layer in zip(self.cache.layers, old.layers):
             if old_layer.is_initialized:
@@ -315,6 +321,16 @@ def _recompile_room():
 
 def _round_up(n: int, step: int) -> int:
     return max(step, -(-n // step) * step)
+
+
+def length_ladder(max_length: int) -> tuple[int, ...]:
+    """The static cache lengths a warm-up compiles for calls up to ``max_length`` slots: doublings
+    of ``LENGTH_STEP`` up to ``max_length`` rounded up (1024 -> 256, 512, 1024; 300 -> 256, 512)."""
+    top, ladder, n = _round_up(max_length, LENGTH_STEP), [], LENGTH_STEP
+    while n < top:
+        ladder.append(n)
+        n *= 2
+    return (*ladder, top)
 
 
 def _batch_of(cache) -> int:

@@ -46,7 +46,8 @@ def vocab_size(model) -> int:
     head = model.get_output_embeddings()
     if head is None:
         raise ValueError(f"{type(model).__name__} has no output embedding (a language-modelling head is needed)")
-    return int(head.weight.shape[0])
+    weight = getattr(head, "weight", None)
+    return int(weight.shape[0]) if weight is not None else int(head.out_features)  # a quantized head keeps out_features
 
 
 def eos_token_ids(model, explicit=UNSET) -> list[int]:
@@ -102,3 +103,21 @@ class ForwardTimer:
 
     def __exit__(self, *_) -> None:
         self.remove()
+
+
+def tensor_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's parameters and buffers as stored (quantized tensors by their parts)."""
+    seen: set[int] = set()
+
+    def size(t: torch.Tensor) -> int:
+        flatten = getattr(type(t), "__tensor_flatten__", None)
+        if flatten is not None and type(t) not in (torch.Tensor, torch.nn.Parameter):
+            names, _ = t.__tensor_flatten__()
+            return sum(size(getattr(t, name)) for name in names)
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen:  # tied weights are stored once
+            return 0
+        seen.add(storage.data_ptr())
+        return storage.nbytes()
+
+    return sum(size(t) for t in (*module.parameters(), *module.buffers()))

@@ -21,8 +21,9 @@ Inputs, all measured while decoding:
   near the one observed;
 * the drafting cost per proposed token, measured per call from the generator's ``propose``;
 * :class:`AcceptanceTracker`: per row and position, decayed counts of accepted / offered drafts
-  with a prior. Counts decay every step, also when a row does not draft, so a row that stopped
-  drafting drifts back towards the prior and probes again later.
+  with a prior (the generator's ``acceptance_prior()``: 0.5 unless it knows better). Counts decay
+  every step, also when a row does not draft, so a row that stopped drafting drifts back towards
+  the prior and probes again later.
 
 :func:`choose_width` is a pure function (tested with hypothesis): never above what rows can
 offer, zero when no width pays, and never a wider block when acceptance falls.

@@ -31,7 +31,7 @@ from .assistant import Assistant
 from .generators import CandidateGenerator, DecodeContext, Feedback
 from .kv import CacheSettings, static_problem
 from .metrics import AcceptanceStats
-from .modelinfo import vocab_size
+from .modelinfo import tensor_bytes, vocab_size
 from .multimodal import PrefillSpec, Prefix, check_assistant
 from .policy import AcceptanceTracker, CostModel, DraftPolicy, synchronize
 from .sampling import SamplingParams
@@ -114,7 +114,7 @@ class DecodeRun:
             cache = CacheSettings.make(cache_implementation or base.implementation,
                                        (base.options or base.compile) if compile is None else compile,
                                        compile_widths or base.widths)
-            cache = dataclasses.replace(cache, min_length=base.min_length)  # keeps a warmed-up length
+            cache = dataclasses.replace(cache, lengths=base.lengths)  # keeps the warmed-up lengths
         if tokens is None:  # follows the target's tokens: the run keeps it in step
             prefill, positions = self.spec.for_model(model)  # the inputs its forward declares; its own positions
             state = ModelState(model, self.target.tokens[:, : self.width], self.target.lengths,
@@ -134,10 +134,14 @@ class DecodeRun:
         cap = self.session.draft_cap()
         if cap <= 0:
             return None
-        acceptance = AcceptanceTracker(prompt.rows.shape[0], cap)
+        prior = float(self.session.acceptance_prior())
+        if not 0.0 < prior < 1.0:
+            raise ValueError(f"{self.plugin}.acceptance_prior() must be in (0, 1), got {prior}")
+        acceptance = AcceptanceTracker(prompt.rows.shape[0], cap, prior=prior)
         if self.settings.sampling.do_sample:
-            size = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
-            ratio = sum(size(s.model) for s in (*self.followers, *self.own)) / size(target)
+            # decoding is bound by reading weights: an assistant's draft token costs about its bytes
+            # relative to the target's one-token step (no assistant, e.g. prompt lookup: about nothing)
+            ratio = sum(tensor_bytes(s.model) for s in (*self.followers, *self.own)) / tensor_bytes(target)
             return DraftPolicy(CostModel.fixed(target.device.type), acceptance, cap, ratio, measured=False)
         costs, spent = CostModel.for_model(target, prompt.rows[0, : int(prompt.lengths[0])], self.settings.cache,
                                            slots=self.target.kv.slots)

@@ -77,6 +77,11 @@ class ModelState:
     #: token columns allocated beyond the prompt at first; the buffer doubles as it fills
     HEADROOM = 64
 
+    @classmethod
+    def margin(cls) -> int:
+        """Static cache slots a call takes beyond its prompt and new tokens (a block and the re-feeds)."""
+        return 2 * cls.REFEED_LIMIT + 1
+
     def __init__(self, model, tokens: torch.Tensor, lengths: torch.Tensor, capacity: int | None = None, *,
                  pad_token_id: int = 0, prefill_inputs: dict[str, Any] | PrefillInputs | None = None,
                  positions=None, kv: CacheSettings | None = None, max_new_tokens: int | None = None):
@@ -85,7 +90,7 @@ class ModelState:
         self.device = tokens.device
         capacity = tokens.shape[1] + self.HEADROOM if capacity is None else max(capacity, tokens.shape[1])
         # a static cache is sized for the call: prompt, new tokens, one block and the re-feed margin
-        slots = tokens.shape[1] + min(max_new_tokens or self.HEADROOM, 1 << 16) + 2 * self.REFEED_LIMIT + 1
+        slots = tokens.shape[1] + min(max_new_tokens or self.HEADROOM, 1 << 16) + self.margin()
         self.kv = make_kv(model, batch, slots, kv)
         self.tokens = torch.full((batch, capacity), pad_token_id, dtype=torch.long, device=self.device)
         self.tokens[:, : tokens.shape[1]] = tokens

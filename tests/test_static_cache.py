@@ -95,15 +95,24 @@ def test_no_graph_compiles_after_warmup(pairs, drafter):
     target, draft, _ = pairs["llama"]
     decoder = SpecDecoder(target, draft if drafter == "draft_model" else drafter, cache_implementation="static",
                           compile=FAST_COMPILE)
-    seconds = decoder.warmup(max_length=300)
+    seconds = decoder.warmup(max_length=512)
     assert seconds > 0
+    assert decoder.cache.lengths == (256, 512, 768)  # 512 tokens and the margin fit 768 slots
     graphs = counters["stats"]["unique_graphs"]
-    for seed, length in [(0, 5), (1, 30), (2, 60), (3, 17)]:
-        ids = repetitive_prompt(length, seed=seed)
-        out = decoder.generate(ids, max_new_tokens=50)
-        assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=50, do_sample=False))
+    slots = []  # the prefill runs eagerly, so a hook sees each call's cache
+    handle = target.register_forward_pre_hook(
+        lambda module, args, kwargs: slots.append(getattr(kwargs["cache"].layers[0], "max_cache_len", None)),
+        with_kwargs=True)  # None: target.generate's dynamic cache
+    try:
+        for seed, length in [(0, 5), (1, 30), (2, 60), (3, 17), (4, 120)]:  # 120: a 300-token prompt
+            ids = repetitive_prompt(length, seed=seed)
+            out = decoder.generate(ids, max_new_tokens=50)
+            assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=50, do_sample=False))
+    finally:
+        handle.remove()
     assert counters["stats"]["unique_graphs"] == graphs
-    assert decoder.warmup(max_length=300) >= 0  # warming again is cheap and harmless
+    assert set(slots) - {None} == {256, 512}  # each call took the shortest warmed-up cache it fits in
+    assert decoder.warmup(max_length=512) >= 0  # warming again is cheap and harmless
     assert counters["stats"]["unique_graphs"] == graphs
 
 

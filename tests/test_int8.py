@@ -1,0 +1,58 @@
+"""``Int8Linear``: int8 weights x uint8 activations (per-token scale and zero point) on the CPU.
+
+Close to the float layer it replaces, row by row independent, and the same compiled as eager for
+a single row (inductor once handed ``torch._int_mm`` a one-row operand with a zero row stride, on
+which the CPU kernel computes garbage)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from candidate_generators.int8 import Int8Linear, quantize_linears
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(1, 9), bias=st.booleans(), seed=st.integers(0, 2**16), shift=st.floats(-3.0, 3.0))
+def test_close_to_the_float_layer_and_rows_independent(rows, bias, seed, shift):
+    g = torch.Generator().manual_seed(seed)
+    linear = torch.nn.Linear(96, 40, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(40, 96, generator=g) * 0.1)
+        if bias:
+            linear.bias.copy_(torch.randn(40, generator=g))
+    layer = Int8Linear(linear)
+    x = torch.randn(2, rows, 96, generator=g) + shift  # activations need not be centred: the zero point covers it
+    with torch.no_grad():
+        want, got = linear(x), layer(x)
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert relative_error(got, want) < 0.03
+        assert torch.equal(layer(x[:, -1:]), got[:, -1:])  # each token is quantized on its own
+
+
+def test_the_compiled_layer_equals_the_eager_one_for_one_row():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.SiLU(), torch.nn.Linear(128, 64, bias=False))
+    quantize_linears(model)
+    assert all(isinstance(m, Int8Linear) for m in (model[0], model[2]))
+    compiled = torch.compile(model, fullgraph=True)  # inductor: the backend that lays out the operands
+    with torch.no_grad():
+        for shape in [(1, 1, 64), (1, 3, 64), (2, 1, 64)]:
+            x = torch.randn(shape)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_quantized_copy_keeps_its_shape_and_stores_a_quarter_of_the_bytes():
+    linear = torch.nn.Linear(256, 512)
+    layer = Int8Linear(linear)
+    assert (layer.in_features, layer.out_features) == (256, 512)
+    stored = sum(b.numel() * b.element_size() for b in layer.buffers())
+    assert stored < 0.3 * sum(p.numel() * p.element_size() for p in linear.parameters())
+    assert "int8" in repr(layer)
