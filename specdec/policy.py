@@ -31,8 +31,8 @@ offer, zero when no width pays, and never a wider block when acceptance falls.
 Under sampling, decisions must not depend on timings: a seeded call must reproduce exactly, and
 the random numbers the verifier draws depend on how many drafts each step verifies. There the
 policy uses a fixed cost curve per device kind (``FIXED_SLOPE``) and a drafting cost equal to
-the attached assistants' size relative to the target's (decoding is bound by reading weights),
-so its choices follow from the committed tokens alone.
+the attached assistants' bytes as stored relative to the target's (decoding is bound by reading
+weights), so its choices follow from the committed tokens alone.
 """
 
 from __future__ import annotations
