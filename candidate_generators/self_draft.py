@@ -52,9 +52,10 @@ def build_copy(target, weights: str):
     if weights in QUANTIZED and not (weights == "w8a8" and on_cpu):
         quantize, config = _torchao(weights)
     draft = copy.deepcopy(target)
-    if weights == "w8a8":  # the target's dtype outside the int8 products
-        return (quantize_linears(draft) if on_cpu else quantize(draft, config) or draft).eval()
-    draft.to(torch.float16 if weights == "float16" else torch.bfloat16)
+    if weights == "w8a8" and on_cpu:  # int8 x uint8 products, the target's dtype elsewhere (int8.py)
+        return quantize_linears(draft).eval()
+    if weights != "w8a8":
+        draft.to(torch.float16 if weights == "float16" else torch.bfloat16)
     if weights in QUANTIZED:
         quantize(draft, config)
     return draft.eval()
