@@ -26,15 +26,9 @@ import torch
 class Int8Linear(torch.nn.Module):
     """``y = x W^T + b`` with W stored as int8 per output channel and x quantized per token to uint8."""
 
-    def __init__(self, linear: torch.nn.Linear, act_absmax: torch.Tensor | None = None, alpha: float = 0.5):
+    def __init__(self, linear: torch.nn.Linear):
         super().__init__()
         w = linear.weight.detach().float()  # [N, K]
-        smooth = None
-        if act_absmax is not None:  # move part of each input channel's range from activations to weights
-            w_absmax = w.abs().amax(dim=0).clamp_min(1e-5)  # [K]
-            smooth = (act_absmax.float().clamp_min(1e-5) ** alpha / w_absmax ** (1 - alpha)).clamp(1e-2, 1e2)
-            w = w * smooth[None, :]
-        self.register_buffer("input_scale", None if smooth is None else 1 / smooth)  # [K]
         scale = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)  # [N]
         q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -47,8 +41,6 @@ class Int8Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).float()  # [M, K]
-        if self.input_scale is not None:
-            x2 = x2 * self.input_scale
         lo = x2.amin(dim=1, keepdim=True).clamp(max=0.0)
         hi = x2.amax(dim=1, keepdim=True).clamp(min=0.0)
         scale = ((hi - lo) / 255).clamp_min(1e-12)  # [M, 1]

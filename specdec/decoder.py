@@ -128,8 +128,8 @@ class SpecDecoder:
         """Compile every forward a call can run (``compile=True``, or a generator whose draft
         compiles, like ``self_draft``): the target's and each assistant's, at every padded width,
         for ``batch_size`` rows and static caches of each length of ``kv.length_ladder`` up to
-        ``max_length`` tokens (prompt + new tokens; 1024 -> caches of 256, 512 and 1024 slots and a
-        margin), and calibrate the draft-length policy.
+        ``max_length`` tokens (prompt + new tokens) and the call margin (1024 -> caches of 256,
+        512, 1024 and 1280 slots), and calibrate the draft-length policy.
         From then on each call takes the shortest warmed-up cache it fits in (attention reads every
         slot, so short calls stay fast), and calls of that batch size up to ``max_length`` compile
         nothing new (a batch whose rows finish at different times runs smaller batches too: warm
