@@ -119,8 +119,11 @@ class SelfDraftGenerator(DraftModelGenerator):
         return 0.6 if self.lookup is not None else 0.85
 
     def attach_options(self) -> dict:
-        # a draft step feeds one token, two after a fully accepted block; wider re-feeds run eagerly
-        return {"cache_implementation": "static", "compile": self.compile_draft, "compile_widths": (1, 2)}
+        # a draft step feeds one token, two after a fully accepted block; wider re-feeds run eagerly.
+        # The copy has the target's cache layout: it starts from the keys and values of the
+        # target's prefill (more exact than its own, and no prompt forward of its own)
+        return {"cache_implementation": "static", "compile": self.compile_draft, "compile_widths": (1, 2),
+                "prefill_from_target": True}
 
     def propose(self, ctx: DecodeContext, max_drafts: torch.Tensor) -> Proposal:
         if self.lookup is None:

@@ -99,7 +99,8 @@ class DecodeContext:
 
     def attach(self, model, tokens: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
                pad_token_id: int | None = None, *, cache_implementation: str | None = None,
-               compile: bool | dict | None = None, compile_widths: tuple[int, ...] | None = None) -> "Assistant":
+               compile: bool | dict | None = None, compile_widths: tuple[int, ...] | None = None,
+               prefill_from_target: bool = False) -> "Assistant":
         """Hand an assistant model to the controller; get an :class:`~specdec.assistant.Assistant`.
 
         Without ``tokens`` the assistant shares the target's token ids and the controller keeps it
@@ -110,8 +111,15 @@ class DecodeContext:
         this assistant keeps its cache, whatever the call uses (default: as the call);
         ``compile_widths``: the forward widths to compile (e.g. ``(1, 2)`` for a draft that feeds
         one token per step; wider forwards then run eagerly).
+
+        ``prefill_from_target``: the assistant never prefills; it starts from a copy of the keys
+        and values the target's prefill computed, which needs an assistant that shares the
+        target's tokens and its cache layout (layers, key/value heads, head size): a copy of the
+        target at lower precision, say. The first step then verifies no drafts (the target's
+        prefill has to come first), and no prompt is fed to the assistant.
         """
-        return self._attach(model, tokens, lengths, pad_token_id, cache_implementation, compile, compile_widths)
+        return self._attach(model, tokens, lengths, pad_token_id, cache_implementation, compile, compile_widths,
+                            prefill_from_target)
 
 
 class CandidateGenerator:

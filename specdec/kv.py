@@ -135,6 +135,13 @@ class DynamicKV:
         """Start from a copy of another cache holding ``slots`` slots (a prefix)."""
         self.cache = copy.deepcopy(cache)
 
+    def adopt(self, cache, slots: int, dtype: torch.dtype) -> None:
+        """Start from a copy of the first ``slots`` slots of another model's cache, in ``dtype``."""
+        self.cache = DynamicCache()
+        for i, layer in enumerate(cache.layers):
+            self.cache.update(layer.keys[:, :, :slots].to(dtype, copy=True),
+                              layer.values[:, :, :slots].to(dtype, copy=True), i)
+
     def release(self) -> None:
         pass
 
@@ -239,6 +246,16 @@ class StaticKV:
                 new_layer.values.copy_(old_layer.values[rows])
         _POOL.release(model, old)
 
+    def adopt(self, cache, slots: int, dtype: torch.dtype) -> None:
+        """Start from a copy of the first ``slots`` slots of another model's cache, in ``dtype``."""
+        model = self.model_ref()
+        self._reserve(model, slots)
+        batch = int(cache.layers[0].keys.shape[0])
+        for new_layer, layer in zip(self.cache.layers, cache.layers):
+            _ensure_initialized(new_layer, layer, batch, dtype)
+            new_layer.keys[:, :, :slots].copy_(layer.keys[:, :, :slots])
+            new_layer.values[:, :, :slots].copy_(layer.values[:, :, :slots])
+
     def load(self, cache, slots: int) -> None:
         raise ValueError("a prefix cannot continue on the static cache (use the default dynamic cache)")
 
@@ -338,11 +355,11 @@ def _batch_of(cache) -> int:
     return int(layers[0].keys.shape[0]) if layers else 0
 
 
-def _ensure_initialized(new_layer, like, batch: int) -> None:
+def _ensure_initialized(new_layer, like, batch: int, dtype: torch.dtype | None = None) -> None:
     if not new_layer.is_initialized:
         shape = (batch, like.keys.shape[1], 1)  # lazy_initialization reads batch, heads and head size
-        keys = like.keys.new_zeros((*shape, like.keys.shape[-1]))
-        values = like.values.new_zeros((*shape, like.values.shape[-1]))
+        keys = like.keys.new_zeros((*shape, like.keys.shape[-1]), dtype=dtype)
+        values = like.values.new_zeros((*shape, like.values.shape[-1]), dtype=dtype)
         new_layer.lazy_initialization(keys, values)
 
 

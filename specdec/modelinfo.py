@@ -121,3 +121,13 @@ def tensor_bytes(module: torch.nn.Module) -> int:
         return storage.nbytes()
 
     return sum(size(t) for t in (*module.parameters(), *module.buffers()))
+
+
+def kv_layout(model) -> tuple[int, int, int]:
+    """(layers, key/value heads, head size) of ``model``'s cache, from its config: two models
+    with the same layout can read each other's keys and values."""
+    config = model.config.get_text_config(decoder=True)
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+    return (int(config.num_hidden_layers), int(kv_heads or 0), int(head_dim or 0))

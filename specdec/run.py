@@ -31,7 +31,7 @@ from .assistant import Assistant
 from .generators import CandidateGenerator, DecodeContext, Feedback
 from .kv import CacheSettings, static_problem
 from .metrics import AcceptanceStats
-from .modelinfo import tensor_bytes, vocab_size
+from .modelinfo import kv_layout, tensor_bytes, vocab_size
 from .multimodal import PrefillSpec, Prefix, check_assistant
 from .policy import AcceptanceTracker, CostModel, DraftPolicy, synchronize
 from .sampling import SamplingParams
@@ -75,6 +75,7 @@ class DecodeRun:
             self.target.continue_from(prompt.prefix)
         self.followers: list[ModelState] = []  # assistants in the target's token space
         self.own: list[ModelState] = []  # assistants in their own token space
+        self.borrowers: list[ModelState] = []  # followers that start from the target's prefill
         self.session = generator.session()
         self.plugin = generator.name or type(generator).__name__
         self.ctx = DecodeContext(target, tokenizer, draft_tokenizer, settings.sampling, settings.generator,
@@ -99,10 +100,17 @@ class DecodeRun:
         return {"kv": cache, "max_new_tokens": self.settings.max_new_tokens}
 
     def _attach(self, model, tokens=None, lengths=None, pad_token_id=None, cache_implementation=None,
-                compile=None, compile_widths=None) -> Assistant:
+                compile=None, compile_widths=None, prefill_from_target=False) -> Assistant:
         problem = cache_problem(model, self.target.batch_size)
         if problem:
             raise ValueError(f"assistant: {problem}")
+        if prefill_from_target:
+            if tokens is not None:
+                raise ValueError("prefill_from_target needs an assistant that shares the target's tokens (no tokens=)")
+            if kv_layout(model) != kv_layout(self.ctx.target) or self.spec.user_inputs:
+                raise ValueError(f"prefill_from_target needs the target's cache layout (layers, key/value heads, "
+                                 f"head size) and a text-only prompt: {type(model).__name__} has "
+                                 f"{kv_layout(model)}, the target {kv_layout(self.ctx.target)}")
         check_assistant(self.ctx.target, model)
         device = next(model.parameters()).device
         if device != self.target.device:
@@ -121,6 +129,8 @@ class DecodeRun:
                                pad_token_id=self.settings.pad, prefill_inputs=prefill, positions=positions,
                                **self._cache_args(model, cache))
             self.followers.append(state)
+            if prefill_from_target:
+                self.borrowers.append(state)
         else:  # its own token space (another tokenizer): the generator keeps it in step
             pad = self.settings.pad if pad_token_id is None else pad_token_id
             state = ModelState(model, tokens, lengths, pad_token_id=pad, prefill_inputs=self.spec.plain_inputs(model),
@@ -157,17 +167,20 @@ class DecodeRun:
         pending = target.pending_width()
         context = target.cached_slots  # cache slots the verification attends to besides its own tokens
         ask = policy.budget(remaining, pending, context) if policy is not None else remaining  # [B]
+        first = target.is_first_iteration
+        if first and self.borrowers:  # they draft once they hold the target's prefill
+            ask = torch.zeros_like(ask)
         proposal = self.session.propose(self.ctx, ask)
         drafted = time.perf_counter()
         check_proposal(proposal, self.plugin, target.batch_size, self.vocab, self.settings.sampling.do_sample)
         offered = torch.minimum(proposal.lengths.to(target.device), ask).clamp_min(0)  # [B]
         offered = target.admissible_drafts(proposal.token_ids.to(target.device), offered)
-        first = target.is_first_iteration
         if policy is not None:
             if not first:  # the first proposal also prefills any assistant: not a drafting cost per token
                 policy.observe_drafting(drafted - tick, int(offered.max()))
             offered = policy.trim(offered, pending, context)
-            self.stats.skipped_steps += int(((ask == 0) & (remaining > 0)).sum())
+            if not (first and self.borrowers):
+                self.stats.skipped_steps += int(((ask == 0) & (remaining > 0)).sum())
         k = int(offered.max())
         draft_ids = proposal.token_ids[:, :k].to(target.device)  # [B, k]
         committed = target.lengths.clone()  # [B]
@@ -193,6 +206,8 @@ class DecodeRun:
         self.stats.verify_seconds += verified - drafted
         self.feed.tokens(block[0, : int(keep[0])])
         for state in self.followers:
+            if state.is_first_iteration and state in self.borrowers:
+                state.adopt(target)
             state.sync(target.tokens, target.lengths, since=committed)
         self.session.observe(self.ctx, Feedback(offered, verdict.accepted))
         if policy is not None:

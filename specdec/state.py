@@ -193,6 +193,18 @@ class ModelState:
         self.positions = prefix.positions
         self.prefill_inputs = PrefillInputs()
 
+    def adopt(self, other: "ModelState") -> None:
+        """Start from a copy of ``other``'s cache (its layout too) instead of a prefill: ``other``
+        holds keys and values this model can read (the same cache layout, the same tokens). Ends
+        the first iteration; nothing prefill-only may be pending."""
+        if not self.is_first_iteration or self.prefill_inputs:
+            raise RuntimeError("adopt() replaces a text-only prefill; this state has run or takes prefill inputs")
+        dtype = self.model.get_input_embeddings().weight.dtype  # what this model's keys and values are kept in
+        self.kv.adopt(other.kv.cache, other.cached_slots, dtype)
+        self.offsets = other.offsets.clone()
+        self.cached_slots = other.cached_slots
+        self.is_first_iteration = False
+
     def admissible_drafts(self, draft_ids: torch.Tensor, offered: torch.Tensor) -> torch.Tensor:
         """How many of ``draft_ids [B, K]`` (``offered [B]``) the next forward may take: a first
         forward that carries image features takes no draft equal to an image placeholder id."""

@@ -14,6 +14,7 @@ import builtins
 import pytest
 import torch
 
+from candidate_generators.draft_model import DraftModelGenerator
 from candidate_generators.self_draft import build_copy, merge, tensor_bytes
 from specdec import SpecDecoder
 from specdec.generators import Proposal
@@ -33,10 +34,14 @@ def target():
 
 @pytest.fixture(scope="module")
 def flat_target():
-    """Logits close together, so a rounded copy often picks another token than the target."""
+    """Every output row has a near twin (1% apart), so the top two logits are close and a rounded
+    copy often picks the other token of the pair (the copy reads the target's exact prompt keys
+    and values, so rounding the hidden states alone must flip it)."""
     model = tiny_random("qwen3", seed=2)[0]
     with torch.no_grad():
-        model.get_output_embeddings().weight.div_(6.0)
+        weight = model.get_output_embeddings().weight  # [V, H], V even
+        noise = torch.randn(weight[1::2].shape, generator=torch.Generator().manual_seed(0))
+        weight[1::2] = weight[0::2] * (1 + 1e-2 * noise)
     return model
 
 
@@ -133,3 +138,36 @@ def test_warmup_compiles_the_draft_steps_and_nothing_later(target):
         out = decoder.generate(ids, max_new_tokens=40)
         assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=40, do_sample=False))
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.parametrize("weights", ["bfloat16", "w8a8"])
+def test_the_copy_starts_from_the_targets_prefill(target, weights):
+    """The copy never feeds the prompt: its cache starts as a copy of the target's prefill keys and
+    values (in the copy's dtype), the first step verifies no drafts, and output stays exact."""
+    decoder = SpecDecoder(target, "self_draft", weights=weights, compile_draft=False, schedule="fixed", num_tokens=3)
+    copy = decoder.candidate_generator._copies.get(target, weights)
+    fed: list[int] = []
+    hook = copy.register_forward_pre_hook(lambda _m, _a, kw: fed.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    rows = [repetitive_prompt(30, seed=5)[0], repetitive_prompt(17, seed=6)[0]]
+    padded, mask = left_pad(rows, pad_id=257)
+    try:
+        out = decoder.generate(padded, mask, max_new_tokens=20)
+    finally:
+        hook.remove()
+    for b, row in enumerate(rows):
+        want = target.generate(row[None, :], max_new_tokens=20, do_sample=False)[0, row.numel():]
+        assert torch.equal(out.sequences[b, padded.shape[1]: padded.shape[1] + want.numel()], want)
+    assert fed[0] <= 2 and max(fed) < padded.shape[1]  # new tokens and short re-feeds, never the prompt
+    assert out.stats.drafts_verified[0] >= 2  # the first step (both rows) verified no drafts
+    assert out.stats.accepted_tokens > 0
+
+
+def test_prefill_from_target_refuses_another_cache_layout(target):
+    other = tiny_random("llama", seed=3, num_hidden_layers=3)[0]
+
+    class Borrower(DraftModelGenerator):
+        def attach_options(self):
+            return {"prefill_from_target": True}
+
+    with pytest.raises(ValueError, match="cache layout"):
+        SpecDecoder(target, Borrower(other)).generate(repetitive_prompt(6), max_new_tokens=4)
