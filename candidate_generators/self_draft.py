@@ -29,6 +29,10 @@ import weakref
 
 import torch
 
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
 from specdec.generators import DecodeContext, Proposal
 from specdec.modelinfo import tensor_bytes
 from specdec.registry import register_candidate_generator
@@ -52,6 +56,8 @@ def build_copy(target, weights: str):
     if weights in QUANTIZED and not (weights == "w8a8" and on_cpu):
         quantize, config = _torchao(weights)
     draft = copy.deepcopy(target)
+    if getattr(draft.config, "_attn_implementation", None) == "sdpa":
+        draft.set_attn_implementation(GROUPED_SDPA)  # the copy's config only: the target keeps its own
     if weights == "w8a8" and on_cpu:  # int8 x uint8 products, the target's dtype elsewhere (int8.py)
         return quantize_linears(draft).eval()
     if weights != "w8a8":
@@ -59,6 +65,32 @@ def build_copy(target, weights: str):
     if weights in QUANTIZED:
         quantize(draft, config)
     return draft.eval()
+
+
+def grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """SDPA for grouped-query attention without repeating keys and values per query head.
+
+    transformers' ``sdpa`` repeats each key/value head for its group of query heads whenever a
+    mask is given and the forward is compiled: the copy's draft steps (compiled, always masked)
+    would read a static cache of S slots ``groups`` times over. Here the group's query heads
+    become extra query rows of their key/value head instead (``[B, kv, groups * q, D]``, the
+    mask repeated to match), which is the same attention. Anything else goes to ``sdpa``."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    plain = (groups == 1 or attention_mask is None or attention_mask.shape[1] != 1
+             or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None)
+    if plain:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    batch, heads, q, dim = query.shape
+    mask_batch, slots = attention_mask.shape[0], attention_mask.shape[-1]
+    mask = attention_mask[:, :, None].expand(mask_batch, 1, groups, q, slots).reshape(mask_batch, 1, groups * q, slots)
+    out = torch.nn.functional.scaled_dot_product_attention(query.reshape(batch, heads // groups, groups * q, dim),
+                                                           key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
+    return out.reshape(batch, heads, q, dim).transpose(1, 2).contiguous(), None
+
+
+GROUPED_SDPA = "specdec_grouped_sdpa"
+AttentionInterface.register(GROUPED_SDPA, grouped_sdpa)
+AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
 
 
 def _torchao(weights: str):
