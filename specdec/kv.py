@@ -135,12 +135,16 @@ class DynamicKV:
         """Start from a copy of another cache holding ``slots`` slots (a prefix)."""
         self.cache = copy.deepcopy(cache)
 
-    def adopt(self, cache, slots: int, dtype: torch.dtype) -> None:
-        """Start from a copy of the first ``slots`` slots of another model's cache, in ``dtype``."""
-        self.cache = DynamicCache()
+    def adopt(self, cache, slots: int, dtype: torch.dtype, start: int = 0) -> None:
+        """Hold another model's first ``slots`` slots, in ``dtype``: those from ``start`` are copied
+        (the ones below are the same already)."""
+        if start == 0:
+            self.cache = DynamicCache()
+        else:
+            self.cache.crop(start)
         for i, layer in enumerate(cache.layers):
-            self.cache.update(layer.keys[:, :, :slots].to(dtype, copy=True),
-                              layer.values[:, :, :slots].to(dtype, copy=True), i)
+            self.cache.update(layer.keys[:, :, start:slots].to(dtype, copy=True),
+                              layer.values[:, :, start:slots].to(dtype, copy=True), i)
 
     def release(self) -> None:
         pass
@@ -246,15 +250,15 @@ class StaticKV:
                 new_layer.values.copy_(old_layer.values[rows])
         _POOL.release(model, old)
 
-    def adopt(self, cache, slots: int, dtype: torch.dtype) -> None:
-        """Start from a copy of the first ``slots`` slots of another model's cache, in ``dtype``."""
-        model = self.model_ref()
-        self._reserve(model, slots)
+    def adopt(self, cache, slots: int, dtype: torch.dtype, start: int = 0) -> None:
+        """Hold another model's first ``slots`` slots, in ``dtype``: those from ``start`` are copied
+        (the ones below are the same already; slots past ``slots`` are masked out)."""
+        self._reserve(self.model_ref(), slots)
         batch = int(cache.layers[0].keys.shape[0])
         for new_layer, layer in zip(self.cache.layers, cache.layers):
             _ensure_initialized(new_layer, layer, batch, dtype)
-            new_layer.keys[:, :, :slots].copy_(layer.keys[:, :, :slots])
-            new_layer.values[:, :, :slots].copy_(layer.values[:, :, :slots])
+            new_layer.keys[:, :, start:slots].copy_(layer.keys[:, :, start:slots])
+            new_layer.values[:, :, start:slots].copy_(layer.values[:, :, start:slots])
 
     def load(self, cache, slots: int) -> None:
         raise ValueError("a prefix cannot continue on the static cache (use the default dynamic cache)")

@@ -193,16 +193,21 @@ class ModelState:
         self.positions = prefix.positions
         self.prefill_inputs = PrefillInputs()
 
-    def adopt(self, other: "ModelState") -> None:
-        """Start from a copy of ``other``'s cache (its layout too) instead of a prefill: ``other``
-        holds keys and values this model can read (the same cache layout, the same tokens). Ends
-        the first iteration; nothing prefill-only may be pending."""
-        if not self.is_first_iteration or self.prefill_inputs:
-            raise RuntimeError("adopt() replaces a text-only prefill; this state has run or takes prefill inputs")
+    def mirror(self, other: "ModelState", since: int = 0) -> None:
+        """Become ``other``: its tokens, layout and cached keys and values, instead of feeding them.
+
+        For a model that can read ``other``'s keys and values (the same cache layout and tokens: a
+        copy of the target at lower precision). Cache slots from ``since`` are copied, given both
+        held the same slots below it at the last mirror and ``other`` has not moved its rows since;
+        if this state moved its own rows (a realign after drafting), everything is copied. Replaces
+        the prefill on a first iteration, which must have no prefill-only inputs."""
+        if self.is_first_iteration and self.prefill_inputs:
+            raise RuntimeError("mirror() replaces a text-only prefill; this state takes prefill inputs")
+        same_layout = not self.is_first_iteration and torch.equal(self.offsets, other.offsets)
         dtype = self.model.get_input_embeddings().weight.dtype  # what this model's keys and values are kept in
-        self.kv.adopt(other.kv.cache, other.cached_slots, dtype)
-        self.offsets = other.offsets.clone()
-        self.cached_slots = other.cached_slots
+        self.kv.adopt(other.kv.cache, other.cached_slots, dtype, start=since if same_layout else 0)
+        self.tokens, self.lengths = other.tokens.clone(), other.lengths.clone()
+        self.offsets, self.cached_slots = other.offsets.clone(), other.cached_slots
         self.is_first_iteration = False
 
     def admissible_drafts(self, draft_ids: torch.Tensor, offered: torch.Tensor) -> torch.Tensor:
