@@ -11,13 +11,17 @@ and the copy drafts for the rows where no n-gram matches.
 * ``"bfloat16"`` / ``"float16"``: a cast copy (no extra package);
 * ``"int8"``: int8 weight-only linear layers with bfloat16 activations, by ``torchao``
   (``pip install "specdec[quant]"``);
-* ``"w8a8"``: int8 weights and int8 activations quantized per token on the fly (``torchao``),
-  everything else in the target's dtype: int8 matrix products, the fastest draft on a CPU with
-  VNNI/AMX int8 instructions (docs/self_draft.md has the measurements);
+* ``"w8a8"``: int8 weights and activations quantized per token on the fly, everything else in
+  the target's dtype: int8 matrix products, the fastest draft on a CPU with VNNI/AMX int8
+  instructions (on a CPU ``int8.Int8Linear``, no extra package; elsewhere ``torchao``;
+  docs/self_draft.md has the measurements);
 * ``"int4"``: int4 weight-only (``torchao``; needs a backend with int4 kernels).
 
 Its draft steps run on a static cache with compiled one-token forwards (``compile_draft``, default on:
 torchao's int8 layers are slower than fp32 ones until compiled), whatever cache the target uses.
+The copy never runs over the prompt or a committed token: its cache mirrors the target's (the
+keys and values of the target's prefill, then of each verified block), so it only computes its
+drafts' own.
 Greedy output stays the target's and sampling stays lossless: the copy only proposes.
 """
 
@@ -151,10 +155,11 @@ class SelfDraftGenerator(DraftModelGenerator):
         return 0.6 if self.lookup is not None else 0.85
 
     def attach_options(self) -> dict:
-        # a draft step feeds one token, two after a fully accepted block; wider re-feeds run eagerly.
-        # The copy has the target's cache layout: it starts from the keys and values of the
-        # target's prefill (more exact than its own, and no prompt forward of its own)
-        return {"cache_implementation": "static", "compile": self.compile_draft, "compile_widths": (1, 2),
+        # The copy has the target's cache layout, so it mirrors the target's cache: it starts from
+        # the keys and values of the target's prefill and takes those of every verified block (more
+        # exact than its own, and no forward of its own over them). A draft step then feeds one
+        # token; the re-feeds of rows that drift apart in a batch run eagerly.
+        return {"cache_implementation": "static", "compile": self.compile_draft, "compile_widths": (1,),
                 "prefill_from_target": True}
 
     def propose(self, ctx: DecodeContext, max_drafts: torch.Tensor) -> Proposal:

@@ -112,11 +112,12 @@ class DecodeContext:
         ``compile_widths``: the forward widths to compile (e.g. ``(1, 2)`` for a draft that feeds
         one token per step; wider forwards then run eagerly).
 
-        ``prefill_from_target``: the assistant never prefills; it starts from a copy of the keys
-        and values the target's prefill computed, which needs an assistant that shares the
-        target's tokens and its cache layout (layers, key/value heads, head size): a copy of the
-        target at lower precision, say. The first step then verifies no drafts (the target's
-        prefill has to come first), and no prompt is fed to the assistant.
+        ``prefill_from_target``: the assistant's cache mirrors the target's: it starts from a copy
+        of the keys and values the target's prefill computed and takes those of each verified
+        block, so it is fed neither the prompt nor committed tokens, only its drafts and the
+        target's newest token. Needs an assistant that shares the target's tokens and its cache
+        layout (layers, key/value heads, head size): a copy of the target at lower precision, say.
+        The first step then verifies no drafts (the target's prefill has to come first).
         """
         return self._attach(model, tokens, lengths, pad_token_id, cache_implementation, compile, compile_widths,
                             prefill_from_target)
