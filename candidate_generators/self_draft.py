@@ -37,7 +37,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from specdec.generators import DecodeContext, Proposal
+from specdec.generators import DecodeContext, Feedback, Proposal
 from specdec.modelinfo import tensor_bytes
 from specdec.registry import register_candidate_generator
 
@@ -148,6 +148,7 @@ class SelfDraftGenerator(DraftModelGenerator):
         super().setup(ctx)
         if self.lookup is not None:
             self.lookup.setup(ctx)
+            self.sources = Sources(ctx.batch_size)
 
     def acceptance_prior(self) -> float:
         # the copy is the target rounded: its greedy token agreed with the target's on 90-99% of
@@ -166,16 +167,64 @@ class SelfDraftGenerator(DraftModelGenerator):
         if self.lookup is None:
             return super().propose(ctx, max_drafts)
         found = self.lookup.propose(ctx, max_drafts)
-        missing = (found.lengths == 0) & (max_drafts.to(found.lengths.device) > 0)  # [B]
-        if not bool(missing.any()):
+        # the copy drafts for rows without a match, and for rows where matches have paid too little
+        use_copy = (~self.sources.prefers_lookup() | (found.lengths.cpu() == 0)) & (max_drafts.cpu() > 0)  # [B]
+        self.sources.used = use_copy.long()
+        if not bool(use_copy.any()):
             return found
         drafted = super().propose(ctx, max_drafts)
-        return merge(found, drafted, use_second=missing.to(drafted.lengths.device), vocab=ctx.target_vocab_size)
+        return merge(found, drafted, use_second=use_copy.to(drafted.lengths.device), vocab=ctx.target_vocab_size)
+
+    def observe(self, ctx: DecodeContext, feedback: Feedback) -> None:
+        super().observe(ctx, feedback)
+        if self.lookup is not None:
+            self.sources.update(feedback)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        super().select_rows(rows)
+        if self.lookup is not None:
+            self.sources.select_rows(rows)
 
     def memory(self, target) -> dict[str, int]:
         """The copy's memory next to the target's (bytes as stored): what drafting with it costs.
         Builds the copy if no call has yet."""
         return {"draft_bytes": tensor_bytes(self._copies.get(target, self.weights)), "target_bytes": tensor_bytes(target)}
+
+
+class Sources:
+    """Per row, which source the hybrid drafts with: prompt lookup when it matches and its matches
+    have paid, else the copy.
+
+    Each source keeps a decayed mean of the drafts accepted per step it drafted for the row. A
+    lookup match costs nothing to make while the copy's drafts cost a forward each (about half a
+    verification for a block on a CPU, docs/self_draft.md), so a match is used while its steps
+    commit at least ``LOOKUP_SHARE`` of what the copy's do (drafts accepted + the target's token).
+    A source left unused drifts back to its prior, so lookup is tried again later."""
+
+    PRIORS = (3.0, 3.0)  # accepted drafts per step: lookup, copy (lookup is tried first, and again later)
+    LOOKUP_SHARE = 0.5
+    DECAY = 0.7
+    DRIFT = 0.05
+
+    def __init__(self, batch: int):
+        self.gain = torch.tensor([self.PRIORS], dtype=torch.float64).repeat(batch, 1)  # [B, 2]
+        self.used = torch.zeros(batch, dtype=torch.long)  # [B] 0 lookup, 1 copy: the last proposal's
+
+    def prefers_lookup(self) -> torch.Tensor:
+        """[B] bool: a lookup match is worth verifying instead of the copy's drafts."""
+        return 1.0 + self.gain[:, 0] >= self.LOOKUP_SHARE * (1.0 + self.gain[:, 1])
+
+    def update(self, feedback: Feedback) -> None:
+        offered, accepted = feedback.offered.cpu(), feedback.accepted.cpu().double()  # [B]
+        drafted = torch.nn.functional.one_hot(self.used, 2).bool() & (offered > 0)[:, None]  # [B, 2]
+        priors = torch.tensor(self.PRIORS, dtype=torch.float64)
+        observed = self.DECAY * self.gain + (1 - self.DECAY) * accepted[:, None]
+        drifted = self.gain + self.DRIFT * (priors - self.gain)
+        self.gain = torch.where(drafted, observed, drifted)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        rows = rows.cpu()
+        self.gain, self.used = self.gain[rows], self.used[rows]
 
 
 def merge(first: Proposal, second: Proposal, use_second: torch.Tensor, vocab: int) -> Proposal:
