@@ -167,22 +167,40 @@ class SelfDraftGenerator(DraftModelGenerator):
         if self.lookup is None:
             return super().propose(ctx, max_drafts)
         found = self.lookup.propose(ctx, max_drafts)
-        # the copy drafts for rows without a match, and for rows where matches have paid too little
-        use_copy = (~self.sources.prefers_lookup() | (found.lengths.cpu() == 0)) & (max_drafts.cpu() > 0)  # [B]
-        self.sources.used = use_copy.long()
-        if not bool(use_copy.any()):
-            return found
-        drafted = super().propose(ctx, max_drafts)
-        return merge(found, drafted, use_second=use_copy.to(drafted.lengths.device), vocab=ctx.target_vocab_size)
+        # A match is verified where matches have paid on this row and the copy's first draft is the
+        # match's first token (a match the target's rounded copy would not continue with is
+        # rarely accepted); other rows take the copy's drafts.
+        candidate = self.sources.prefers_lookup() & (found.lengths.cpu() > 0)  # [B]
+        first_match = found.token_ids[:, 0].cpu() if found.token_ids.shape[1] else torch.full_like(candidate, -1, dtype=torch.long)
+        use_match = torch.zeros_like(candidate)
+
+        def settled(first: torch.Tensor) -> torch.Tensor:
+            use_match.copy_(candidate & (first.cpu() == first_match))
+            return use_match | (max_drafts.cpu() <= 0)
+
+        drafted = self.draft_tokens(ctx, max_drafts, settled if bool(candidate.any()) else None)
+        self.sources.used = (~use_match).long()
+        if drafted.probs is not None and bool(candidate.any()):
+            # Sampling: a candidate row keeps the copy's first draft only when it differs from the
+            # match's, so that draft was drawn from the copy's distribution without the match's
+            # token. Stating that distribution keeps verification lossless in both branches.
+            device = drafted.probs.device
+            first = drafted.probs[:, 0].scatter(1, first_match.clamp_min(0)[:, None].to(device), 0.0)
+            first = first / first.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(first.dtype).tiny)
+            kept = (candidate & ~use_match).to(device)[:, None]
+            drafted.probs[:, 0] = torch.where(kept, first, drafted.probs[:, 0])
+        return merge(found, drafted, use_second=(~use_match).to(drafted.lengths.device), vocab=ctx.target_vocab_size)
 
     def observe(self, ctx: DecodeContext, feedback: Feedback) -> None:
         super().observe(ctx, feedback)
         if self.lookup is not None:
+            self.lookup.observe(ctx, feedback)
             self.sources.update(feedback)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         super().select_rows(rows)
         if self.lookup is not None:
+            self.lookup.select_rows(rows)
             self.sources.select_rows(rows)
 
     def memory(self, target) -> dict[str, int]:

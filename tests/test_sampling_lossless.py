@@ -206,11 +206,15 @@ def exact_three_token_joint(model, prompt: torch.Tensor, params: SamplingParams)
     ("prompt_lookup", SamplingParams(True, 0.8, top_k=6)),
     ("draft_model", SamplingParams(True, 1.2, top_p=0.9)),
     ("self_draft", SamplingParams(True, 0.8, top_k=6)),
+    ("self_draft_lookup", SamplingParams(True, 1.0, top_k=6)),  # the hybrid: lookup where the copy agrees
 ])
 def test_generate_samples_the_target_distribution(tiny_models, drafter, params, cache):
     target, draft = tiny_models
-    options = {"weights": "bfloat16", "compile_draft": False} if drafter == "self_draft" else {}
-    decoder = SpecDecoder(target, draft if drafter == "draft_model" else drafter, num_tokens=3, schedule="fixed",
+    options = {}
+    if drafter.startswith("self_draft"):
+        options = {"weights": "bfloat16", "compile_draft": False, "lookup": drafter == "self_draft_lookup"}
+    generator = {"draft_model": draft, "self_draft_lookup": "self_draft"}.get(drafter, drafter)
+    decoder = SpecDecoder(target, generator, num_tokens=3, schedule="fixed",
                           cache_implementation=cache, **options)
     out = decoder.generate(PROMPT.repeat(N, 1), max_new_tokens=3, do_sample=True, temperature=params.temperature,
                            top_k=params.top_k, top_p=params.top_p, generator=torch.Generator().manual_seed(0))
