@@ -167,10 +167,12 @@ class SelfDraftGenerator(DraftModelGenerator):
         if self.lookup is None:
             return super().propose(ctx, max_drafts)
         found = self.lookup.propose(ctx, max_drafts)
-        # A match is verified where matches have paid on this row and the copy's first draft is the
-        # match's first token (a match the target's rounded copy would not continue with is
-        # rarely accepted); other rows take the copy's drafts.
-        candidate = self.sources.prefers_lookup() & (found.lengths.cpu() > 0)  # [B]
+        # A match is verified where it fills the row's budget (a shorter one would stop the block
+        # early), matches have paid on this row, and the copy's first draft is the match's first
+        # token (a match the target's rounded copy would not continue with is rarely accepted);
+        # other rows take the copy's drafts.
+        budget = torch.minimum(self.schedule.current, max_drafts.cpu())  # [B]
+        candidate = self.sources.prefers_lookup() & (found.lengths.cpu() >= budget) & (budget > 0)  # [B]
         first_match = found.token_ids[:, 0].cpu() if found.token_ids.shape[1] else torch.full_like(candidate, -1, dtype=torch.long)
         use_match = torch.zeros_like(candidate)
 
