@@ -62,12 +62,6 @@ class DraftModelGenerator(CandidateGenerator):
         return {}
 
     def propose(self, ctx: DecodeContext, max_drafts: torch.Tensor) -> Proposal:
-        return self.draft_tokens(ctx, max_drafts)
-
-    def draft_tokens(self, ctx: DecodeContext, max_drafts: torch.Tensor, settled=None) -> Proposal:
-        """Draft up to ``max_drafts [B]`` tokens per row, one forward each. ``settled(first [B]) ->
-        [B] bool``, if given, sees the first drafts: once every row is settled, drafting stops
-        there (the proposal then holds one token per row)."""
         lengths = torch.minimum(self.schedule.current.to(max_drafts.device), max_drafts).clamp_min(0)
         k = int(lengths.max())
         if k == 0:
@@ -82,9 +76,6 @@ class DraftModelGenerator(CandidateGenerator):
             else:
                 token = logits.argmax(dim=-1)
             ids.append(token)
-            if i == 0 and settled is not None and bool(settled(token).all()):
-                lengths = lengths.clamp(max=1)
-                break
             if i + 1 < k:  # the last draft is fed next step, and only if the target accepts it
                 self.assistant.feed(token)
         token_ids = torch.stack(ids, dim=1)  # [B, k]

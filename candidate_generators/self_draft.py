@@ -148,7 +148,6 @@ class SelfDraftGenerator(DraftModelGenerator):
         super().setup(ctx)
         if self.lookup is not None:
             self.lookup.setup(ctx)
-            self.sources = Sources(ctx.batch_size)
 
     def acceptance_prior(self) -> float:
         # the copy is the target rounded: its greedy token agreed with the target's on 90-99% of
@@ -167,84 +166,26 @@ class SelfDraftGenerator(DraftModelGenerator):
         if self.lookup is None:
             return super().propose(ctx, max_drafts)
         found = self.lookup.propose(ctx, max_drafts)
-        # A match is verified where it fills the row's budget (a shorter one would stop the block
-        # early), matches have paid on this row, and the copy's first draft is the match's first
-        # token (a match the target's rounded copy would not continue with is rarely accepted);
-        # other rows take the copy's drafts.
-        budget = torch.minimum(self.schedule.current, max_drafts.cpu())  # [B]
-        candidate = self.sources.prefers_lookup() & (found.lengths.cpu() >= budget) & (budget > 0)  # [B]
-        first_match = found.token_ids[:, 0].cpu() if found.token_ids.shape[1] else torch.full_like(candidate, -1, dtype=torch.long)
-        use_match = torch.zeros_like(candidate)
-
-        def settled(first: torch.Tensor) -> torch.Tensor:
-            use_match.copy_(candidate & (first.cpu() == first_match))
-            return use_match | (max_drafts.cpu() <= 0)
-
-        drafted = self.draft_tokens(ctx, max_drafts, settled if bool(candidate.any()) else None)
-        self.sources.used = (~use_match).long()
-        if drafted.probs is not None and bool(candidate.any()):
-            # Sampling: a candidate row keeps the copy's first draft only when it differs from the
-            # match's, so that draft was drawn from the copy's distribution without the match's
-            # token. Stating that distribution keeps verification lossless in both branches.
-            device = drafted.probs.device
-            first = drafted.probs[:, 0].scatter(1, first_match.clamp_min(0)[:, None].to(device), 0.0)
-            first = first / first.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(first.dtype).tiny)
-            kept = (candidate & ~use_match).to(device)[:, None]
-            drafted.probs[:, 0] = torch.where(kept, first, drafted.probs[:, 0])
-        return merge(found, drafted, use_second=(~use_match).to(drafted.lengths.device), vocab=ctx.target_vocab_size)
+        missing = (found.lengths == 0) & (max_drafts.to(found.lengths.device) > 0)  # [B]
+        if not bool(missing.any()):
+            return found
+        drafted = super().propose(ctx, max_drafts)
+        return merge(found, drafted, use_second=missing.to(drafted.lengths.device), vocab=ctx.target_vocab_size)
 
     def observe(self, ctx: DecodeContext, feedback: Feedback) -> None:
         super().observe(ctx, feedback)
         if self.lookup is not None:
             self.lookup.observe(ctx, feedback)
-            self.sources.update(feedback)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         super().select_rows(rows)
         if self.lookup is not None:
             self.lookup.select_rows(rows)
-            self.sources.select_rows(rows)
 
     def memory(self, target) -> dict[str, int]:
         """The copy's memory next to the target's (bytes as stored): what drafting with it costs.
         Builds the copy if no call has yet."""
         return {"draft_bytes": tensor_bytes(self._copies.get(target, self.weights)), "target_bytes": tensor_bytes(target)}
-
-
-class Sources:
-    """Per row, which source the hybrid drafts with: prompt lookup when it matches and its matches
-    have paid, else the copy.
-
-    Each source keeps a decayed mean of the drafts accepted per step it drafted for the row. A
-    lookup match costs nothing to make while the copy's drafts cost a forward each (about half a
-    verification for a block on a CPU, docs/self_draft.md), so a match is used while its steps
-    commit at least ``LOOKUP_SHARE`` of what the copy's do (drafts accepted + the target's token).
-    A source left unused drifts back to its prior, so lookup is tried again later."""
-
-    PRIORS = (3.0, 3.0)  # accepted drafts per step: lookup, copy (lookup is tried first, and again later)
-    LOOKUP_SHARE = 0.5
-    DECAY = 0.7
-    DRIFT = 0.05
-
-    def __init__(self, batch: int):
-        self.gain = torch.tensor([self.PRIORS], dtype=torch.float64).repeat(batch, 1)  # [B, 2]
-        self.used = torch.zeros(batch, dtype=torch.long)  # [B] 0 lookup, 1 copy: the last proposal's
-
-    def prefers_lookup(self) -> torch.Tensor:
-        """[B] bool: a lookup match is worth verifying instead of the copy's drafts."""
-        return 1.0 + self.gain[:, 0] >= self.LOOKUP_SHARE * (1.0 + self.gain[:, 1])
-
-    def update(self, feedback: Feedback) -> None:
-        offered, accepted = feedback.offered.cpu(), feedback.accepted.cpu().double()  # [B]
-        drafted = torch.nn.functional.one_hot(self.used, 2).bool() & (offered > 0)[:, None]  # [B, 2]
-        priors = torch.tensor(self.PRIORS, dtype=torch.float64)
-        observed = self.DECAY * self.gain + (1 - self.DECAY) * accepted[:, None]
-        drifted = self.gain + self.DRIFT * (priors - self.gain)
-        self.gain = torch.where(drafted, observed, drifted)
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        rows = rows.cpu()
-        self.gain, self.used = self.gain[rows], self.used[rows]
 
 
 def merge(first: Proposal, second: Proposal, use_second: torch.Tensor, vocab: int) -> Proposal:

@@ -75,7 +75,7 @@ class DecodeRun:
             self.target.continue_from(prompt.prefix)
         self.followers: list[ModelState] = []  # assistants in the target's token space
         self.own: list[ModelState] = []  # assistants in their own token space
-        self.borrowers: list[ModelState] = []  # followers that start from the target's prefill
+        self.borrowers: list[ModelState] = []  # followers whose cache mirrors the target's
         self.session = generator.session()
         self.plugin = generator.name or type(generator).__name__
         self.ctx = DecodeContext(target, tokenizer, draft_tokenizer, settings.sampling, settings.generator,

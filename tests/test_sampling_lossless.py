@@ -206,7 +206,7 @@ def exact_three_token_joint(model, prompt: torch.Tensor, params: SamplingParams)
     ("prompt_lookup", SamplingParams(True, 0.8, top_k=6)),
     ("draft_model", SamplingParams(True, 1.2, top_p=0.9)),
     ("self_draft", SamplingParams(True, 0.8, top_k=6)),
-    ("self_draft_lookup", SamplingParams(True, 1.0, top_k=6)),  # the hybrid: lookup where the copy agrees
+    ("self_draft_lookup", SamplingParams(True, 1.0, top_k=6)),  # the hybrid: lookup first, then the copy
 ])
 def test_generate_samples_the_target_distribution(tiny_models, drafter, params, cache):
     target, draft = tiny_models

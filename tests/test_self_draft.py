@@ -17,9 +17,9 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from candidate_generators.draft_model import DraftModelGenerator
-from candidate_generators.self_draft import GROUPED_SDPA, Sources, build_copy, grouped_sdpa, merge, tensor_bytes
+from candidate_generators.self_draft import GROUPED_SDPA, build_copy, grouped_sdpa, merge, tensor_bytes
 from specdec import SpecDecoder
-from specdec.generators import Feedback, Proposal
+from specdec.generators import Proposal
 from specdec.models import tiny_random
 from specdec.state import ModelState
 
@@ -201,19 +201,3 @@ def test_the_copy_uses_grouped_sdpa_and_the_target_keeps_its_attention(target):
     made = build_copy(target, "bfloat16")
     assert made.config._attn_implementation == GROUPED_SDPA
     assert target.config._attn_implementation == "sdpa"
-
-
-def test_the_hybrid_leaves_lookup_for_the_copy_where_matches_pay_little_and_tries_again_later():
-    sources = Sources(2)
-    assert sources.prefers_lookup().tolist() == [True, True]  # lookup first: its matches cost nothing
-    for _ in range(10):  # row 0: matches accepted nothing; row 1: matches accepted 4 drafts a step
-        sources.used = torch.tensor([0, 0])
-        sources.update(Feedback(offered=torch.tensor([5, 5]), accepted=torch.tensor([0, 4])))
-    assert sources.prefers_lookup().tolist() == [False, True]
-    sources.select_rows(torch.tensor([0]))
-    steps = 0
-    while not bool(sources.prefers_lookup()[0]):  # the copy drafts (accepting 5 a step); lookup drifts back
-        sources.used = torch.tensor([1])
-        sources.update(Feedback(offered=torch.tensor([6]), accepted=torch.tensor([5])))
-        steps += 1
-    assert 5 < steps < 100
