@@ -17,6 +17,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from candidate_generators.draft_model import DraftModelGenerator
+from candidate_generators.int8 import Int8Linear
 from candidate_generators.self_draft import GROUPED_SDPA, build_copy, grouped_sdpa, merge, tensor_bytes
 from specdec import SpecDecoder
 from specdec.generators import Proposal
@@ -201,3 +202,14 @@ def test_the_copy_uses_grouped_sdpa_and_the_target_keeps_its_attention(target):
     made = build_copy(target, "bfloat16")
     assert made.config._attn_implementation == GROUPED_SDPA
     assert target.config._attn_implementation == "sdpa"
+
+
+def test_weights_auto_is_the_w8a8_copy_on_a_cpu(target):
+    decoder = SpecDecoder(target, "self_draft", compile_draft=False)
+    copies = decoder.candidate_generator._copies
+    made = copies.get(target, "auto")
+    assert any(isinstance(m, Int8Linear) for m in made.modules())
+    assert copies.get(target, "w8a8") is made  # one copy, whichever name asked for it
+    ids = repetitive_prompt(10)
+    out = decoder.generate(ids, max_new_tokens=24)
+    assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=24, do_sample=False))
