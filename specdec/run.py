@@ -166,7 +166,6 @@ class DecodeRun:
         remaining = self.settings.max_new_tokens - (target.lengths - self.prompt_lengths) - 1  # [B]
         pending = target.pending_width()
         context = target.cached_slots  # cache slots the verification attends to besides its own tokens
-        offsets = target.offsets  # the target's layout before this step (commit may shift or trim rows)
         ask = policy.budget(remaining, pending, context) if policy is not None else remaining  # [B]
         first = target.is_first_iteration
         if first and self.borrowers:  # they draft once they hold the target's prefill
@@ -206,11 +205,10 @@ class DecodeRun:
         self.stats.draft_seconds += drafted - tick
         self.stats.verify_seconds += verified - drafted
         self.feed.tokens(block[0, : int(keep[0])])
-        since = context if torch.equal(offsets, target.offsets) else 0  # the target's slots below are unchanged
-        for state in self.borrowers:
-            state.mirror(target, since)
         for state in self.followers:
-            if state not in self.borrowers:
+            if state in self.borrowers:
+                state.mirror(target)
+            else:
                 state.sync(target.tokens, target.lengths, since=committed)
         self.session.observe(self.ctx, Feedback(offered, verdict.accepted))
         if policy is not None:

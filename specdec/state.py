@@ -105,6 +105,7 @@ class ModelState:
         self.positions = positions if positions is not None else TokenPositions()
         self.vocab_limit = int(model.get_input_embeddings().weight.shape[0])
         self._cache_kwarg = cache_argument(model)
+        self._mirrored: tuple[torch.Tensor, int] | None = None  # see mirror()
 
     @property
     def batch_size(self) -> int:
@@ -193,22 +194,25 @@ class ModelState:
         self.positions = prefix.positions
         self.prefill_inputs = PrefillInputs()
 
-    def mirror(self, other: "ModelState", since: int = 0) -> None:
+    def mirror(self, other: "ModelState") -> None:
         """Become ``other``: its tokens, layout and cached keys and values, instead of feeding them.
 
         For a model that can read ``other``'s keys and values (the same cache layout and tokens: a
-        copy of the target at lower precision). Cache slots from ``since`` are copied, given both
-        held the same slots below it at the last mirror and ``other`` has not moved its rows since;
-        if this state moved its own rows (a realign after drafting), everything is copied. Replaces
-        the prefill on a first iteration, which must have no prefill-only inputs."""
+        copy of the target at lower precision). Only the slots ``other`` may have written since the
+        last mirror are copied (from the cache length it had then), unless either state moved its
+        rows since (a shift, a trim, dropped rows): then everything is. Replaces the prefill on a
+        first iteration, which must have no prefill-only inputs."""
         if self.is_first_iteration and self.prefill_inputs:
             raise RuntimeError("mirror() replaces a text-only prefill; this state takes prefill inputs")
-        same_layout = not self.is_first_iteration and torch.equal(self.offsets, other.offsets)
+        last = self._mirrored  # (offsets, cached slots) of `other` at the last mirror
+        unmoved = last is not None and torch.equal(last[0], other.offsets) and torch.equal(last[0], self.offsets)
         dtype = self.model.get_input_embeddings().weight.dtype  # what this model's keys and values are kept in
-        self.kv.adopt(other.kv.cache, other.cached_slots, dtype, start=since if same_layout else 0)
+        start = min(last[1], other.cached_slots) if unmoved else 0
+        self.kv.adopt(other.kv.cache, other.cached_slots, dtype, start=start)
         self.tokens, self.lengths = other.tokens.clone(), other.lengths.clone()
         self.offsets, self.cached_slots = other.offsets.clone(), other.cached_slots
         self.is_first_iteration = False
+        self._mirrored = (self.offsets, self.cached_slots)
 
     def admissible_drafts(self, draft_ids: torch.Tensor, offered: torch.Tensor) -> torch.Tensor:
         """How many of ``draft_ids [B, K]`` (``offered [B]``) the next forward may take: a first

@@ -144,13 +144,27 @@ def test_warmup_compiles_the_draft_steps_and_nothing_later(target):
     assert counters["stats"]["unique_graphs"] == graphs
 
 
-@pytest.mark.parametrize("weights,refeed_limit", [("bfloat16", 16), ("w8a8", 16), ("bfloat16", 0)])
-def test_the_copy_mirrors_the_targets_cache(target, weights, refeed_limit, monkeypatch):
+@pytest.mark.parametrize("model,weights,refeed_limit", [("target", "bfloat16", 16), ("target", "w8a8", 16),
+                                                       ("target", "bfloat16", 0), ("flat_target", "w8a8", 0)])
+def test_the_copy_mirrors_the_targets_cache(request, model, weights, refeed_limit, monkeypatch):
     """The copy never feeds the prompt or a committed token: its cache starts as a copy of the
     target's prefill keys and values (in the copy's dtype) and takes the target's keys and values
     of each verified block; the first step verifies no drafts, and output stays exact, also when
-    rows that drift apart are shifted in the cache every step (``REFEED_LIMIT`` 0)."""
+    rows that drift apart are shifted in the cache every step (``REFEED_LIMIT`` 0; the flat target's
+    rows accept different numbers of drafts)."""
+    target = request.getfixturevalue(model)
     monkeypatch.setattr(ModelState, "REFEED_LIMIT", refeed_limit)
+    mirror, mirrored = ModelState.mirror, []
+
+    def checked_mirror(self, other):  # after each mirror the copy holds exactly the target's slots
+        mirror(self, other)
+        slots = other.cached_slots
+        for mine, theirs in zip(self.kv.cache.layers, other.kv.cache.layers):
+            assert torch.equal(mine.keys[:, :, :slots], theirs.keys[:, :, :slots].to(mine.keys.dtype))
+            assert torch.equal(mine.values[:, :, :slots], theirs.values[:, :, :slots].to(mine.values.dtype))
+        mirrored.append(slots)
+
+    monkeypatch.setattr(ModelState, "mirror", checked_mirror)
     decoder = SpecDecoder(target, "self_draft", weights=weights, compile_draft=False, schedule="fixed", num_tokens=3)
     copy = decoder.candidate_generator._copies.get(target, weights)
     fed: list[int] = []
@@ -164,6 +178,7 @@ def test_the_copy_mirrors_the_targets_cache(target, weights, refeed_limit, monke
     for b, row in enumerate(rows):
         want = target.generate(row[None, :], max_new_tokens=20, do_sample=False)[0, row.numel():]
         assert torch.equal(out.sequences[b, padded.shape[1]: padded.shape[1] + want.numel()], want)
+    assert len(mirrored) >= 2
     assert fed[0] == 1 and max(fed) <= 1 + refeed_limit  # the target's new token (and short re-feeds in a batch)
     assert out.stats.drafts_verified[0] >= 2  # the first step (both rows) verified no drafts
     assert out.stats.accepted_tokens > 0
