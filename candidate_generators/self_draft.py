@@ -170,8 +170,10 @@ class SelfDraftGenerator(DraftModelGenerator):
         # the keys and values of the target's prefill and takes those of every verified block (more
         # exact than its own, and no forward of its own over them). A draft step then feeds one
         # token; the re-feeds of rows that drift apart in a batch run eagerly.
+        # The copy is this generator's own (built by it, changed by nothing), so its compiled steps
+        # skip dynamo's guards on its modules.
         return {"cache_implementation": "static", "compile": self.compile_draft, "compile_widths": (1,),
-                "prefill_from_target": True}
+                "prefill_from_target": True, "owned": True}
 
     def propose(self, ctx: DecodeContext, max_drafts: torch.Tensor) -> Proposal:
         if self.lookup is None:

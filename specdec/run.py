@@ -100,7 +100,7 @@ class DecodeRun:
         return {"kv": cache, "max_new_tokens": self.settings.max_new_tokens}
 
     def _attach(self, model, tokens=None, lengths=None, pad_token_id=None, cache_implementation=None,
-                compile=None, compile_widths=None, prefill_from_target=False) -> Assistant:
+                compile=None, compile_widths=None, prefill_from_target=False, owned=False) -> Assistant:
         problem = cache_problem(model, self.target.batch_size)
         if problem:
             raise ValueError(f"assistant: {problem}")
@@ -117,12 +117,12 @@ class DecodeRun:
             raise ValueError(f"the assistant is on {device} and the target on {self.target.device}; "
                              "put both on one device")
         cache = None
-        if cache_implementation is not None or compile is not None or compile_widths is not None:
+        if cache_implementation is not None or compile is not None or compile_widths is not None or owned:
             base = self.settings.cache
             cache = CacheSettings.make(cache_implementation or base.implementation,
                                        (base.options or base.compile) if compile is None else compile,
                                        compile_widths or base.widths)
-            cache = dataclasses.replace(cache, lengths=base.lengths)  # keeps the warmed-up lengths
+            cache = dataclasses.replace(cache, lengths=base.lengths, owned=bool(owned))  # keeps the warmed-up lengths
         if tokens is None:  # follows the target's tokens: the run keeps it in step
             prefill, positions = self.spec.for_model(model)  # the inputs its forward declares; its own positions
             state = ModelState(model, self.target.tokens[:, : self.width], self.target.lengths,

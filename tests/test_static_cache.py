@@ -11,13 +11,15 @@ end-to-end check on both caches.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
 from transformers import StaticCache
 
 from specdec import SpecDecoder
-from specdec.kv import WIDTHS
+from specdec.kv import WIDTHS, compiled_forward
 
 from helpers import FAST_COMPILE, left_pad, repetitive_prompt, tiny_llava, tiny_pair
 
@@ -201,3 +203,21 @@ def test_a_miscompiled_forward_is_caught_and_run_eagerly():
     graphs = counters["stats"]["unique_graphs"]
     assert torch.equal(decoder.generate(ids, max_new_tokens=30).sequences, out.sequences)
     assert counters["stats"]["unique_graphs"] == graphs  # never compiled again
+
+
+def test_an_owned_model_compiles_a_function_of_its_own():
+    """A model its generator owns (``attach(..., owned=True)``) runs compiled graphs that check no
+    guards on its modules, so it needs a function of its own: here two models differ only in a
+    constant their graphs bake in (a norm's epsilon), which only module guards would tell apart."""
+    a = tiny_pair("llama", seed=5)[0]
+    b = copy.deepcopy(a)
+    b.model.norm.variance_epsilon = 10.0
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        for model in (a, b, a):
+            compiled = compiled_forward(model, FAST_COMPILE, owned=True)
+            got = compiled(model, input_ids=ids, use_cache=False).logits
+            assert torch.allclose(got, model(input_ids=ids, use_cache=False).logits, atol=1e-5)
+    assert compiled_forward(a, FAST_COMPILE, owned=True) is compiled_forward(a, FAST_COMPILE, owned=True)
+    assert compiled_forward(a, FAST_COMPILE, owned=True) is not compiled_forward(b, FAST_COMPILE, owned=True)
+    assert compiled_forward(a, FAST_COMPILE, owned=True) is not compiled_forward(a, FAST_COMPILE)
