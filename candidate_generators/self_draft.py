@@ -160,10 +160,11 @@ class SelfDraftGenerator(DraftModelGenerator):
         if self.lookup is not None:
             self.lookup.setup(ctx)
 
-    def acceptance_prior(self) -> float:
-        # the copy is the target rounded: its greedy token agreed with the target's on 90-99% of
-        # positions (docs/self_draft.md); a lookup hit is accepted less often
-        return 0.6 if self.lookup is not None else 0.85
+    def acceptance_prior(self) -> float | tuple[float, float]:
+        # The copy is the target rounded: its greedy token agreed with the target's on 90-99% of
+        # positions (docs/self_draft.md). With lookup first, the policy learns the two sources apart:
+        # source 0 the copy (whose drafts cost time), source 1 a lookup match (accepted less often).
+        return (0.85, 0.5) if self.lookup is not None else 0.85
 
     def attach_options(self) -> dict:
         # The copy has the target's cache layout, so it mirrors the target's cache: it starts from
@@ -180,10 +181,11 @@ class SelfDraftGenerator(DraftModelGenerator):
             return super().propose(ctx, max_drafts)
         found = self.lookup.propose(ctx, max_drafts)
         missing = (found.lengths == 0) & (max_drafts.to(found.lengths.device) > 0)  # [B]
-        if not bool(missing.any()):
-            return found
-        drafted = super().propose(ctx, max_drafts)
-        return merge(found, drafted, use_second=missing.to(drafted.lengths.device), vocab=ctx.target_vocab_size)
+        if bool(missing.any()):
+            found = merge(found, super().propose(ctx, max_drafts), use_second=missing.to(max_drafts.device),
+                          vocab=ctx.target_vocab_size)
+        found.sources = (~missing).long().cpu()  # 0: the copy's drafts, 1: a lookup match
+        return found
 
     def observe(self, ctx: DecodeContext, feedback: Feedback) -> None:
         super().observe(ctx, feedback)

@@ -43,6 +43,9 @@ class Proposal:
     token_ids: torch.Tensor  # [B, K] long, padded past each row's length
     lengths: torch.Tensor  # [B] long, valid drafts per row (0 allowed)
     probs: torch.Tensor | None = None  # [B, K, target_vocab] draft distribution, None = point masses
+    #: [B] long: which of the generator's sources drafted each row (an index into its
+    #: ``acceptance_prior()``), for a generator with several; None = source 0
+    sources: torch.Tensor | None = None
 
     @classmethod
     def empty(cls, batch: int, device: torch.device | str = "cpu") -> "Proposal":
@@ -169,11 +172,17 @@ class CandidateGenerator:
             return schedule.max_tokens if schedule.kind == "auto" else 0
         return DEFAULT_MAX_DRAFTS
 
-    def acceptance_prior(self) -> float:
+    def acceptance_prior(self) -> float | tuple[float, ...]:
         """The policy's estimate that a draft is accepted before it has measured any this call (in
         (0, 1)); measurements take over within a few steps. A generator that knows its drafts
         agree with the target more often (a copy of the target, say) says so, and the policy
-        drafts from the first step instead of waiting to learn it."""
+        drafts from the first step instead of waiting to learn it.
+
+        A generator with several sources of drafts (prompt lookup where it finds a match, a draft
+        model elsewhere) returns one prior per source and names each row's source in
+        ``Proposal.sources``: the policy then learns each source's acceptance apart. The
+        ``max_drafts`` that ``propose`` gets are priced for source 0, which should be the source
+        whose drafts cost time to make."""
         return 0.5
 
 

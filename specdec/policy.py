@@ -20,8 +20,9 @@ Inputs, all measured while decoding:
   the loop runs: a load factor moves every width at once, a slower shape correction the widths
   near the one observed;
 * the drafting cost per proposed token, measured per call from the generator's ``propose``;
-* :class:`AcceptanceTracker`: per row and position, decayed counts of accepted / offered drafts
-  with a prior (the generator's ``acceptance_prior()``: 0.5 unless it knows better). Counts decay
+* :class:`AcceptanceTracker`: per source of drafts, row and position, decayed counts of accepted /
+  offered drafts with a prior (the generator's ``acceptance_prior()``: 0.5 unless it knows better;
+  one per source for a generator with several, see ``Proposal.sources``). Counts decay
   every step, also when a row does not draft, so a row that stopped drafting drifts back towards
   the prior and probes again later.
 
@@ -292,48 +293,59 @@ def synchronize(device) -> None:
 
 
 class AcceptanceTracker:
-    """Per row and draft position, decayed counts of drafts offered and accepted (with a prior).
+    """Per source of drafts, row and draft position, decayed counts of drafts offered and accepted
+    (with a prior per source).
 
-    A row that drafted forgets at ``decay`` per step; a row that did not draft forgets slowly
-    (``idle_decay``), so after a run of rejections its estimate climbs back to the prior over a
-    few dozen steps and it probes again, rarely enough to cost little where drafting never pays.
+    A generator with several sources (prompt lookup, then a draft model where lookup finds
+    nothing) names each row's source in ``Proposal.sources``; each source's acceptance is learnt
+    apart, so a source that is seldom right shortens its own blocks, not the other's.
+    A row that drafted from a source forgets that source at ``decay`` per step; otherwise it
+    forgets slowly (``idle_decay``), so after a run of rejections its estimate climbs back to the
+    prior over a few dozen steps and it probes again, rarely enough to cost little where drafting
+    never pays.
     """
 
-    def __init__(self, batch: int, positions: int, *, prior: float = 0.5, prior_weight: float = 2.0,
-                 decay: float = 0.9, idle_decay: float = 0.97):
-        self.offered = torch.zeros(batch, positions, dtype=torch.float64)
-        self.accepted = torch.zeros(batch, positions, dtype=torch.float64)
-        self.prior, self.prior_weight, self.decay, self.idle_decay = prior, prior_weight, decay, idle_decay
+    def __init__(self, batch: int, positions: int, *, prior: float | tuple[float, ...] = 0.5,
+                 prior_weight: float = 2.0, decay: float = 0.9, idle_decay: float = 0.97):
+        self.priors = tuple(float(p) for p in (prior if isinstance(prior, (tuple, list)) else (prior,)))
+        self.offered = torch.zeros(len(self.priors), batch, positions, dtype=torch.float64)  # [S, B, K]
+        self.accepted = torch.zeros_like(self.offered)
+        self.prior_weight, self.decay, self.idle_decay = prior_weight, decay, idle_decay
 
-    def estimate(self) -> torch.Tensor:
-        """[B, K] conditional acceptance per position. Position 1's prior is ``prior``; position i's
-        is the estimate at position i-1, so positions rarely reached borrow from the shallower
-        ones (conditional acceptance seldom falls with depth: a copy that held for i-1 tokens
-        tends to hold on)."""
+    def estimate(self, sources: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, K] conditional acceptance per position of row b's source ``sources[b]`` (default:
+        source 0). Position 1's prior is the source's prior; position i's is the estimate at
+        position i-1, so positions rarely reached borrow from the shallower ones (conditional
+        acceptance seldom falls with depth: a copy that held for i-1 tokens tends to hold on)."""
         w = self.prior_weight
+        batch = self.offered.shape[1]
+        picks = [0] * batch if sources is None else sources.cpu().tolist()
         rows = []
-        for accepted, offered in zip(self.accepted.tolist(), self.offered.tolist()):  # plain floats: B x K is small
-            rate, row = self.prior, []
-            for a, o in zip(accepted, offered):
+        for b, s in enumerate(picks):  # plain floats: B x K is small
+            rate, row = self.priors[s], []
+            for a, o in zip(self.accepted[s, b].tolist(), self.offered[s, b].tolist()):
                 rate = (a + rate * w) / (o + w)
                 row.append(rate)
             rows.append(row)
-        return torch.tensor(rows, dtype=torch.float64).reshape(self.offered.shape)
+        return torch.tensor(rows, dtype=torch.float64).reshape(self.offered.shape[1:])
 
-    def update(self, offered: torch.Tensor, accepted: torch.Tensor) -> None:
-        """offered [B], accepted [B] drafts of this step (position i is tried if offered > i and
-        every earlier draft was accepted)."""
-        positions = torch.arange(self.offered.shape[1])[None, :]  # [1, K]
-        offered, accepted = offered.cpu()[:, None], accepted.cpu()[:, None]
-        tried = (positions < offered) & (positions <= accepted)  # [B, K]
-        hit = positions < accepted
-        keep = torch.where(offered > 0, self.decay, self.idle_decay).double()  # [B, 1]
+    def update(self, offered: torch.Tensor, accepted: torch.Tensor, sources: torch.Tensor | None = None) -> None:
+        """offered [B], accepted [B] drafts of this step, drafted by ``sources [B]`` (default:
+        source 0); position i is tried if offered > i and every earlier draft was accepted."""
+        positions = torch.arange(self.offered.shape[2])[None, None, :]  # [1, 1, K]
+        offered, accepted = offered.cpu()[None, :, None], accepted.cpu()[None, :, None]  # [1, B, 1]
+        picks = torch.zeros(offered.shape[1], dtype=torch.long) if sources is None else sources.cpu().long()
+        mine = (torch.arange(len(self.priors))[:, None] == picks[None, :])[..., None]  # [S, B, 1]
+        drafted = mine & (offered > 0)
+        tried = drafted & (positions < offered) & (positions <= accepted)  # [S, B, K]
+        hit = drafted & (positions < accepted)
+        keep = torch.where(drafted, self.decay, self.idle_decay).double()  # [S, B, 1]
         self.offered.mul_(keep).add_(tried.double())
         self.accepted.mul_(keep).add_(hit.double())
 
     def select_rows(self, rows: torch.Tensor) -> None:
         rows = rows.cpu()
-        self.offered, self.accepted = self.offered[rows], self.accepted[rows]
+        self.offered, self.accepted = self.offered[:, rows], self.accepted[:, rows]
 
 
 @dataclass
@@ -348,22 +360,27 @@ class DraftPolicy:
     step_overhead: float = 0.0  # seconds of a step outside the target forward and drafting (decayed mean)
 
     def budget(self, remaining: torch.Tensor, pending: int, context: int = 0) -> torch.Tensor:
-        """Drafts to ask each row for before proposing (drafting cost included). remaining [B];
-        ``context``: the cache slots the verification attends to besides the tokens it feeds."""
+        """Drafts to ask each row for before proposing (drafting cost included), priced with
+        source 0's acceptance and drafting cost (a generator's main, costlier source: another
+        source that drafts for free offers up to as many). remaining [B]; ``context``: the cache
+        slots the verification attends to besides the tokens it feeds."""
         return self._cap(remaining, pending, context, self.draft_seconds_per_token)
 
-    def trim(self, offered: torch.Tensor, pending: int, context: int = 0) -> torch.Tensor:
-        """Drafts to verify once proposed (drafting is paid): offered [B] -> [B]."""
-        return self._cap(offered, pending, context, 0.0)
+    def trim(self, offered: torch.Tensor, pending: int, context: int = 0,
+             sources: torch.Tensor | None = None) -> torch.Tensor:
+        """Drafts to verify once proposed (drafting is paid): offered [B] -> [B], each row valued
+        with the acceptance of its source (``sources [B]``, default 0)."""
+        return self._cap(offered, pending, context, 0.0, sources)
 
-    def _cap(self, counts: torch.Tensor, pending: int, context: int, per_draft: float) -> torch.Tensor:
+    def _cap(self, counts: torch.Tensor, pending: int, context: int, per_draft: float,
+             sources: torch.Tensor | None = None) -> torch.Tensor:
         """counts [B] capped at the width that maximises committed tokens per second, where each
         draft costs ``per_draft`` seconds to make on top of verifying it."""
         available = counts.cpu().clamp(0, self.max_drafts)  # [B]
         widths = torch.arange(self.max_drafts + 1, dtype=torch.float64)
         seconds = (self.costs.predict((widths + pending) * available.shape[0], context)
                    + per_draft * widths + self.step_overhead)
-        width = choose_width(self.acceptance.estimate(), available, seconds)
+        width = choose_width(self.acceptance.estimate(sources), available, seconds)
         return available.clamp(max=width).to(counts.device)
 
     def observe_overhead(self, seconds: float) -> None:
@@ -373,7 +390,8 @@ class DraftPolicy:
             self.step_overhead = 0.8 * self.step_overhead + 0.2 * max(seconds, 0.0)
 
     def observe_drafting(self, seconds: float, proposed: int) -> None:
-        """``propose`` took ``seconds`` for a block of ``proposed`` drafts (the widest row)."""
+        """``propose`` took ``seconds`` for a block of ``proposed`` drafts (the widest row of
+        source 0)."""
         if proposed > 0 and self.measured:
             per_token = seconds / proposed
             self.draft_seconds_per_token = (per_token if self.draft_seconds_per_token == 0.0

@@ -78,6 +78,7 @@ class DecodeRun:
         self.borrowers: list[ModelState] = []  # followers whose cache mirrors the target's
         self.session = generator.session()
         self.plugin = generator.name or type(generator).__name__
+        self.sources = 1  # sources of drafts the generator names: one per acceptance_prior() (see _policy)
         self.ctx = DecodeContext(target, tokenizer, draft_tokenizer, settings.sampling, settings.generator,
                                  prompt.spec.user_inputs, self.target, self._attach)
         self.session.setup(self.ctx)  # validates and attaches assistants: still before any forward
@@ -141,13 +142,16 @@ class DecodeRun:
     def _policy(self, target, prompt: Prompt) -> DraftPolicy | None:
         """The cost-aware draft-length policy, unless the generator sets its own draft lengths.
         Measured costs under greedy decoding; timing-free ones under sampling (see policy.py)."""
+        prior = self.session.acceptance_prior()
+        priors = tuple(prior) if isinstance(prior, (tuple, list)) else (prior,)
+        if not priors or not all(isinstance(p, (int, float)) and 0.0 < p < 1.0 for p in priors):
+            raise ValueError(f"{self.plugin}.acceptance_prior() must be in (0, 1) (a float, or one per source), "
+                             f"got {prior!r}")
+        self.sources = len(priors)
         cap = self.session.draft_cap()
         if cap <= 0:
             return None
-        prior = float(self.session.acceptance_prior())
-        if not 0.0 < prior < 1.0:
-            raise ValueError(f"{self.plugin}.acceptance_prior() must be in (0, 1), got {prior}")
-        acceptance = AcceptanceTracker(prompt.rows.shape[0], cap, prior=prior)
+        acceptance = AcceptanceTracker(prompt.rows.shape[0], cap, prior=priors)
         if self.settings.sampling.do_sample:
             # decoding is bound by reading weights: an assistant's draft token costs about its bytes
             # relative to the target's one-token step (no assistant, e.g. prompt lookup: about nothing)
@@ -172,13 +176,16 @@ class DecodeRun:
             ask = torch.zeros_like(ask)
         proposal = self.session.propose(self.ctx, ask)
         drafted = time.perf_counter()
-        check_proposal(proposal, self.plugin, target.batch_size, self.vocab, self.settings.sampling.do_sample)
+        check_proposal(proposal, self.plugin, target.batch_size, self.vocab, self.settings.sampling.do_sample,
+                       self.sources)
         offered = torch.minimum(proposal.lengths.to(target.device), ask).clamp_min(0)  # [B]
         offered = target.admissible_drafts(proposal.token_ids.to(target.device), offered)
+        sources = proposal.sources.cpu() if proposal.sources is not None else None  # [B] or None: source 0
         if policy is not None:
-            if not first:  # the first proposal also prefills any assistant: not a drafting cost per token
-                policy.observe_drafting(drafted - tick, int(offered.max()))
-            offered = policy.trim(offered, pending, context)
+            main = offered.cpu() if sources is None else offered.cpu()[sources == 0]  # drafts that cost time to make
+            if not first and main.numel():  # the first proposal also prefills any assistant: not a cost per token
+                policy.observe_drafting(drafted - tick, int(main.max()))
+            offered = policy.trim(offered, pending, context, sources)
             if not (first and self.borrowers):
                 self.stats.skipped_steps += int(((ask == 0) & (remaining > 0)).sum())
         k = int(offered.max())
@@ -212,7 +219,7 @@ class DecodeRun:
                 state.sync(target.tokens, target.lengths, since=committed)
         self.session.observe(self.ctx, Feedback(offered, verdict.accepted))
         if policy is not None:
-            policy.acceptance.update(offered, verdict.accepted)
+            policy.acceptance.update(offered, verdict.accepted, sources)
             if not first:
                 policy.observe_overhead(time.perf_counter() - tick - forward_seconds - (drafted - tick))
         self.stats.draft_seconds += time.perf_counter() - verified  # keeping drafts in step is drafting work

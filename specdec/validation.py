@@ -132,7 +132,7 @@ def check_generation_config(model, prompt_length: int, eos: list[int]) -> None:
 
 
 # -- proposals ------------------------------------------------------------------------------------
-def check_proposal(proposal, plugin: str, batch: int, vocab: int, do_sample: bool) -> None:
+def check_proposal(proposal, plugin: str, batch: int, vocab: int, do_sample: bool, n_sources: int = 1) -> None:
     """A plugin's proposal must be a well-formed :class:`Proposal` of target ids; name the plugin if not."""
     where = f"candidate generator {plugin!r}"
     if not isinstance(proposal, Proposal):
@@ -151,6 +151,12 @@ def check_proposal(proposal, plugin: str, batch: int, vocab: int, do_sample: boo
     drafted = ids[valid]
     if drafted.numel() and (int(drafted.min()) < 0 or int(drafted.max()) >= vocab):
         raise ValueError(f"{where} proposed ids outside the target's vocabulary [0, {vocab})")
+    sources = proposal.sources
+    if sources is not None and (not isinstance(sources, torch.Tensor) or sources.dtype not in INTEGER_DTYPES
+                                or tuple(sources.shape) != (batch,)
+                                or bool(((sources < 0) | (sources >= n_sources)).any())):
+        raise ValueError(f"{where}: Proposal.sources must be None or an integer tensor [batch={batch}] of source "
+                         f"indexes in [0, {n_sources}) (one per acceptance_prior()), got {_describe(sources)}")
     if probs is None:
         return
     if not isinstance(probs, torch.Tensor) or not probs.is_floating_point() or tuple(probs.shape) != (batch, k, vocab):

@@ -147,6 +147,69 @@ def test_acceptance_tracker_counts_positions_and_decays():
     assert torch.allclose(tracker.estimate(), torch.full((2, 4), 0.5, dtype=torch.float64), atol=1e-6)
 
 
+def test_each_source_of_drafts_is_learnt_apart():
+    tracker = AcceptanceTracker(2, 4, prior=(0.8, 0.4), prior_weight=1.0, decay=0.5, idle_decay=0.5)
+    assert torch.equal(tracker.estimate(torch.tensor([1, 0]))[:, 0], torch.tensor([0.4, 0.8], dtype=torch.float64))
+    for _ in range(10):  # row 0's source-1 drafts all rejected; row 1's source-0 drafts all accepted
+        tracker.update(torch.tensor([3, 3]), torch.tensor([0, 3]), sources=torch.tensor([1, 0]))
+    assert tracker.estimate(torch.tensor([1, 1]))[0, 0] < 0.15  # source 1 of row 0 learnt: never right
+    assert tracker.estimate(torch.tensor([0, 0]))[0, 0] == pytest.approx(0.8, abs=0.01)  # its source 0: the prior
+    assert tracker.estimate(torch.tensor([0, 0]))[1, 0] > 0.9
+    assert tracker.estimate(torch.tensor([1, 1]))[1, 0] == pytest.approx(0.4, abs=0.01)
+    tracker.select_rows(torch.tensor([1]))
+    assert tracker.estimate().shape == (1, 4) and tracker.estimate()[0, 0] > 0.9
+
+
+class OracleOrRandom(CandidateGenerator):
+    """Two sources on alternate steps: source 0 proposes the target's own continuation (always
+    accepted), source 1 random ids (never). ``log`` (shared by sessions) gets (source, offered)."""
+
+    def __init__(self, reference: torch.Tensor, log: list):
+        self.reference, self.log = reference, log
+
+    def acceptance_prior(self):
+        return (0.5, 0.5)
+
+    def propose(self, ctx, max_drafts):
+        self.source, n = len(self.log) % 2, int(max_drafts.max())
+        start = int(ctx.lengths[0])
+        right = self.reference[:, start: start + n]
+        ids = right if self.source == 0 else torch.randint(0, 250, (1, n), generator=torch.Generator().manual_seed(start))
+        return Proposal(ids, torch.tensor([ids.shape[1]]).clamp(max=max_drafts), sources=torch.tensor([self.source]))
+
+    def observe(self, ctx, feedback):
+        self.log.append((self.source, int(feedback.offered[0])))
+
+
+def test_the_policy_verifies_each_source_by_its_own_acceptance():
+    target, _ = tiny_random("llama", seed=3)
+    cpu_like(target)
+    ids = repetitive_prompt(8)
+    reference = target.generate(ids, max_new_tokens=120, do_sample=False)
+    log: list = []
+    out = SpecDecoder(target, OracleOrRandom(reference, log)).generate(ids, max_new_tokens=120)
+    assert torch.equal(out.sequences, reference)
+    later = log[6:]
+    right = sorted(k for source, k in later if source == 0)
+    wrong = sorted(k for source, k in later if source == 1)
+    assert right and wrong and right[len(right) // 2] >= 4, log  # the oracle's blocks stay long
+    assert wrong[len(wrong) // 2] <= 1, log  # the random source's blocks shrink to one draft or none
+
+
+def test_a_proposals_sources_are_checked():
+    target, _ = tiny_random("llama", seed=3)
+
+    class BadSource(CandidateGenerator):
+        name = "bad_source"
+
+        def propose(self, ctx, max_drafts):
+            return Proposal(torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long),
+                            sources=torch.tensor([1]))  # one source only (acceptance_prior() is a float)
+
+    with pytest.raises(ValueError, match="bad_source.*Proposal.sources"):
+        SpecDecoder(target, BadSource()).generate(repetitive_prompt(8), max_new_tokens=5)
+
+
 class Random(CandidateGenerator):
     """Proposes random ids (never right on a random model): drafting cannot pay."""
 
