@@ -180,7 +180,11 @@ class SelfDraftGenerator(DraftModelGenerator):
         if self.lookup is None:
             return super().propose(ctx, max_drafts)
         found = self.lookup.propose(ctx, max_drafts)
-        missing = (found.lengths == 0) & (max_drafts.to(found.lengths.device) > 0)  # [B]
+        matched = found.lengths > 0  # [B]
+        lookup_rate = ctx.draft_rate(found.lengths, source=1)
+        if lookup_rate is not None and bool(matched.any()):  # a match is taken where it pays at least as the copy
+            matched &= (lookup_rate >= ctx.draft_rate(max_drafts, source=0)).to(matched.device)
+        missing = ~matched & (max_drafts.to(found.lengths.device) > 0)  # [B]
         if bool(missing.any()):
             found = merge(found, super().propose(ctx, max_drafts), use_second=missing.to(max_drafts.device),
                           vocab=ctx.target_vocab_size)

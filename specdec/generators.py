@@ -81,6 +81,7 @@ class DecodeContext:
     model_inputs: dict[str, Any]
     _target_state: "ModelState" = field(repr=False)
     _attach: Callable[..., "Assistant"] = field(repr=False)
+    _rate: Callable[[torch.Tensor, int], "torch.Tensor | None"] | None = field(default=None, repr=False)
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -99,6 +100,15 @@ class DecodeContext:
     @property
     def target_vocab_size(self) -> int:
         return vocab_size(self.target)
+
+    def draft_rate(self, counts: torch.Tensor, source: int = 0) -> torch.Tensor | None:
+        """[B] committed tokens per second the core's draft-length policy expects for row b this
+        step if it verifies the best number, up to ``counts[b]``, of drafts from ``source`` (an
+        index into ``acceptance_prior()``; source 0's measured drafting cost included, other
+        sources' drafts taken as free). A generator with several sources asks it during
+        ``propose`` to draft each row from the source that pays most. None when the generator
+        sets its own draft lengths (a ``fixed`` or ``adaptive`` schedule: no policy runs)."""
+        return None if self._rate is None else self._rate(counts, source)
 
     def attach(self, model, tokens: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
                pad_token_id: int | None = None, *, cache_implementation: str | None = None,

@@ -20,6 +20,9 @@ Inputs, all measured while decoding:
   the loop runs: a load factor moves every width at once, a slower shape correction the widths
   near the one observed;
 * the drafting cost per proposed token, measured per call from the generator's ``propose``;
+  before the first measurement, the attached assistants' bytes as stored relative to the
+  target's, times a one-token target forward (decoding is bound by reading weights), so a draft
+  model too slow to pay at the prior acceptance is not even prefilled;
 * :class:`AcceptanceTracker`: per source of drafts, row and position, decayed counts of accepted /
   offered drafts with a prior (the generator's ``acceptance_prior()``: 0.5 unless it knows better;
   one per source for a generator with several, see ``Proposal.sources``). Counts decay
@@ -355,16 +358,19 @@ class DraftPolicy:
     costs: CostModel
     acceptance: AcceptanceTracker
     max_drafts: int
-    draft_seconds_per_token: float = 0.0  # propose time per proposed token (decayed mean of measurements)
+    #: propose time per proposed token: a prior until the first measurement, then a decayed mean
+    draft_seconds_per_token: float = 0.0
     measured: bool = True  # False: fixed costs and a fixed drafting cost, decisions free of timings
     step_overhead: float = 0.0  # seconds of a step outside the target forward and drafting (decayed mean)
+    drafting_measured: bool = False  # whether draft_seconds_per_token is a measurement yet
 
-    def budget(self, remaining: torch.Tensor, pending: int, context: int = 0) -> torch.Tensor:
+    def budget(self, remaining: torch.Tensor, pending: int, context: int = 0, setup: float = 0.0) -> torch.Tensor:
         """Drafts to ask each row for before proposing (drafting cost included), priced with
         source 0's acceptance and drafting cost (a generator's main, costlier source: another
         source that drafts for free offers up to as many). remaining [B]; ``context``: the cache
-        slots the verification attends to besides the tokens it feeds."""
-        return self._cap(remaining, pending, context, self.draft_seconds_per_token)
+        slots the verification attends to besides the tokens it feeds; ``setup``: seconds any
+        drafting this step pays once (assistants that still have to prefill)."""
+        return self._cap(remaining, pending, context, self.draft_seconds_per_token, setup=setup)
 
     def trim(self, offered: torch.Tensor, pending: int, context: int = 0,
              sources: torch.Tensor | None = None) -> torch.Tensor:
@@ -373,15 +379,31 @@ class DraftPolicy:
         return self._cap(offered, pending, context, 0.0, sources)
 
     def _cap(self, counts: torch.Tensor, pending: int, context: int, per_draft: float,
-             sources: torch.Tensor | None = None) -> torch.Tensor:
+             sources: torch.Tensor | None = None, setup: float = 0.0) -> torch.Tensor:
         """counts [B] capped at the width that maximises committed tokens per second, where each
-        draft costs ``per_draft`` seconds to make on top of verifying it."""
+        draft costs ``per_draft`` seconds to make on top of verifying it, and drafting at all
+        ``setup`` seconds."""
         available = counts.cpu().clamp(0, self.max_drafts)  # [B]
         widths = torch.arange(self.max_drafts + 1, dtype=torch.float64)
         seconds = (self.costs.predict((widths + pending) * available.shape[0], context)
-                   + per_draft * widths + self.step_overhead)
+                   + per_draft * widths + setup * (widths > 0) + self.step_overhead)
         width = choose_width(self.acceptance.estimate(sources), available, seconds)
         return available.clamp(max=width).to(counts.device)
+
+    def rates(self, counts: torch.Tensor, pending: int, context: int, source: int, per_draft: float) -> torch.Tensor:
+        """[B] committed tokens per second row b is expected to reach this step if it verifies the
+        best number, up to ``counts[b]``, of drafts from ``source`` that cost ``per_draft``
+        seconds each to make (zero drafts included: plain decoding)."""
+        available = counts.cpu().clamp(0, self.max_drafts).tolist()
+        widths = torch.arange(self.max_drafts + 1, dtype=torch.float64)
+        seconds = (self.costs.predict((widths + pending) * len(available), context) + per_draft * widths
+                   + self.step_overhead).tolist()
+        estimate = self.acceptance.estimate(torch.full((len(available),), source, dtype=torch.long))
+        out = []
+        for accept, offer in zip(estimate.tolist(), available):
+            expected = _expected(accept)
+            out.append(max(expected[w] / max(seconds[w], 1e-12) for w in range(offer + 1)))
+        return torch.tensor(out, dtype=torch.float64)
 
     def observe_overhead(self, seconds: float) -> None:
         """A step spent ``seconds`` outside the target forward and drafting (verification, commit,
@@ -394,5 +416,6 @@ class DraftPolicy:
         source 0)."""
         if proposed > 0 and self.measured:
             per_token = seconds / proposed
-            self.draft_seconds_per_token = (per_token if self.draft_seconds_per_token == 0.0
-                                            else 0.8 * self.draft_seconds_per_token + 0.2 * per_token)
+            self.draft_seconds_per_token = (0.8 * self.draft_seconds_per_token + 0.2 * per_token
+                                            if self.drafting_measured else per_token)
+            self.drafting_measured = True

@@ -85,6 +85,9 @@ class DecodeRun:
         self.vocab = vocab_size(target)
         self.stats = AcceptanceStats()
         self.policy = self._policy(target, prompt)
+        self.step_shape = (0, 0)  # (pending, context) of the step being proposed: what draft_rate prices
+        if self.policy is not None:
+            self.ctx._rate = self._draft_rate
         self.feed = StreamFeed(settings.streamer)
         self.feed.prompt(prompt.input_ids)
         self.prompt_lengths = prompt.lengths.clone()
@@ -152,15 +155,18 @@ class DecodeRun:
         if cap <= 0:
             return None
         acceptance = AcceptanceTracker(prompt.rows.shape[0], cap, prior=priors)
+        # decoding is bound by reading weights: an assistant's draft token costs about its bytes
+        # relative to the target's one-token step (no assistant, e.g. prompt lookup: about nothing)
+        self.weight = {id(s): tensor_bytes(s.model) / tensor_bytes(target) for s in (*self.followers, *self.own)}
+        ratio = sum(self.weight.values())
         if self.settings.sampling.do_sample:
-            # decoding is bound by reading weights: an assistant's draft token costs about its bytes
-            # relative to the target's one-token step (no assistant, e.g. prompt lookup: about nothing)
-            ratio = sum(tensor_bytes(s.model) for s in (*self.followers, *self.own)) / tensor_bytes(target)
             return DraftPolicy(CostModel.fixed(target.device.type), acceptance, cap, ratio, measured=False)
         costs, spent = CostModel.for_model(target, prompt.rows[0, : int(prompt.lengths[0])], self.settings.cache,
                                            slots=self.target.kv.slots)
         self.stats.calibration_seconds += spent
-        return DraftPolicy(costs, acceptance, cap)
+        # the drafting cost's prior until propose() is first timed (the first proposal also prefills)
+        per_token = ratio * float(costs.predict(prompt.rows.shape[0], float(prompt.lengths.max())))
+        return DraftPolicy(costs, acceptance, cap, per_token)
 
     # -- the loop ---------------------------------------------------------------------------------
     def step(self) -> bool:
@@ -170,7 +176,17 @@ class DecodeRun:
         remaining = self.settings.max_new_tokens - (target.lengths - self.prompt_lengths) - 1  # [B]
         pending = target.pending_width()
         context = target.cached_slots  # cache slots the verification attends to besides its own tokens
-        ask = policy.budget(remaining, pending, context) if policy is not None else remaining  # [B]
+        if policy is None:
+            ask = remaining
+        else:
+            # an assistant's prefill still to come is paid once, so it is spread over the steps left;
+            # and drafting starts only where a later step (one token pending) would draft too
+            setup = self._setup() / max(int(remaining.max()), 1)
+            ask = policy.budget(remaining, pending, context, setup)  # [B]
+            if setup > 0:
+                steady = policy.budget(remaining, 1, context + pending, setup)
+                ask = torch.where(steady > 0, ask, torch.zeros_like(ask))
+        self.step_shape = (pending, context)
         first = target.is_first_iteration
         if first and self.borrowers:  # they draft once they hold the target's prefill
             ask = torch.zeros_like(ask)
@@ -226,6 +242,25 @@ class DecodeRun:
         if bool(finished.any()):
             self._retire(finished)
         return bool(self.row_ids.numel())
+
+    def _draft_rate(self, counts: torch.Tensor, source: int) -> torch.Tensor:
+        """``DecodeContext.draft_rate``: the policy's expected rate for this step's shape."""
+        if not 0 <= int(source) < self.sources:
+            raise ValueError(f"{self.plugin}: draft_rate(source={source}) needs a source in [0, {self.sources}) "
+                             "(one per acceptance_prior())")
+        per_draft = self.policy.draft_seconds_per_token if source == 0 else 0.0
+        return self.policy.rates(counts, *self.step_shape, int(source), per_draft).to(counts.device)
+
+    def _setup(self) -> float:
+        """Seconds the assistants that have not yet run would spend prefilling before their first
+        draft (a cost drafting pays once), priced like a target forward over as many tokens,
+        scaled by the assistant's bytes relative to the target's."""
+        policy, seconds = self.policy, 0.0
+        for state in (*self.followers, *self.own):
+            if state.is_first_iteration and state not in self.borrowers:
+                tokens = int(state.lengths.max()) * state.batch_size
+                seconds += self.weight[id(state)] * float(policy.costs.predict(tokens))
+        return seconds
 
     def _verify(self, logits: torch.Tensor, draft_ids: torch.Tensor, offered: torch.Tensor, proposal) -> Verdict:
         sampling = self.settings.sampling

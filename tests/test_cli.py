@@ -283,8 +283,8 @@ def quick_compile(monkeypatch):
 
     real_forward, real_kwargs, real_warmup = kv.compiled_forward, runner.hf_cache_kwargs, SpecDecoder.warmup
     calls = []
-    monkeypatch.setattr(kv, "compiled_forward", lambda model, options: real_forward(model, {"backend": "aot_eager",
-                                                                                            **options}))
+    monkeypatch.setattr(kv, "compiled_forward", lambda model, options, owned=False: real_forward(
+        model, {"backend": "aot_eager", **options}, owned))
     monkeypatch.setattr(runner, "hf_cache_kwargs", lambda implementation="dynamic", compile=False: real_kwargs(
         implementation, {"backend": "aot_eager"} if compile is True else compile))
 

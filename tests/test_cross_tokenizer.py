@@ -249,7 +249,8 @@ def test_batched_rows_with_oracles_each_match_their_own_generate(tokenizers):
     rows = [target_tok(p, return_tensors="pt").input_ids[0] for p in prompts]
     ids, mask = left_pad(rows, target_tok.pad_token_id)
     new = 30
-    decoder = SpecDecoder(target, draft, tokenizer=target_tok, draft_tokenizer=draft_tok, num_tokens=4)
+    decoder = SpecDecoder(target, draft, tokenizer=target_tok, draft_tokenizer=draft_tok, num_tokens=4,
+                         schedule="fixed")  # oracles as large as the target: auto would not draft
     alive = list(range(len(rows)))
 
     def follow_rows(gen):

@@ -3,6 +3,8 @@ and its behaviour inside the loop (exactness unchanged; skipping when drafting c
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -15,7 +17,7 @@ from specdec import policy as policy_module
 from specdec.policy import (COST_GRID, CONTEXT_GRID, LOAD_RATE, AcceptanceTracker, CostModel, choose_width,
                             expected_tokens)
 
-from helpers import repetitive_prompt
+from helpers import ForwardRecorder, repetitive_prompt
 
 K = 8
 probability = st.floats(0.0, 1.0, allow_nan=False)
@@ -161,24 +163,26 @@ def test_each_source_of_drafts_is_learnt_apart():
 
 
 class OracleOrRandom(CandidateGenerator):
-    """Two sources on alternate steps: source 0 proposes the target's own continuation (always
-    accepted), source 1 random ids (never). ``log`` (shared by sessions) gets (source, offered)."""
+    """Source 0 proposes the target's own continuation (always accepted); with ``alternate``,
+    every other step is source 1's random ids (never accepted). ``log`` (shared by sessions) gets
+    (source, offered) per step."""
 
-    def __init__(self, reference: torch.Tensor, log: list):
-        self.reference, self.log = reference, log
+    def __init__(self, reference: torch.Tensor, log: list, alternate: bool = True):
+        self.reference, self.log, self.alternate = reference, log, alternate
 
     def acceptance_prior(self):
         return (0.5, 0.5)
 
     def propose(self, ctx, max_drafts):
-        self.source, n = len(self.log) % 2, int(max_drafts.max())
+        self.rates = [ctx.draft_rate(max_drafts, source) for source in (0, 1)]  # what each source would pay
+        self.source, n = len(self.log) % 2 if self.alternate else 0, int(max_drafts.max())
         start = int(ctx.lengths[0])
         right = self.reference[:, start: start + n]
         ids = right if self.source == 0 else torch.randint(0, 250, (1, n), generator=torch.Generator().manual_seed(start))
         return Proposal(ids, torch.tensor([ids.shape[1]]).clamp(max=max_drafts), sources=torch.tensor([self.source]))
 
     def observe(self, ctx, feedback):
-        self.log.append((self.source, int(feedback.offered[0])))
+        self.log.append((self.source, int(feedback.offered[0]), *(float(r[0]) for r in self.rates)))
 
 
 def test_the_policy_verifies_each_source_by_its_own_acceptance():
@@ -190,10 +194,38 @@ def test_the_policy_verifies_each_source_by_its_own_acceptance():
     out = SpecDecoder(target, OracleOrRandom(reference, log)).generate(ids, max_new_tokens=120)
     assert torch.equal(out.sequences, reference)
     later = log[6:]
-    right = sorted(k for source, k in later if source == 0)
-    wrong = sorted(k for source, k in later if source == 1)
+    right = sorted(k for source, k, *_ in later if source == 0)
+    wrong = sorted(k for source, k, *_ in later if source == 1)
     assert right and wrong and right[len(right) // 2] >= 4, log  # the oracle's blocks stay long
     assert wrong[len(wrong) // 2] <= 1, log  # the random source's blocks shrink to one draft or none
+    # what ctx.draft_rate tells a generator choosing between its sources: the oracle pays more
+    assert all(oracle > random for _, _, oracle, random in later), log
+
+
+def test_draft_rate_is_none_without_the_policy_and_checks_its_source():
+    target, _ = tiny_random("llama", seed=3)
+    seen = []
+
+    class Asks(CandidateGenerator):
+        name = "asks"
+
+        def __init__(self, own_lengths: bool, source: int = 0):
+            self.own_lengths, self.source = own_lengths, source
+
+        def draft_cap(self):
+            return 0 if self.own_lengths else 4  # 0: sets its own lengths, no policy runs
+
+        def propose(self, ctx, max_drafts):
+            seen.append(ctx.draft_rate(max_drafts, self.source))
+            return Proposal.empty(ctx.batch_size)
+
+    SpecDecoder(target, Asks(True)).generate(repetitive_prompt(8), max_new_tokens=3)
+    assert seen and all(rate is None for rate in seen)
+    seen.clear()
+    SpecDecoder(target, Asks(False)).generate(repetitive_prompt(8), max_new_tokens=3)
+    assert seen and all(rate.shape == (1,) and float(rate[0]) > 0 for rate in seen)
+    with pytest.raises(ValueError, match="asks: draft_rate.source=1"):
+        SpecDecoder(target, Asks(False, source=1)).generate(repetitive_prompt(8), max_new_tokens=3)
 
 
 def test_a_proposals_sources_are_checked():
@@ -237,11 +269,32 @@ def test_auto_stops_drafting_when_nothing_is_accepted_and_stays_exact():
 
 def test_auto_drafts_long_blocks_where_drafts_are_right():
     target, _ = tiny_random("llama", seed=3)
+    cpu_like(target)
     ids = repetitive_prompt(8)
-    out = SpecDecoder(target, target).generate(ids, max_new_tokens=80)  # the target drafting for itself
-    assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=80, do_sample=False))
+    reference = target.generate(ids, max_new_tokens=80, do_sample=False)
+    log: list = []
+    out = SpecDecoder(target, OracleOrRandom(reference, log, alternate=False)).generate(ids, max_new_tokens=80)
+    assert torch.equal(out.sequences, reference)
     assert out.stats.acceptance_rate == 1.0
-    assert len(out.stats.drafts_verified) > 4  # blocks of several drafts were verified
+    assert max(step[1] for step in log) >= 8, log  # blocks of many drafts were verified
+
+
+def test_a_draft_model_too_slow_to_pay_is_never_run():
+    """Before drafting is timed, a draft token is priced at the draft's bytes relative to the
+    target's one-token forward: a draft as large as the target cannot pay at the prior acceptance,
+    so it is not even prefilled; a much smaller one drafts from the first step."""
+    target, _ = tiny_random("llama", seed=3)
+    cpu_like(target)
+    ids = repetitive_prompt(8)
+    reference = target.generate(ids, max_new_tokens=20, do_sample=False)
+    heavy = copy.deepcopy(target)
+    light, _ = tiny_random("llama", seed=4, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1)
+    for draft, runs in ((heavy, False), (light, True)):
+        recorder = ForwardRecorder(draft)
+        out = SpecDecoder(target, draft).generate(ids, max_new_tokens=20)
+        assert torch.equal(out.sequences, reference)
+        assert bool(recorder.calls) == runs and (out.stats.drafted_tokens > 0) == runs
 
 
 def test_sampling_with_auto_is_reproducible_and_timing_free():

@@ -380,7 +380,10 @@ def test_docs_bigram_generator_is_exact_and_really_drafts(tmp_path, monkeypatch,
 def test_docs_assistant_example_is_exact_and_owned_by_the_controller(tmp_path, monkeypatch, cleanup, llama):
     import_doc_module("greedy_assistant", tmp_path, monkeypatch, cleanup)
     target, tokenizer = llama
-    assistant = perturbed_copy(target, 0.2, seed=5)
+    # the cost-aware policy runs a draft only where it can pay: half the target's bytes, and agreeing often
+    assistant = perturbed_copy(target, 0.2, seed=5).to(torch.bfloat16)
+    monkeypatch.setattr(sys.modules["greedy_assistant"].SmallAssistantGenerator, "acceptance_prior", lambda self: 0.9,
+                        raising=False)
     recorder = ForwardRecorder(assistant)
     monkeypatch.setattr(assistant, "generate", lambda *a, **k: pytest.fail("the assistant ran generate()"))
     ids = repetitive_prompt(12, seed=6)
