@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from specdec import SpecDecoder
 from specdec.generators import CandidateGenerator, Proposal
+from specdec.metrics import AcceptanceStats
 from specdec.models import tiny_random
 from specdec import policy as policy_module
 from specdec.policy import (COST_GRID, CONTEXT_GRID, LOAD_RATE, AcceptanceTracker, CostModel, choose_width,
@@ -185,14 +186,21 @@ class OracleOrRandom(CandidateGenerator):
         self.log.append((self.source, int(feedback.offered[0]), *(float(r[0]) for r in self.rates)))
 
 
-def test_the_policy_verifies_each_source_by_its_own_acceptance():
+def run_oracle(new_tokens: int, alternate: bool) -> tuple[list, AcceptanceStats]:
+    """Decode with :class:`OracleOrRandom` on a CPU-like cost curve; check the output is exact;
+    return its log and stats."""
     target, _ = tiny_random("llama", seed=3)
     cpu_like(target)
     ids = repetitive_prompt(8)
-    reference = target.generate(ids, max_new_tokens=120, do_sample=False)
+    reference = target.generate(ids, max_new_tokens=new_tokens, do_sample=False)
     log: list = []
-    out = SpecDecoder(target, OracleOrRandom(reference, log)).generate(ids, max_new_tokens=120)
+    out = SpecDecoder(target, OracleOrRandom(reference, log, alternate)).generate(ids, max_new_tokens=new_tokens)
     assert torch.equal(out.sequences, reference)
+    return log, out.stats
+
+
+def test_the_policy_verifies_each_source_by_its_own_acceptance():
+    log, _ = run_oracle(120, alternate=True)
     later = log[6:]
     right = sorted(k for source, k, *_ in later if source == 0)
     wrong = sorted(k for source, k, *_ in later if source == 1)
@@ -268,14 +276,8 @@ def test_auto_stops_drafting_when_nothing_is_accepted_and_stays_exact():
 
 
 def test_auto_drafts_long_blocks_where_drafts_are_right():
-    target, _ = tiny_random("llama", seed=3)
-    cpu_like(target)
-    ids = repetitive_prompt(8)
-    reference = target.generate(ids, max_new_tokens=80, do_sample=False)
-    log: list = []
-    out = SpecDecoder(target, OracleOrRandom(reference, log, alternate=False)).generate(ids, max_new_tokens=80)
-    assert torch.equal(out.sequences, reference)
-    assert out.stats.acceptance_rate == 1.0
+    log, stats = run_oracle(80, alternate=False)
+    assert stats.acceptance_rate == 1.0
     assert max(step[1] for step in log) >= 8, log  # blocks of many drafts were verified
 
 
