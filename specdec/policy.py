@@ -68,10 +68,6 @@ FIXED_SLOPE = {"cpu": 1 / 8, "cuda": 0.28 / 31}
 #: how far one observed forward moves the cost model: the machine's load (one factor for the whole
 #: curve, so a slower machine makes every width slower) and the curve's shape near that point
 LOAD_RATE, SHAPE_RATE = 0.05, 0.05
-#: a draft model that would not pay at the prior acceptance is still tried once, as if its drafts
-#: were accepted at ``PROBE_ACCEPTANCE``, where its prefill costs at most ``PROBE_SHARE`` of the
-#: plain decoding time left: cheap to learn, and a draft that agrees that well pays
-PROBE_ACCEPTANCE, PROBE_SHARE = 0.9, 0.03
 
 
 def expected_tokens(accept: torch.Tensor) -> torch.Tensor:
@@ -368,15 +364,13 @@ class DraftPolicy:
     step_overhead: float = 0.0  # seconds of a step outside the target forward and drafting (decayed mean)
     drafting_measured: bool = False  # whether draft_seconds_per_token is a measurement yet
 
-    def budget(self, remaining: torch.Tensor, pending: int, context: int = 0, setup: float = 0.0,
-               floor: float = 0.0) -> torch.Tensor:
+    def budget(self, remaining: torch.Tensor, pending: int, context: int = 0, setup: float = 0.0) -> torch.Tensor:
         """Drafts to ask each row for before proposing (drafting cost included), priced with
         source 0's acceptance and drafting cost (a generator's main, costlier source: another
         source that drafts for free offers up to as many). remaining [B]; ``context``: the cache
         slots the verification attends to besides the tokens it feeds; ``setup``: seconds any
-        drafting this step pays once (assistants that still have to prefill); ``floor``: price
-        the drafts as accepted at least this often (a probe)."""
-        return self._cap(remaining, pending, context, self.draft_seconds_per_token, setup=setup, floor=floor)
+        drafting this step pays once (assistants that still have to prefill)."""
+        return self._cap(remaining, pending, context, self.draft_seconds_per_token, setup=setup)
 
     def trim(self, offered: torch.Tensor, pending: int, context: int = 0,
              sources: torch.Tensor | None = None) -> torch.Tensor:
@@ -385,7 +379,7 @@ class DraftPolicy:
         return self._cap(offered, pending, context, 0.0, sources)
 
     def _cap(self, counts: torch.Tensor, pending: int, context: int, per_draft: float,
-             sources: torch.Tensor | None = None, setup: float = 0.0, floor: float = 0.0) -> torch.Tensor:
+             sources: torch.Tensor | None = None, setup: float = 0.0) -> torch.Tensor:
         """counts [B] capped at the width that maximises committed tokens per second, where each
         draft costs ``per_draft`` seconds to make on top of verifying it, and drafting at all
         ``setup`` seconds."""
@@ -393,7 +387,7 @@ class DraftPolicy:
         widths = torch.arange(self.max_drafts + 1, dtype=torch.float64)
         seconds = (self.costs.predict((widths + pending) * available.shape[0], context)
                    + per_draft * widths + setup * (widths > 0) + self.step_overhead)
-        width = choose_width(self.acceptance.estimate(sources).clamp_min(floor), available, seconds)
+        width = choose_width(self.acceptance.estimate(sources), available, seconds)
         return available.clamp(max=width).to(counts.device)
 
     def rates(self, counts: torch.Tensor, pending: int, context: int, source: int, per_draft: float) -> torch.Tensor:

@@ -33,7 +33,7 @@ from .kv import CacheSettings, static_problem
 from .metrics import AcceptanceStats
 from .modelinfo import kv_layout, tensor_bytes, vocab_size
 from .multimodal import PrefillSpec, Prefix, check_assistant
-from .policy import PROBE_ACCEPTANCE, PROBE_SHARE, AcceptanceTracker, CostModel, DraftPolicy, synchronize
+from .policy import AcceptanceTracker, CostModel, DraftPolicy, synchronize
 from .sampling import SamplingParams
 from .state import ModelState, cache_problem
 from .stopping import Stopper, StreamFeed
@@ -180,18 +180,11 @@ class DecodeRun:
             ask = remaining
         else:
             # an assistant's prefill still to come is paid once, so it is spread over the steps left;
-            # and drafting starts only where a later step (one token pending) would draft too, at the
-            # prior acceptance, or at PROBE_ACCEPTANCE where trying costs little (see policy.py)
-            steps_left = max(int(remaining.max()), 1)
-            prefill = self._setup()
-            setup = prefill / steps_left
+            # and drafting starts only where a later step (one token pending) would draft too
+            setup = self._setup() / max(int(remaining.max()), 1)
             ask = policy.budget(remaining, pending, context, setup)  # [B]
-            if prefill > 0:
+            if setup > 0:
                 steady = policy.budget(remaining, 1, context + pending, setup)
-                plain = float(policy.costs.predict(target.batch_size, context + pending)) * steps_left
-                if not bool(steady.any()) and prefill <= PROBE_SHARE * plain:
-                    steady = policy.budget(remaining, 1, context + pending, setup, floor=PROBE_ACCEPTANCE)
-                    ask = policy.budget(remaining, pending, context, setup, floor=PROBE_ACCEPTANCE)
                 ask = torch.where(steady > 0, ask, torch.zeros_like(ask))
         self.step_shape = (pending, context)
         first = target.is_first_iteration
