@@ -342,7 +342,9 @@ def compiled_forward(model, options: dict, owned: bool = False):
             return _COMPILED[key]
         made = _OWNED.setdefault(model, {})
         if key not in made:
-            inductor = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+            mode = settings.pop("mode", None)  # torch.compile takes a mode or options, not both
+            inductor = {**(torch._inductor.list_mode_options(mode) if mode else {}),
+                        "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
                         **settings.pop("options", {})}
             made[key] = torch.compile(_own_forward(model), options=inductor, **settings)
         return made[key]

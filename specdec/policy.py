@@ -384,20 +384,23 @@ class DraftPolicy:
         draft costs ``per_draft`` seconds to make on top of verifying it, and drafting at all
         ``setup`` seconds."""
         available = counts.cpu().clamp(0, self.max_drafts)  # [B]
-        widths = torch.arange(self.max_drafts + 1, dtype=torch.float64)
-        seconds = (self.costs.predict((widths + pending) * available.shape[0], context)
-                   + per_draft * widths + setup * (widths > 0) + self.step_overhead)
+        seconds = self._step_seconds(available.shape[0], pending, context, per_draft, setup)
         width = choose_width(self.acceptance.estimate(sources), available, seconds)
         return available.clamp(max=width).to(counts.device)
+
+    def _step_seconds(self, batch: int, pending: int, context: int, per_draft: float,
+                      setup: float = 0.0) -> torch.Tensor:
+        """[max_drafts + 1] seconds of a step of ``batch`` rows that verifies w = 0.. drafts a row."""
+        widths = torch.arange(self.max_drafts + 1, dtype=torch.float64)
+        return (self.costs.predict((widths + pending) * batch, context) + per_draft * widths
+                + setup * (widths > 0) + self.step_overhead)
 
     def rates(self, counts: torch.Tensor, pending: int, context: int, source: int, per_draft: float) -> torch.Tensor:
         """[B] committed tokens per second row b is expected to reach this step if it verifies the
         best number, up to ``counts[b]``, of drafts from ``source`` that cost ``per_draft``
         seconds each to make (zero drafts included: plain decoding)."""
         available = counts.cpu().clamp(0, self.max_drafts).tolist()
-        widths = torch.arange(self.max_drafts + 1, dtype=torch.float64)
-        seconds = (self.costs.predict((widths + pending) * len(available), context) + per_draft * widths
-                   + self.step_overhead).tolist()
+        seconds = self._step_seconds(len(available), pending, context, per_draft).tolist()
         estimate = self.acceptance.estimate(torch.full((len(available),), source, dtype=torch.long))
         out = []
         for accept, offer in zip(estimate.tolist(), available):

@@ -221,3 +221,8 @@ def test_an_owned_model_compiles_a_function_of_its_own():
     assert compiled_forward(a, FAST_COMPILE, owned=True) is compiled_forward(a, FAST_COMPILE, owned=True)
     assert compiled_forward(a, FAST_COMPILE, owned=True) is not compiled_forward(b, FAST_COMPILE, owned=True)
     assert compiled_forward(a, FAST_COMPILE, owned=True) is not compiled_forward(a, FAST_COMPILE)
+    # a mode (CUDA's default is "reduce-overhead") becomes options: torch.compile takes one or the other
+    with torch.no_grad():
+        compiled = compiled_forward(a, {**FAST_COMPILE, "mode": "reduce-overhead"}, owned=True)
+        assert torch.allclose(compiled(a, input_ids=ids, use_cache=False).logits,
+                              a(input_ids=ids, use_cache=False).logits, atol=1e-5)
