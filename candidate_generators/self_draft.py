@@ -3,8 +3,9 @@
 Decoding a small model on a CPU is bound by reading its weights, so a copy of the target with
 fewer bytes per weight drafts faster than the target decodes, and agrees with it almost always
 (same weights, rounded). The copy is built from the target once per decoder (the user's model is
-never modified) and attached as a draft model; with ``lookup=True`` prompt lookup drafts first
-and the copy drafts for the rows where no n-gram matches.
+never modified) and attached as a draft model; with ``lookup=True`` a row drafts from prompt
+lookup where an n-gram matches and the policy expects the match to pay at least as well as the
+copy (``ctx.draft_rate``), from the copy elsewhere.
 
 ``weights``:
 
@@ -162,7 +163,7 @@ class SelfDraftGenerator(DraftModelGenerator):
 
     def acceptance_prior(self) -> float | tuple[float, float]:
         # The copy is the target rounded: its greedy token agreed with the target's on 90-99% of
-        # positions (docs/self_draft.md). With lookup first, the policy learns the two sources apart:
+        # positions (docs/self_draft.md). With lookup, the policy learns the two sources apart:
         # source 0 the copy (whose drafts cost time), source 1 a lookup match (accepted less often).
         return (0.85, 0.5) if self.lookup is not None else 0.85
 
