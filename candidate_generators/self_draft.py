@@ -182,8 +182,8 @@ class SelfDraftGenerator(DraftModelGenerator):
             return super().propose(ctx, max_drafts)
         found = self.lookup.propose(ctx, max_drafts)
         matched = found.lengths > 0  # [B]
-        lookup_rate = ctx.draft_rate(found.lengths, source=1)
-        if lookup_rate is not None and bool(matched.any()):  # a match is taken where it pays at least as the copy
+        lookup_rate = ctx.draft_rate(found.lengths, source=1) if bool(matched.any()) else None
+        if lookup_rate is not None:  # a match is taken where it pays at least as well as the copy
             matched &= (lookup_rate >= ctx.draft_rate(max_drafts, source=0)).to(matched.device)
         missing = ~matched & (max_drafts.to(found.lengths.device) > 0)  # [B]
         if bool(missing.any()):

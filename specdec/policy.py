@@ -395,10 +395,11 @@ class DraftPolicy:
         return (self.costs.predict((widths + pending) * batch, context) + per_draft * widths
                 + setup * (widths > 0) + self.step_overhead)
 
-    def rates(self, counts: torch.Tensor, pending: int, context: int, source: int, per_draft: float) -> torch.Tensor:
+    def rates(self, counts: torch.Tensor, pending: int, context: int, source: int = 0) -> torch.Tensor:
         """[B] committed tokens per second row b is expected to reach this step if it verifies the
-        best number, up to ``counts[b]``, of drafts from ``source`` that cost ``per_draft``
-        seconds each to make (zero drafts included: plain decoding)."""
+        best number, up to ``counts[b]``, of drafts from ``source`` (zero drafts included: plain
+        decoding). Source 0's drafts cost the measured drafting time; other sources' are free."""
+        per_draft = self.draft_seconds_per_token if source == 0 else 0.0
         available = counts.cpu().clamp(0, self.max_drafts).tolist()
         seconds = self._step_seconds(len(available), pending, context, per_draft).tolist()
         estimate = self.acceptance.estimate(torch.full((len(available),), source, dtype=torch.long))

@@ -248,8 +248,7 @@ class DecodeRun:
         if not 0 <= int(source) < self.sources:
             raise ValueError(f"{self.plugin}: draft_rate(source={source}) needs a source in [0, {self.sources}) "
                              "(one per acceptance_prior())")
-        per_draft = self.policy.draft_seconds_per_token if source == 0 else 0.0
-        return self.policy.rates(counts, *self.step_shape, int(source), per_draft).to(counts.device)
+        return self.policy.rates(counts, *self.step_shape, int(source)).to(counts.device)
 
     def _setup(self) -> float:
         """Seconds the assistants that have not yet run would spend prefilling before their first
