@@ -47,6 +47,7 @@ from specdec.registry import register_candidate_generator
 from .draft_model import DraftModelGenerator
 from .int8 import quantize_linears
 from .prompt_lookup import PromptLookupGenerator
+from .rotation import rotatable, rotate_residual
 
 WEIGHTS = ("auto", "bfloat16", "float16", "int8", "w8a8", "int4")
 QUANTIZED = ("int8", "w8a8", "int4")
@@ -70,16 +71,24 @@ def build_copy(target, weights: str):
     on_cpu = next(target.parameters()).device.type == "cpu"
     if weights in QUANTIZED and not (weights == "w8a8" and on_cpu):
         quantize, config = _torchao(weights)
-    draft = copy.deepcopy(target)
-    if getattr(draft.config, "_attn_implementation", None) == "sdpa":
-        draft.set_attn_implementation(GROUPED_SDPA)  # the copy's config only: the target keeps its own
+    draft = _plain_copy(target)
     if weights == "w8a8" and on_cpu:  # int8 x uint8 products, the target's dtype elsewhere (int8.py)
+        # a rotated residual stream is easier to quantize (rotation.py), where the layout allows
+        if rotatable(draft) is None and not rotate_residual(draft, reference=target):
+            draft = _plain_copy(target)  # the rotated copy failed its check: it is spoilt
         return quantize_linears(draft).eval()
     if weights != "w8a8":
         draft.to(torch.float16 if weights == "float16" else torch.bfloat16)
     if weights in QUANTIZED:
         quantize(draft, config)
     return draft.eval()
+
+
+def _plain_copy(target):
+    draft = copy.deepcopy(target)
+    if getattr(draft.config, "_attn_implementation", None) == "sdpa":
+        draft.set_attn_implementation(GROUPED_SDPA)  # the copy's config only: the target keeps its own
+    return draft
 
 
 def grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
