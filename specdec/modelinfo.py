@@ -123,6 +123,23 @@ def tensor_bytes(module: torch.nn.Module) -> int:
     return sum(size(t) for t in (*module.parameters(), *module.buffers()))
 
 
+def step_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights a decoding step reads: :func:`tensor_bytes` less the input embedding
+    table, of which a step reads one row per token, unless the output head shares it (and so
+    reads all of it). What the policy prices a model's forward by relative to another's."""
+    total = tensor_bytes(model)
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    table = getattr(embed, "weight", None)
+    if not isinstance(table, torch.Tensor):
+        return max(total, 1)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_weight = getattr(head, "weight", None)
+    shared = head_weight is table or (type(head_weight) in (torch.Tensor, torch.nn.Parameter)
+                                      and type(table) in (torch.Tensor, torch.nn.Parameter)
+                                      and head_weight.untyped_storage().data_ptr() == table.untyped_storage().data_ptr())
+    return max(total - (0 if shared else tensor_bytes(embed)), 1)
+
+
 def kv_layout(model) -> tuple[int, int, int]:
     """(layers, key/value heads, head size) of ``model``'s cache, from its config: two models
     with the same layout can read each other's keys and values."""

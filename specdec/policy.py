@@ -20,8 +20,8 @@ Inputs, all measured while decoding:
   the loop runs: a load factor moves every width at once, a slower shape correction the widths
   near the one observed;
 * the drafting cost per proposed token, measured per call from the generator's ``propose``;
-  before the first measurement, the attached assistants' bytes as stored relative to the
-  target's, times a one-token target forward (decoding is bound by reading weights), so a draft
+  before the first measurement, the bytes of weights the attached assistants' steps read
+  relative to the target's (``modelinfo.step_bytes``), times a one-token target forward (decoding is bound by reading weights), so a draft
   model too slow to pay at the prior acceptance is not even prefilled;
 * :class:`AcceptanceTracker`: per source of drafts, row and position, decayed counts of accepted /
   offered drafts with a prior (the generator's ``acceptance_prior()``: 0.5 unless it knows better;
@@ -35,8 +35,8 @@ offer, zero when no width pays, and never a wider block when acceptance falls.
 Under sampling, decisions must not depend on timings: a seeded call must reproduce exactly, and
 the random numbers the verifier draws depend on how many drafts each step verifies. There the
 policy uses a fixed cost curve per device kind (``FIXED_SLOPE``) and a drafting cost equal to
-the attached assistants' bytes as stored relative to the target's (decoding is bound by reading
-weights), so its choices follow from the committed tokens alone.
+the bytes of weights the attached assistants' steps read relative to the target's (decoding is
+bound by reading weights), so its choices follow from the committed tokens alone.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from .assistant import Assistant
 from .generators import CandidateGenerator, DecodeContext, Feedback
 from .kv import CacheSettings, static_problem
 from .metrics import AcceptanceStats
-from .modelinfo import kv_layout, tensor_bytes, vocab_size
+from .modelinfo import kv_layout, step_bytes, vocab_size
 from .multimodal import PrefillSpec, Prefix, check_assistant
 from .policy import AcceptanceTracker, CostModel, DraftPolicy, synchronize
 from .sampling import SamplingParams
@@ -155,9 +155,9 @@ class DecodeRun:
         if cap <= 0:
             return None
         acceptance = AcceptanceTracker(prompt.rows.shape[0], cap, prior=priors)
-        # decoding is bound by reading weights: an assistant's draft token costs about its bytes
-        # relative to the target's one-token step (no assistant, e.g. prompt lookup: about nothing)
-        self.weight = {id(s): tensor_bytes(s.model) / tensor_bytes(target) for s in (*self.followers, *self.own)}
+        # decoding is bound by reading weights: an assistant's draft token costs about the bytes its
+        # step reads relative to the target's one-token step (no assistant, e.g. prompt lookup: about nothing)
+        self.weight = {id(s): step_bytes(s.model) / step_bytes(target) for s in (*self.followers, *self.own)}
         ratio = sum(self.weight.values())
         if self.settings.sampling.do_sample:
             return DraftPolicy(CostModel.fixed(target.device.type), acceptance, cap, ratio, measured=False)

@@ -228,3 +228,16 @@ def test_weights_auto_is_the_w8a8_copy_on_a_cpu(target):
     ids = repetitive_prompt(10)
     out = decoder.generate(ids, max_new_tokens=24)
     assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=24, do_sample=False))
+
+
+def test_the_policy_prices_a_copy_by_the_bytes_its_steps_read(target):
+    """A step reads a row of an input embedding table that the head does not share: the w8a8
+    copy's fp32 table must not make it look as costly as half the target."""
+    from specdec.modelinfo import step_bytes
+
+    copy_ = build_copy(target, "w8a8")
+    embed = tensor_bytes(copy_.get_input_embeddings())
+    assert step_bytes(copy_) == tensor_bytes(copy_) - embed
+    assert step_bytes(copy_) < 0.3 * step_bytes(target)
+    tied = tiny_random("llama", seed=1, tie_word_embeddings=True)[0]
+    assert step_bytes(tied) == tensor_bytes(tied)  # the head reads the whole shared table
