@@ -21,8 +21,9 @@ Inputs, all measured while decoding:
   near the one observed;
 * the drafting cost per proposed token, measured per call from the generator's ``propose``;
   before the first measurement, the bytes of weights the attached assistants' steps read
-  relative to the target's (``modelinfo.step_bytes``), times a one-token target forward (decoding is bound by reading weights), so a draft
-  model too slow to pay at the prior acceptance is not even prefilled;
+  relative to the target's (``modelinfo.step_bytes``), times a one-token target forward
+  (decoding is bound by reading weights), so a draft model too slow to pay at the prior
+  acceptance is not even prefilled;
 * :class:`AcceptanceTracker`: per source of drafts, row and position, decayed counts of accepted /
   offered drafts with a prior (the generator's ``acceptance_prior()``: 0.5 unless it knows better;
   one per source for a generator with several, see ``Proposal.sources``). Counts decay
