@@ -236,12 +236,25 @@ class DecodeRun:
         self.session.observe(self.ctx, Feedback(offered, verdict.accepted))
         if policy is not None:
             policy.acceptance.update(offered, verdict.accepted, sources)
+            if proposal.unverified is not None:
+                self._score_unverified(proposal.unverified, block, verdict.accepted)
             if not first:
                 policy.observe_overhead(time.perf_counter() - tick - forward_seconds - (drafted - tick))
         self.stats.draft_seconds += time.perf_counter() - verified  # keeping drafts in step is drafting work
         if bool(finished.any()):
             self._retire(finished)
         return bool(self.row_ids.numel())
+
+    def _score_unverified(self, shadow, block: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Learn the acceptance of drafts that were made but not verified (``Proposal.unverified``)
+        from this step's committed tokens: block [B, k+1] holds the target's tokens up to and
+        including position ``accepted [B]``, so a row's unverified drafts are scored there only
+        (past it nothing is known, and nothing is recorded)."""
+        ids = shadow.token_ids.to(block.device)
+        width = min(ids.shape[1], block.shape[1])
+        known = torch.minimum(shadow.lengths.to(block.device), accepted + 1).clamp(max=width)  # [B]
+        agree = (ids[:, :width] == block[:, :width]).long().cumprod(dim=1).sum(dim=1)  # [B] leading matches
+        self.policy.acceptance.update(known, torch.minimum(agree, known), shadow.sources, decay=False)
 
     def _draft_rate(self, counts: torch.Tensor, source: int) -> torch.Tensor:
         """``DecodeContext.draft_rate``: the policy's expected rate for this step's shape."""

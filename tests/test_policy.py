@@ -307,3 +307,67 @@ def test_sampling_with_auto_is_reproducible_and_timing_free():
             for _ in range(2)]
     assert torch.equal(runs[0].sequences, runs[1].sequences)
     assert runs[0].stats.calibration_seconds == 0.0  # no timing entered the decisions
+
+
+def test_a_second_record_of_a_step_adds_counts_without_forgetting():
+    tracker = AcceptanceTracker(1, 3, prior=(0.5, 0.5), prior_weight=1.0, decay=0.5, idle_decay=0.5)
+    tracker.update(torch.tensor([2]), torch.tensor([2]), sources=torch.tensor([0]))
+    before = tracker.offered.clone()
+    tracker.update(torch.tensor([3]), torch.tensor([1]), sources=torch.tensor([1]), decay=False)
+    assert torch.equal(tracker.offered[0], before[0])  # source 0 is not forgotten a second time
+    assert tracker.offered[1, 0].tolist() == [1.0, 1.0, 0.0] and tracker.accepted[1, 0].tolist() == [1.0, 0.0, 0.0]
+
+
+class VerifiesOneScoresTheOther(CandidateGenerator):
+    """Verifies source 0's drafts (the target's own continuation) and hands source 1's, the same
+    continuation (``right``) or random ids, as unverified drafts; logs ``draft_rate`` of source 1."""
+
+    def __init__(self, reference: torch.Tensor, right: bool, log: list):
+        self.reference, self.right, self.log = reference, right, log
+
+    def acceptance_prior(self):
+        return (0.5, 0.5)
+
+    def propose(self, ctx, max_drafts):
+        self.log.append((float(ctx.draft_rate(torch.full_like(max_drafts, 4), 1)[0]),
+                         float(ctx.draft_rate(torch.zeros_like(max_drafts), 1)[0])))  # (drafts from source 1, plain)
+        start, n = int(ctx.lengths[0]), 4
+        oracle = self.reference[:, start: start + n]
+        other = oracle if self.right else (oracle + 1) % 250
+        ask = max_drafts.clamp(max=oracle.shape[1])
+        return Proposal(oracle, ask, sources=torch.tensor([0]),
+                        unverified=Proposal(other, torch.tensor([other.shape[1]]), sources=torch.tensor([1])))
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_unverified_drafts_teach_their_sources_acceptance(right):
+    target, _ = tiny_random("llama", seed=3)
+    cpu_like(target)
+    ids = repetitive_prompt(8)
+    reference = target.generate(ids, max_new_tokens=60, do_sample=False)
+    log: list = []
+    out = SpecDecoder(target, VerifiesOneScoresTheOther(reference, right, log)).generate(ids, max_new_tokens=60)
+    assert torch.equal(out.sequences, reference)  # unverified drafts never reach the output
+    (first, plain), (last, _) = log[1], log[-1]  # log[0]: the prefill step
+    assert first > 1.05 * plain, log  # at the prior, source 1's drafts look worth verifying
+    if right:  # learnt: always right
+        assert last > 1.3 * first, log
+    else:  # learnt: never right, so verifying none (plain decoding) is its best
+        assert last < 1.01 * plain, log
+
+
+def test_unverified_drafts_are_checked():
+    target, _ = tiny_random("llama", seed=3)
+
+    class BadShadow(CandidateGenerator):
+        name = "bad_shadow"
+
+        def acceptance_prior(self):
+            return (0.5, 0.5)
+
+        def propose(self, ctx, max_drafts):
+            shadow = Proposal(torch.zeros(1, 2, dtype=torch.long), torch.tensor([2]), sources=torch.tensor([2]))
+            return Proposal(torch.zeros(1, 0, dtype=torch.long), torch.tensor([0]), unverified=shadow)
+
+    with pytest.raises(ValueError, match="bad_shadow.*unverified.*sources"):
+        SpecDecoder(target, BadShadow()).generate(repetitive_prompt(4), max_new_tokens=4)
