@@ -5,7 +5,8 @@ fewer bytes per weight drafts faster than the target decodes, and agrees with it
 (same weights, rounded). The copy is built from the target once per decoder (the user's model is
 never modified) and attached as a draft model; with ``lookup=True`` a row drafts from prompt
 lookup where an n-gram matches and the policy expects the match to pay at least as well as the
-copy (``ctx.draft_rate``), from the copy elsewhere.
+copy (``ctx.draft_rate``), from the copy elsewhere; a match it does not take is handed over
+unverified (``Proposal.unverified``), so lookup's acceptance is learnt even while the copy drafts.
 
 ``weights``:
 
