@@ -237,7 +237,7 @@ class DecodeRun:
         if policy is not None:
             policy.acceptance.update(offered, verdict.accepted, sources)
             if proposal.unverified is not None:
-                self._score_unverified(proposal.unverified, block, verdict.accepted)
+                self._score_unverified(proposal.unverified, block)
             if not first:
                 policy.observe_overhead(time.perf_counter() - tick - forward_seconds - (drafted - tick))
         self.stats.draft_seconds += time.perf_counter() - verified  # keeping drafts in step is drafting work
@@ -245,16 +245,18 @@ class DecodeRun:
             self._retire(finished)
         return bool(self.row_ids.numel())
 
-    def _score_unverified(self, shadow, block: torch.Tensor, accepted: torch.Tensor) -> None:
+    def _score_unverified(self, shadow, block: torch.Tensor) -> None:
         """Learn the acceptance of drafts that were made but not verified (``Proposal.unverified``)
-        from this step's committed tokens: block [B, k+1] holds the target's tokens up to and
-        including position ``accepted [B]``, so a row's unverified drafts are scored there only
-        (past it nothing is known, and nothing is recorded)."""
+        from this step's committed tokens: each row's first unverified draft against the first
+        token the step committed (block [B, k+1]). Only the first: a deeper one could be scored
+        only where the verified drafts held that far, on text easier than the rest, which made
+        the unverified source look better than it was (two Spec-Bench runs, docs/self_draft.md)."""
+        if shadow.token_ids.shape[1] == 0:
+            return
         ids = shadow.token_ids.to(block.device)
-        width = min(ids.shape[1], block.shape[1])
-        known = torch.minimum(shadow.lengths.to(block.device), accepted + 1).clamp(max=width)  # [B]
-        agree = (ids[:, :width] == block[:, :width]).long().cumprod(dim=1).sum(dim=1)  # [B] leading matches
-        self.policy.acceptance.update(known, torch.minimum(agree, known), shadow.sources, decay=False)
+        scored = shadow.lengths.to(block.device).clamp(max=1)  # [B] 1 where the row has an unverified draft
+        right = (ids[:, 0] == block[:, 0]).long() * scored
+        self.policy.acceptance.update(scored, right, shadow.sources, decay=False)
 
     def _draft_rate(self, counts: torch.Tensor, source: int) -> torch.Tensor:
         """``DecodeContext.draft_rate``: the policy's expected rate for this step's shape."""
