@@ -5,8 +5,7 @@ fewer bytes per weight drafts faster than the target decodes, and agrees with it
 (same weights, rounded). The copy is built from the target once per decoder (the user's model is
 never modified) and attached as a draft model; with ``lookup=True`` a row drafts from prompt
 lookup where an n-gram matches and the policy expects the match to pay at least as well as the
-copy (``ctx.draft_rate``), from the copy elsewhere; a match it does not take is handed over
-unverified (``Proposal.unverified``), so lookup's acceptance is learnt even while the copy drafts.
+copy (``ctx.draft_rate``), from the copy elsewhere.
 
 ``weights``:
 
@@ -196,14 +195,10 @@ class SelfDraftGenerator(DraftModelGenerator):
         if lookup_rate is not None:  # a match is taken where it pays at least as well as the copy
             matched &= (lookup_rate >= ctx.draft_rate(max_drafts, source=0)).to(matched.device)
         missing = ~matched & (max_drafts.to(found.lengths.device) > 0)  # [B]
-        unused = missing & (found.lengths > 0)  # a match the copy drafted instead of
-        shadow = Proposal(found.token_ids, torch.where(unused, found.lengths, torch.zeros_like(found.lengths)),
-                          sources=torch.ones_like(found.lengths).cpu()) if bool(unused.any()) else None
         if bool(missing.any()):
             found = merge(found, super().propose(ctx, max_drafts), use_second=missing.to(max_drafts.device),
                           vocab=ctx.target_vocab_size)
         found.sources = (~missing).long().cpu()  # 0: the copy's drafts, 1: a lookup match
-        found.unverified = shadow  # the run scores the matches not taken, so lookup's acceptance is learnt anyway
         return found
 
     def observe(self, ctx: DecodeContext, feedback: Feedback) -> None:

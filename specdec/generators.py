@@ -46,10 +46,6 @@ class Proposal:
     #: [B] long: which of the generator's sources drafted each row (an index into its
     #: ``acceptance_prior()``), for a generator with several; None = source 0
     sources: torch.Tensor | None = None
-    #: drafts another source made this step that are not to be verified (a Proposal without
-    #: probs; ``lengths`` 0 where none): the run compares them with the tokens the step commits,
-    #: so that source's acceptance is learnt while it is not used. Never verified, never output.
-    unverified: "Proposal | None" = None
 
     @classmethod
     def empty(cls, batch: int, device: torch.device | str = "cpu") -> "Proposal":

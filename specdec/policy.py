@@ -333,12 +333,9 @@ class AcceptanceTracker:
             rows.append(row)
         return torch.tensor(rows, dtype=torch.float64).reshape(self.offered.shape[1:])
 
-    def update(self, offered: torch.Tensor, accepted: torch.Tensor, sources: torch.Tensor | None = None,
-               decay: bool = True) -> None:
+    def update(self, offered: torch.Tensor, accepted: torch.Tensor, sources: torch.Tensor | None = None) -> None:
         """offered [B], accepted [B] drafts of this step, drafted by ``sources [B]`` (default:
-        source 0); position i is tried if offered > i and every earlier draft was accepted.
-        ``decay=False``: a second record of the same step (drafts scored but not verified), which
-        adds its counts without forgetting again."""
+        source 0); position i is tried if offered > i and every earlier draft was accepted."""
         positions = torch.arange(self.offered.shape[2])[None, None, :]  # [1, 1, K]
         offered, accepted = offered.cpu()[None, :, None], accepted.cpu()[None, :, None]  # [1, B, 1]
         picks = torch.zeros(offered.shape[1], dtype=torch.long) if sources is None else sources.cpu().long()
@@ -346,7 +343,7 @@ class AcceptanceTracker:
         drafted = mine & (offered > 0)
         tried = drafted & (positions < offered) & (positions <= accepted)  # [S, B, K]
         hit = drafted & (positions < accepted)
-        keep = torch.where(drafted, self.decay, self.idle_decay).double() if decay else torch.ones(1, dtype=torch.float64)
+        keep = torch.where(drafted, self.decay, self.idle_decay).double()  # [S, B, 1]
         self.offered.mul_(keep).add_(tried.double())
         self.accepted.mul_(keep).add_(hit.double())
 

@@ -236,27 +236,12 @@ class DecodeRun:
         self.session.observe(self.ctx, Feedback(offered, verdict.accepted))
         if policy is not None:
             policy.acceptance.update(offered, verdict.accepted, sources)
-            if proposal.unverified is not None:
-                self._score_unverified(proposal.unverified, block)
             if not first:
                 policy.observe_overhead(time.perf_counter() - tick - forward_seconds - (drafted - tick))
         self.stats.draft_seconds += time.perf_counter() - verified  # keeping drafts in step is drafting work
         if bool(finished.any()):
             self._retire(finished)
         return bool(self.row_ids.numel())
-
-    def _score_unverified(self, shadow, block: torch.Tensor) -> None:
-        """Learn the acceptance of drafts that were made but not verified (``Proposal.unverified``)
-        from this step's committed tokens: each row's first unverified draft against the first
-        token the step committed (block [B, k+1]). Only the first: a deeper one could be scored
-        only where the verified drafts held that far, on text easier than the rest, which made
-        the unverified source look better than it was (two Spec-Bench runs, docs/self_draft.md)."""
-        if shadow.token_ids.shape[1] == 0:
-            return
-        ids = shadow.token_ids.to(block.device)
-        scored = shadow.lengths.to(block.device).clamp(max=1)  # [B] 1 where the row has an unverified draft
-        right = (ids[:, 0] == block[:, 0]).long() * scored
-        self.policy.acceptance.update(scored, right, shadow.sources, decay=False)
 
     def _draft_rate(self, counts: torch.Tensor, source: int) -> torch.Tensor:
         """``DecodeContext.draft_rate``: the policy's expected rate for this step's shape."""

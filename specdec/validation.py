@@ -157,12 +157,6 @@ def check_proposal(proposal, plugin: str, batch: int, vocab: int, do_sample: boo
                                 or bool(((sources < 0) | (sources >= n_sources)).any())):
         raise ValueError(f"{where}: Proposal.sources must be None or an integer tensor [batch={batch}] of source "
                          f"indexes in [0, {n_sources}) (one per acceptance_prior()), got {_describe(sources)}")
-    shadow = proposal.unverified
-    if shadow is not None:
-        if not isinstance(shadow, Proposal) or shadow.probs is not None or shadow.unverified is not None:
-            raise ValueError(f"{where}: Proposal.unverified must be None or a Proposal without probs or unverified "
-                             f"drafts of its own, got {_describe(shadow)}")
-        check_proposal(shadow, f"{plugin}'s unverified drafts", batch, vocab, False, n_sources)
     if probs is None:
         return
     if not isinstance(probs, torch.Tensor) or not probs.is_floating_point() or tuple(probs.shape) != (batch, k, vocab):
