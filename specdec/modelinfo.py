@@ -129,15 +129,11 @@ def step_bytes(model: torch.nn.Module) -> int:
     reads all of it). What the policy prices a model's forward by relative to another's."""
     total = tensor_bytes(model)
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    table = getattr(embed, "weight", None)
-    if not isinstance(table, torch.Tensor):
-        return max(total, 1)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    head_weight = getattr(head, "weight", None)
-    shared = head_weight is table or (type(head_weight) in (torch.Tensor, torch.nn.Parameter)
-                                      and type(table) in (torch.Tensor, torch.nn.Parameter)
-                                      and head_weight.untyped_storage().data_ptr() == table.untyped_storage().data_ptr())
-    return max(total - (0 if shared else tensor_bytes(embed)), 1)
+    table = getattr(embed, "weight", None)
+    if not isinstance(table, torch.Tensor) or getattr(head, "weight", None) is table:  # tied: one parameter
+        return max(total, 1)
+    return max(total - tensor_bytes(embed), 1)
 
 
 def kv_layout(model) -> tuple[int, int, int]:
