@@ -51,6 +51,8 @@ from specdec.multimodal import declared_inputs
 from specdec.registry import register_candidate_generator
 from specdec.sampling import sample
 
+from .lowbit import LowPrecisionDraft
+
 #: what a decoder writes for bytes that are not (yet) a whole UTF-8 character
 REPLACEMENT = "\ufffd"
 #: a UTF-8 character has at most 4 bytes, so at most 3 trailing tokens can hold an unfinished one
@@ -240,7 +242,7 @@ class RowText:
 
 
 @register_candidate_generator("cross_tokenizer")
-class CrossTokenizerGenerator(CandidateGenerator):
+class CrossTokenizerGenerator(LowPrecisionDraft, CandidateGenerator):
     """Drafts with a model whose tokenizer differs from the target's (string-level exact match).
 
     ``num_tokens`` is the number of draft-model tokens per step (the target tokens they spell may
@@ -251,10 +253,12 @@ class CrossTokenizerGenerator(CandidateGenerator):
     of five settings tried on Gemma-3-270M + SmolLM2-135M, where every draft token and every
     verified position is expensive (docs/cross_tokenizer.md). ``report()`` counts steps, proposed
     target tokens and how each proposal was aligned (``anchored``, ``unanchored``, ``unaligned``).
+    ``weights=`` drafts with a copy of the draft model at lower precision, ``compile_draft`` as
+    for ``draft_model`` (``lowbit.py``).
     """
 
     def __init__(self, draft_model, *, num_tokens: int = 6, schedule: str = "auto", max_tokens: int = 16,
-                 min_confidence: float = 0.5):
+                 min_confidence: float = 0.5, weights: str | None = None, compile_draft: bool | dict | None = None):
         if not isinstance(draft_model, torch.nn.Module):
             raise TypeError("cross_tokenizer needs a draft model: SpecDecoder(target, draft_model, "
                             "tokenizer=target_tokenizer, draft_tokenizer=draft_tokenizer)")
@@ -266,10 +270,12 @@ class CrossTokenizerGenerator(CandidateGenerator):
         self.assistant = None
         self.rows: list[RowText] = []
         self.counts = {"steps": 0, "proposed": 0, "anchored": 0, "unanchored": 0, "unaligned": 0}
+        self._init_precision(weights, compile_draft)
 
     # -- setup ---------------------------------------------------------------------------------
     def setup(self, ctx: DecodeContext) -> None:
         self._check(ctx)
+        self.draft = self.drafting_model(self.draft)
         self.target_fast, self.draft_fast = fast(ctx.tokenizer), fast(ctx.draft_tokenizer)
         self.draft_vocab = min(len(ctx.draft_tokenizer), vocab_size(self.draft))  # ids past the tokenizer spell nothing
         self.target_vocab = ctx.target_vocab_size
@@ -294,7 +300,8 @@ class CrossTokenizerGenerator(CandidateGenerator):
         for b, s in enumerate(sequences):
             tokens[b, : len(s)] = torch.tensor(s, dtype=torch.long)
         lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long, device=ctx.tokens.device)
-        self.assistant = ctx.attach(self.draft, tokens, lengths, pad_token_id=pad)
+        self.assistant = ctx.attach(self.draft, tokens, lengths, pad_token_id=pad,
+                                    **self.precision_attach_options())
         self.schedule.reset(ctx.batch_size)
 
     def _check(self, ctx: DecodeContext) -> None:

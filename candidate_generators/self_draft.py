@@ -7,18 +7,10 @@ never modified) and attached as a draft model; with ``lookup=True`` a row drafts
 lookup where an n-gram matches and the policy expects the match to pay at least as well as the
 copy (``ctx.draft_rate``), from the copy elsewhere.
 
-``weights``:
-
-* ``"auto"`` (default): ``"w8a8"`` for a target on a CPU (the fastest copy measured there, no
-  extra package), ``"bfloat16"`` elsewhere (no extra package);
-* ``"bfloat16"`` / ``"float16"``: a cast copy (no extra package);
-* ``"int8"``: int8 weight-only linear layers with bfloat16 activations, by ``torchao``
-  (``pip install "specdec[quant]"``);
-* ``"w8a8"``: int8 weights and activations quantized per token on the fly, everything else in
-  the target's dtype: int8 matrix products, the fastest draft on a CPU with VNNI/AMX int8
-  instructions (on a CPU ``int8.Int8Linear``, no extra package; elsewhere ``torchao``;
-  docs/self_draft.md has the measurements);
-* ``"int4"``: int4 weight-only (``torchao``; needs a backend with int4 kernels).
+``weights`` (``candidate_generators/lowbit.py``): ``"auto"`` (default) is ``"w8a8"`` for a
+target on a CPU (the fastest copy measured there, no extra package) and ``"bfloat16"`` elsewhere;
+``"bfloat16"``, ``"float16"``, ``"int8"``, ``"w8a8"`` and ``"int4"`` as chosen (the last three
+off the CPU by ``torchao``: ``pip install "specdec[quant]"``).
 
 Its draft steps run on a static cache with compiled one-token forwards (``compile_draft``, default on:
 torchao's int8 layers are slower than fp32 ones until compiled), whatever cache the target uses.
@@ -30,142 +22,30 @@ Greedy output stays the target's and sampling stays lossless: the copy only prop
 
 from __future__ import annotations
 
-import copy
-import threading
-import weakref
-
 import torch
-
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from specdec.generators import DecodeContext, Feedback, Proposal
 from specdec.modelinfo import tensor_bytes
 from specdec.registry import register_candidate_generator
 
 from .draft_model import DraftModelGenerator
-from .int8 import quantize_linears
+from .lowbit import GROUPED_SDPA, build_copy, grouped_sdpa  # noqa: F401  (the names self_draft has always offered)
 from .prompt_lookup import PromptLookupGenerator
-from .rotation import rotatable, rotate_residual
-
-WEIGHTS = ("auto", "bfloat16", "float16", "int8", "w8a8", "int4")
-QUANTIZED = ("int8", "w8a8", "int4")
-
-
-def resolve_weights(target, weights: str) -> str:
-    """``weights``, with ``"auto"`` made concrete for ``target``'s device."""
-    if weights not in WEIGHTS:
-        raise ValueError(f"self_draft: weights must be one of {WEIGHTS}, got {weights!r}")
-    if weights != "auto":
-        return weights
-    return "w8a8" if next(target.parameters()).device.type == "cpu" else "bfloat16"
-
-
-def build_copy(target, weights: str):
-    """A draft copy of ``target`` with ``weights`` precision; the target is only read."""
-    weights = resolve_weights(target, weights)
-    if getattr(target.config, "vision_config", None) is not None or hasattr(target, "get_rope_index"):
-        raise ValueError(f"self_draft drafts for text-only models; {type(target).__name__} is a vision-language "
-                         "model (pass a text draft model instead)")
-    on_cpu = next(target.parameters()).device.type == "cpu"
-    if weights in QUANTIZED and not (weights == "w8a8" and on_cpu):
-        quantize, config = _torchao(weights)
-    draft = _plain_copy(target)
-    if weights == "w8a8" and on_cpu:  # int8 x uint8 products, the target's dtype elsewhere (int8.py)
-        # a rotated residual stream is easier to quantize (rotation.py), where the layout allows
-        if rotatable(draft) is None and not rotate_residual(draft, reference=target):
-            draft = _plain_copy(target)  # the rotated copy failed its check: it is spoilt
-        return quantize_linears(draft).eval()
-    if weights != "w8a8":
-        draft.to(torch.float16 if weights == "float16" else torch.bfloat16)
-    if weights in QUANTIZED:
-        quantize(draft, config)
-    return draft.eval()
-
-
-def _plain_copy(target):
-    draft = copy.deepcopy(target)
-    if getattr(draft.config, "_attn_implementation", None) == "sdpa":
-        draft.set_attn_implementation(GROUPED_SDPA)  # the copy's config only: the target keeps its own
-    return draft
-
-
-def grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-    """SDPA for grouped-query attention without repeating keys and values per query head.
-
-    transformers' ``sdpa`` repeats each key/value head for its group of query heads whenever a
-    mask is given and the forward is compiled: the copy's draft steps (compiled, always masked)
-    would read a static cache of S slots ``groups`` times over. Here the group's query heads
-    become extra query rows of their key/value head instead (``[B, kv, groups * q, D]``, the
-    mask repeated to match), which is the same attention. Anything else goes to ``sdpa``."""
-    groups = getattr(module, "num_key_value_groups", 1)
-    plain = (groups == 1 or attention_mask is None or attention_mask.shape[1] != 1
-             or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None)
-    if plain:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
-    batch, heads, q, dim = query.shape
-    mask_batch, slots = attention_mask.shape[0], attention_mask.shape[-1]
-    mask = attention_mask[:, :, None].expand(mask_batch, 1, groups, q, slots).reshape(mask_batch, 1, groups * q, slots)
-    out = torch.nn.functional.scaled_dot_product_attention(query.reshape(batch, heads // groups, groups * q, dim),
-                                                           key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
-    return out.reshape(batch, heads, q, dim).transpose(1, 2).contiguous(), None
-
-
-GROUPED_SDPA = "specdec_grouped_sdpa"
-AttentionInterface.register(GROUPED_SDPA, grouped_sdpa)
-AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
-
-
-def _torchao(weights: str):
-    try:
-        from torchao.quantization import (Int4WeightOnlyConfig, Int8DynamicActivationInt8WeightConfig,
-                                          Int8WeightOnlyConfig, quantize_)
-    except ImportError as exc:
-        raise ImportError(f"self_draft with weights={weights!r} needs torchao: pip install \"specdec[quant]\" "
-                          "(or use weights='bfloat16', which needs no extra package)") from exc
-    configs = {"int8": Int8WeightOnlyConfig, "w8a8": Int8DynamicActivationInt8WeightConfig,
-               "int4": Int4WeightOnlyConfig}
-    return quantize_, configs[weights]()
-
-
-class _Copies:
-    """The copies one configured generator built, per (target, weights); shared by its sessions."""
-
-    def __init__(self):
-        self._made: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.nn.Module]]" = weakref.WeakKeyDictionary()
-        self._lock = threading.Lock()
-
-    def get(self, target, weights: str):
-        weights = resolve_weights(target, weights)
-        with self._lock:
-            made = self._made.setdefault(target, {})
-            if weights not in made:
-                made[weights] = build_copy(target, weights)
-            return made[weights]
 
 
 @register_candidate_generator("self_draft")
 class SelfDraftGenerator(DraftModelGenerator):
     def __init__(self, *, weights: str = "auto", num_tokens: int = 5, schedule: str = "auto",
                  max_tokens: int = 16, compile_draft: bool | dict = True, lookup: bool = False):
-        if weights not in WEIGHTS:
-            raise ValueError(f"self_draft: weights must be one of {WEIGHTS}, got {weights!r}")
-        if not isinstance(compile_draft, (bool, dict)):
-            raise TypeError(f"compile_draft must be True, False or a dict of torch.compile options, got {compile_draft!r}")
-        # no draft yet: setup() builds it from the call's target (once per decoder, see _Copies)
-        super().__init__(torch.nn.Module(), num_tokens=num_tokens, schedule=schedule, max_tokens=max_tokens)
-        self.weights, self.compile_draft = weights, compile_draft
+        # no draft yet: setup() builds it from the call's target (once per decoder, see lowbit.Copies)
+        super().__init__(torch.nn.Module(), num_tokens=num_tokens, schedule=schedule, max_tokens=max_tokens,
+                         weights=weights, compile_draft=compile_draft)
         self.lookup = PromptLookupGenerator(schedule="auto", max_tokens=max_tokens) if lookup else None
-        self._copies = _Copies()
 
-    def session(self) -> "SelfDraftGenerator":
-        fresh = super().session()
-        fresh._copies = self._copies  # the copy is built once per decoder, not per call
-        return fresh
+    def source_model(self, ctx: DecodeContext):
+        return ctx.target
 
     def setup(self, ctx: DecodeContext) -> None:
-        self.draft = self._copies.get(ctx.target, self.weights)
         super().setup(ctx)
         if self.lookup is not None:
             self.lookup.setup(ctx)
@@ -181,10 +61,7 @@ class SelfDraftGenerator(DraftModelGenerator):
         # the keys and values of the target's prefill and takes those of every verified block (more
         # exact than its own, and no forward of its own over them). A draft step then feeds one
         # token; the re-feeds of rows that drift apart in a batch run eagerly.
-        # The copy is this generator's own (built by it, changed by nothing), so its compiled steps
-        # skip dynamo's guards on its modules.
-        return {"cache_implementation": "static", "compile": self.compile_draft, "compile_widths": (1,),
-                "prefill_from_target": True, "owned": True}
+        return {**self.precision_attach_options(widths=(1,)), "prefill_from_target": True}
 
     def propose(self, ctx: DecodeContext, max_drafts: torch.Tensor) -> Proposal:
         if self.lookup is None:
@@ -214,7 +91,7 @@ class SelfDraftGenerator(DraftModelGenerator):
     def memory(self, target) -> dict[str, int]:
         """The copy's memory next to the target's (bytes as stored): what drafting with it costs.
         Builds the copy if no call has yet."""
-        return {"draft_bytes": tensor_bytes(self._copies.get(target, self.weights)), "target_bytes": tensor_bytes(target)}
+        return {"draft_bytes": tensor_bytes(self.drafting_model(target)), "target_bytes": tensor_bytes(target)}
 
 
 def merge(first: Proposal, second: Proposal, use_second: torch.Tensor, vocab: int) -> Proposal:

@@ -40,6 +40,10 @@ from .stopping import Stopper, StreamFeed
 from .validation import check_proposal
 from .verify import Verdict, greedy_verify, speculative_sample
 
+#: tokens an assistant may have pending before a proposal (the target's newest, the last draft, a
+#: re-tokenized tail) for the proposal's time to count as drafting cost: more is catching up
+CATCH_UP = 4
+
 
 @dataclass
 class Prompt:
@@ -190,6 +194,10 @@ class DecodeRun:
         first = target.is_first_iteration
         if first and self.borrowers:  # they draft once they hold the target's prefill
             ask = torch.zeros_like(ask)
+        # an assistant that has not yet run prefills in this proposal, one that sat out steps first
+        # catches up on their tokens: either way the proposal's time says nothing of a draft's cost
+        catching_up = any(s.is_first_iteration or s.pending_width() > CATCH_UP
+                          for s in (*self.followers, *self.own) if s not in self.borrowers)
         proposal = self.session.propose(self.ctx, ask)
         drafted = time.perf_counter()
         check_proposal(proposal, self.plugin, target.batch_size, self.vocab, self.settings.sampling.do_sample,
@@ -199,7 +207,7 @@ class DecodeRun:
         sources = proposal.sources.cpu() if proposal.sources is not None else None  # [B] or None: source 0
         if policy is not None:
             main = offered.cpu() if sources is None else offered.cpu()[sources == 0]  # drafts that cost time to make
-            if not first and main.numel():  # the first proposal also prefills any assistant: not a cost per token
+            if not first and not catching_up and main.numel():
                 policy.observe_drafting(drafted - tick, int(main.max()))
             offered = policy.trim(offered, pending, context, sources)
             if not (first and self.borrowers):

@@ -317,6 +317,24 @@ def test_greedy_with_a_correlated_draft_and_left_padded_batch(tokenizers):
     assert out.stats.accepted_tokens > 0
 
 
+def test_a_low_precision_draft_is_exact_and_leaves_the_draft_alone(tokenizers):
+    """``weights="w8a8"``: a compiled int8 copy of the draft drafts; the draft itself is only read."""
+    target_tok, draft_tok = tokenizers
+    target, _ = tiny_random("llama", seed=7, tokenizer=target_tok)
+    draft = perturbed_copy(target, 0.05, seed=8)  # the byte ids mean the same in both tokenizers
+    before = _fingerprint(draft)
+    decoder = SpecDecoder(target, draft, tokenizer=target_tok, draft_tokenizer=draft_tok, weights="w8a8",
+                          compile_draft={"backend": "aot_eager"}, num_tokens=4, schedule="fixed", min_confidence=0.0)
+    accepted = 0
+    for text in ("the theme of the", "Hello the world"):
+        prompt = target_tok(text, return_tensors="pt").input_ids
+        out = decoder.generate(prompt, max_new_tokens=30)
+        assert torch.equal(out.sequences, target.generate(prompt, max_new_tokens=30, do_sample=False)), text
+        accepted += out.stats.accepted_tokens
+    assert accepted > 0
+    assert _fingerprint(draft) == before
+
+
 # -- sampling is lossless ------------------------------------------------------------------------
 N_SAMPLES = 20_000
 ALPHA = 1e-3
