@@ -241,12 +241,13 @@ def calibrate(model, tokens: torch.Tensor, cache: CacheSettings | None = None, s
         room = min(room, slots)  # a static cache's length is part of its compiled graphs
     contexts = [c for c in CONTEXT_GRID[:2] if c == CONTEXT_GRID[0] or c + CALIBRATED[-1] + 1 <= room]
     cache_kwarg = cache_argument(model)
-    curves = []
-    with torch.no_grad():
-        for length in contexts:
-            context = tokens.repeat(length // tokens.numel() + 1)[:length]
-            kv = make_kv(model, 1, max(slots, length + CALIBRATED[-1] + 1), cache)
-            curves.append(_time_widths(model, kv, cache_kwarg, context, reps))
+    kvs = [make_kv(model, 1, max(slots, length + CALIBRATED[-1] + 1), cache) for length in contexts]
+    try:
+        with torch.no_grad():
+            curves = _time_widths(model, kvs, cache_kwarg, [tokens.repeat(n // tokens.numel() + 1)[:n] for n in contexts],
+                                  reps)
+    finally:
+        for kv in kvs:
             kv.release()
     calibrated = [float(c) for c in CALIBRATED]
     rows = []  # [contexts][COST_GRID], interpolated between the calibrated counts
@@ -260,11 +261,15 @@ def calibrate(model, tokens: torch.Tensor, cache: CacheSettings | None = None, s
     table = [[a + g * (c - contexts[0]) for a, g in zip(rows[0], growth)] for c in CONTEXT_GRID]
     return CostModel(table, contexts=CONTEXT_GRID)
 
-def _time_widths(model, kv, cache_kwarg: str, context: torch.Tensor, reps: int) -> list[float]:
-    """Median seconds of a forward of each ``CALIBRATED`` count after ``context [L]`` is cached."""
-    device = context.device
+def _time_widths(model, kvs: list, cache_kwarg: str, contexts: list[torch.Tensor], reps: int) -> list[list[float]]:
+    """Median seconds of a forward of each ``CALIBRATED`` count after each ``contexts[i] [L_i]``
+    is cached in ``kvs[i]``: [contexts][CALIBRATED]. Every round times each count after each
+    context in turn, so a change of the machine's load skews no count or context alone (timed
+    context by context, a load change between them made the cost of a long context's forward
+    come out 1.5x off, or no dearer than a short one's)."""
 
-    def forward(ids: torch.Tensor, first_slot: int) -> None:
+    def forward(kv, ids: torch.Tensor, first_slot: int) -> None:
+        device = ids.device
         width = ids.shape[1]
         fed = kv.padded_width(width, first_slot == 0)
         ids = torch.cat([ids, ids.new_zeros(1, fed - width)], dim=1)
@@ -274,21 +279,24 @@ def _time_widths(model, kv, cache_kwarg: str, context: torch.Tensor, reps: int) 
         kv.forward(model, kwargs, first_slot=first_slot, width=width, first=first_slot == 0, mask=mask,
                    needs_mask=False, direct=True)
 
-    length = context.numel()
-    forward(context[None, :], 0)
-    forward(context[:1][None, :], length)  # warms up the step path
-    kv.crop(length + 1, length)
-    times: dict[int, list[float]] = {count: [] for count in CALIBRATED}
-    for _ in range(reps):  # rounds over every count, so a change of load skews no count alone
+    for kv, context in zip(kvs, contexts):
+        length = context.numel()
+        forward(kv, context[None, :], 0)
+        forward(kv, context[:1][None, :], length)  # warms up the step path
+        kv.crop(length + 1, length)
+    times = [{count: [] for count in CALIBRATED} for _ in contexts]
+    for _ in range(reps):
         for count in CALIBRATED:
-            ids = context.repeat(count // length + 1)[:count][None, :]  # [1, count]
-            synchronize(device)
-            start = time.perf_counter()
-            forward(ids, length)
-            synchronize(device)
-            times[count].append(time.perf_counter() - start)
-            kv.crop(length + count, length)
-    return [sorted(t)[(reps - 1) // 2] for t in times.values()]
+            for kv, context, timed in zip(kvs, contexts, times):
+                length = context.numel()
+                ids = context.repeat(count // length + 1)[:count][None, :]  # [1, count]
+                synchronize(context.device)
+                start = time.perf_counter()
+                forward(kv, ids, length)
+                synchronize(context.device)
+                timed[count].append(time.perf_counter() - start)
+                kv.crop(length + count, length)
+    return [[sorted(t)[(reps - 1) // 2] for t in timed.values()] for timed in times]
 
 
 def synchronize(device) -> None:
