@@ -126,7 +126,7 @@ class Copies:
     """The copies one configured generator built, per (model, weights); shared by its sessions."""
 
     def __init__(self):
-        self._made: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.nn.Module]]" = weakref.WeakKeyDictionary()
+        self._made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {weights: copy}
         self._lock = threading.Lock()
 
     def get(self, model, weights: str):
@@ -147,7 +147,8 @@ class LowPrecisionDraft:
         if weights is not None:
             check_weights(weights, type(self).name or type(self).__name__)
         if compile_draft is not None and not isinstance(compile_draft, (bool, dict)):
-            raise TypeError(f"compile_draft must be True, False or a dict of torch.compile options, got {compile_draft!r}")
+            raise TypeError(f"compile_draft must be True, False or a dict of torch.compile options, "
+                            f"got {compile_draft!r}")
         self.weights = weights
         self.compile_draft = (weights is not None) if compile_draft is None else compile_draft
         self._copies = Copies()
@@ -165,7 +166,8 @@ class LowPrecisionDraft:
         """How the drafting model keeps its cache: a copy's on a static cache, stepped compiled
         (``compile_draft``) at ``widths`` (what it feeds a step: a draft, or the target's token
         after the last draft; wider forwards run eagerly, which for a quantized copy costs about
-        what the model itself does); the model as given, the call's own unless ``compile_draft``. A copy is this generator's own (built by it, changed by nothing), so its compiled steps
+        what the model itself does); the model as given, the call's own unless ``compile_draft``.
+        A copy is this generator's own (built by it, changed by nothing), so its compiled steps
         skip dynamo's guards on its modules."""
         if self.weights is None and not self.compile_draft:
             return {}

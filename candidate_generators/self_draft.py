@@ -29,7 +29,6 @@ from specdec.modelinfo import tensor_bytes
 from specdec.registry import register_candidate_generator
 
 from .draft_model import DraftModelGenerator
-from .lowbit import GROUPED_SDPA, build_copy, grouped_sdpa  # noqa: F401  (the names self_draft has always offered)
 from .prompt_lookup import PromptLookupGenerator
 
 

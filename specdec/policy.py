@@ -16,7 +16,7 @@ Inputs, all measured while decoding:
 * :class:`CostModel`: seconds of one target forward as a function of the tokens it feeds
   (width x batch) and of the tokens it attends to (its context), kept per (model, device, dtype,
   cache kind) for the process: a short calibration the first time (forwards of 1..64 tokens
-  after contexts of 32 and 512 tokens, on a throwaway cache), then corrected by every forward
+  after contexts of 32 and 512 tokens, on throwaway caches), then corrected by every forward
   the loop runs: a load factor moves every width at once, a slower shape correction the widths
   near the one observed;
 * the drafting cost per proposed token, measured per call from the generator's ``propose``;
@@ -225,10 +225,11 @@ def _cost_key(model, cache: CacheSettings) -> tuple:
 def calibrate(model, tokens: torch.Tensor, cache: CacheSettings | None = None, slots: int = 0,
               reps: int = 3) -> CostModel:
     """A :class:`CostModel` from timed forwards: the median of ``reps`` forwards at each
-    ``CALIBRATED`` count after a cached context of 32 tokens, and again after 512 where the model's
-    positions (and a static cache of ``slots`` slots) allow; interpolated in between, extrapolated
-    to the longer ``CONTEXT_GRID`` contexts. Runs on a throwaway cache of the call's kind (compiled
-    forwards compile here if not warmed up); the user's model is only read. It calls
+    ``CALIBRATED`` count after a cached context of 32 tokens and after one of 512 where the model's
+    positions (and a static cache of ``slots`` slots) allow, the contexts taken in turn;
+    interpolated in between, extrapolated to the longer ``CONTEXT_GRID`` contexts. Runs on
+    throwaway caches of the call's kind (compiled forwards compile here if not warmed up); the
+    user's model is only read. It calls
     ``model.forward`` itself, so forward hooks that watch decoding do not see these forwards
     (their time is reported apart, as ``AcceptanceStats.calibration_seconds``)."""
     cache = cache or CacheSettings()
@@ -244,8 +245,8 @@ def calibrate(model, tokens: torch.Tensor, cache: CacheSettings | None = None, s
     kvs = [make_kv(model, 1, max(slots, length + CALIBRATED[-1] + 1), cache) for length in contexts]
     try:
         with torch.no_grad():
-            curves = _time_widths(model, kvs, cache_kwarg, [tokens.repeat(n // tokens.numel() + 1)[:n] for n in contexts],
-                                  reps)
+            prefixes = [tokens.repeat(n // tokens.numel() + 1)[:n] for n in contexts]
+            curves = _time_widths(model, kvs, cache_kwarg, prefixes, reps)
     finally:
         for kv in kvs:
             kv.release()

@@ -13,7 +13,6 @@ import torch
 
 from candidate_generators.draft_model import DraftModelGenerator
 from candidate_generators.int8 import Int8Linear
-from candidate_generators.lowbit import build_copy
 from specdec import SpecDecoder
 from specdec.generators import Proposal
 from specdec.models import tiny_random
@@ -66,9 +65,6 @@ def test_bad_precision_options_are_refused(pair):
         SpecDecoder(target, draft, weights="int3")
     with pytest.raises(TypeError, match="compile_draft"):
         SpecDecoder(target, draft, weights="w8a8", compile_draft="yes")
-    with pytest.raises(ValueError, match="vision-language"):
-        from helpers import tiny_llava
-        build_copy(tiny_llava(), "bfloat16")
 
 
 class LaggingDraft(DraftModelGenerator):

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from candidate_generators.int8 import quantize_linears
+from candidate_generators.lowbit import build_copy
 from candidate_generators.rotation import kron_orthogonal, rotatable, rotate_residual
-from candidate_generators.self_draft import build_copy
 from specdec.models import tiny_random
 
 
