@@ -43,6 +43,17 @@ def repetitive_prompt(length: int, seed: int = 0, vocab: int = 256) -> torch.Ten
     return torch.cat([base, base[: length // 2], base])[None, :]
 
 
+def assert_batch_is_exact(decoder, target, new_tokens: int = 24) -> None:
+    """A left-padded batch of two rows (one with repeats, one random) decodes to each row's own
+    ``target.generate(do_sample=False)``."""
+    rows = [repetitive_prompt(8, seed=3)[0], torch.randint(0, 250, (9,), generator=torch.Generator().manual_seed(4))]
+    padded, mask = left_pad(rows, pad_id=257)
+    out = decoder.generate(padded, mask, max_new_tokens=new_tokens)
+    for b, row in enumerate(rows):
+        want = target.generate(row[None, :], max_new_tokens=new_tokens, do_sample=False)[0, row.numel():]
+        assert torch.equal(out.sequences[b, padded.shape[1]: padded.shape[1] + want.numel()], want), b
+
+
 def tiny_pair(arch: str, seed: int = 1, noise: float = 0.3, **overrides):
     """(target, perturbed draft, tokenizer) of one tiny architecture."""
     target, tokenizer = tiny_random(arch, seed=seed, **overrides)

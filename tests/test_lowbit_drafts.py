@@ -19,7 +19,7 @@ from specdec.models import tiny_random
 from specdec.policy import COST_GRID, CostModel, DraftPolicy
 from specdec.run import CATCH_UP
 
-from helpers import FAST_COMPILE, left_pad, perturbed_copy, repetitive_prompt
+from helpers import FAST_COMPILE, assert_batch_is_exact, perturbed_copy, repetitive_prompt
 
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -44,12 +44,7 @@ def test_a_low_precision_draft_model_is_exact_and_leaves_the_draft_alone(pair, w
     out = decoder.generate(ids, max_new_tokens=40)
     assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=40, do_sample=False))
     assert 0 < out.stats.accepted_tokens < out.stats.drafted_tokens  # it drafts, and is sometimes wrong
-    rows = [repetitive_prompt(6, seed=3)[0], torch.randint(0, 250, (9,), generator=torch.Generator().manual_seed(4))]
-    padded, mask = left_pad(rows, pad_id=257)
-    out = decoder.generate(padded, mask, max_new_tokens=20)
-    for b, row in enumerate(rows):
-        want = target.generate(row[None, :], max_new_tokens=20, do_sample=False)[0, row.numel():]
-        assert torch.equal(out.sequences[b, padded.shape[1]: padded.shape[1] + want.numel()], want)
+    assert_batch_is_exact(decoder, target)
     assert checksum(draft) == before
     copy_ = decoder.candidate_generator._copies.get(draft, weights)  # one copy, shared by every call
     assert copy_ is not draft
