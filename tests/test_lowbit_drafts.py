@@ -46,7 +46,9 @@ def test_a_low_precision_draft_model_is_exact_and_leaves_the_draft_alone(pair, w
     assert 0 < out.stats.accepted_tokens < out.stats.drafted_tokens  # it drafts, and is sometimes wrong
     assert_batch_is_exact(decoder, target)
     assert checksum(draft) == before
-    copy_ = decoder.candidate_generator._copies.get(draft, weights)  # one copy, shared by every call
+    copies = decoder.candidate_generator._copies
+    assert list(copies._made[draft]) == [weights]  # the calls built one copy, in the decoder's store
+    copy_ = copies.get(draft, weights)
     assert copy_ is not draft
     if weights == "w8a8":
         assert any(isinstance(m, Int8Linear) for m in copy_.modules())
