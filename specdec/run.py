@@ -196,8 +196,8 @@ class DecodeRun:
             ask = torch.zeros_like(ask)
         # an assistant that has not yet run prefills in this proposal, one that sat out steps first
         # catches up on their tokens: either way the proposal's time says nothing of a draft's cost
-        catching_up = any(s.is_first_iteration or s.pending_width() > CATCH_UP
-                          for s in (*self.followers, *self.own) if s not in self.borrowers)
+        catching_up = policy is not None and any(s.is_first_iteration or s.pending_width() > CATCH_UP
+                                                 for s in (*self.followers, *self.own) if s not in self.borrowers)
         proposal = self.session.propose(self.ctx, ask)
         drafted = time.perf_counter()
         check_proposal(proposal, self.plugin, target.batch_size, self.vocab, self.settings.sampling.do_sample,
