@@ -205,6 +205,7 @@ def exact_three_token_joint(model, prompt: torch.Tensor, params: SamplingParams)
 @pytest.mark.parametrize("drafter,params", [
     ("prompt_lookup", SamplingParams(True, 0.8, top_k=6)),
     ("draft_model", SamplingParams(True, 1.2, top_p=0.9)),
+    ("draft_model_w8a8", SamplingParams(True, 0.8, top_k=6)),  # the draft as a w8a8 copy (weights=)
     ("self_draft", SamplingParams(True, 0.8, top_k=6)),
     ("self_draft_lookup", SamplingParams(True, 1.0, top_k=6)),  # the hybrid: lookup first, then the copy
 ])
@@ -213,7 +214,9 @@ def test_generate_samples_the_target_distribution(tiny_models, drafter, params, 
     options = {}
     if drafter.startswith("self_draft"):
         options = {"weights": "bfloat16", "compile_draft": False, "lookup": drafter == "self_draft_lookup"}
-    generator = {"draft_model": draft, "self_draft_lookup": "self_draft"}.get(drafter, drafter)
+    if drafter == "draft_model_w8a8":
+        options = {"weights": "w8a8", "compile_draft": False}
+    generator = {"draft_model": draft, "draft_model_w8a8": draft, "self_draft_lookup": "self_draft"}.get(drafter, drafter)
     decoder = SpecDecoder(target, generator, num_tokens=3, schedule="fixed",
                           cache_implementation=cache, **options)
     out = decoder.generate(PROMPT.repeat(N, 1), max_new_tokens=3, do_sample=True, temperature=params.temperature,
