@@ -26,7 +26,7 @@ from specdec.bench.report import (PLOTS_NEED_MATPLOTLIB, batch_summaries, draft_
 from specdec.bench.results import (RESULTS_FILE, RUN_FILE, Agreement, ResultStore, default_out_dir, first_difference,
                                    is_batched, reference_outputs, row_first_difference, row_key)
 from specdec.bench.runner import (ResultsMismatchError, build_messages, config_hash, hf_cache_kwargs, load_selected_questions,
-                                  longest_call, question_seed, run_benchmark, select_questions, spread, warmup_batch_sizes)
+                                  longest_call, median_run, question_seed, run_benchmark, select_questions, spread, warmup_batch_sizes)
 from specdec.metrics import AcceptanceStats, theoretical_speedup
 from specdec.models import load_model, resolve_device
 
@@ -325,6 +325,44 @@ def test_malformed_dataset_is_a_config_error(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_median_run_keeps_the_middle_run_and_every_time():
+    runs = [{"seconds": t, "output_ids": [1, 2], "tag": t} for t in (3.0, 1.0, 2.0, 9.0)]
+    row = median_run(runs)
+    assert row["tag"] == 2.0  # the lower of the two middle runs
+    assert row["seconds"] == 2.0 and row["seconds_runs"] == [3.0, 1.0, 2.0, 9.0] and row["runs_identical"]
+    runs[3]["output_ids"] = [1, 3]
+    assert median_run(runs[1:])["runs_identical"] is False and median_run(runs[1:])["seconds"] == 2.0
+    assert median_run(runs[:1]) is runs[0]  # one run: the row as it is, no extra fields
+
+
+def test_repeats_interleave_methods_and_keep_median_rows(tmp_path, monkeypatch):
+    from specdec.bench import runner as bench_runner
+
+    calls = []
+    run_one, run_batch = bench_runner._run_one, bench_runner._run_batch
+    monkeypatch.setattr(bench_runner, "_run_one", lambda r, q, turn, *a: (
+        calls.append((r.config.name, q.question_id, turn)), run_one(r, q, turn, *a))[1])
+    monkeypatch.setattr(bench_runner, "_run_batch", lambda r, g, p, size, i, *a: (
+        calls.append((r.config.name, "batch", i)), run_batch(r, g, p, size, i, *a))[1])
+    once = load_config(tiny_config(tmp_path, methods=TWO_METHODS, batch_sizes=[1, 2]))
+    config = tiny_config(tmp_path, methods=TWO_METHODS, repeats=3, batch_sizes=[1, 2])
+    assert config_hash(load_config(config), []) != config_hash(once, [])
+    # repeats: 1 is hashed as before the field existed, so earlier results still resume
+    assert "repeats" not in bench_runner._without_later_defaults(once.model_dump(mode="json"))
+    result = run(config, tmp_path / "out")
+    # each call three times, the methods taking turns: baseline, pl3, baseline, pl3, ...
+    assert calls[:6] == [("baseline", 1, 1), ("pl3", 1, 1)] * 3 and calls[6:8] == [("baseline", 1, 2), ("pl3", 1, 2)]
+    assert calls[-6:] == [("baseline", "batch", 1), ("pl3", "batch", 1)] * 3
+    rows = ResultStore(result.out_dir / RESULTS_FILE).load()
+    assert len(calls) == 3 * len(rows) and len(rows) == TURNS * 2 + 2 * 2
+    for row in rows:
+        assert len(row["seconds_runs"]) == 3 and row["runs_identical"]
+        assert row["seconds"] == sorted(row["seconds_runs"])[1]
+    assert "each call run 3 times" in (result.out_dir / "report.md").read_text()
+    with pytest.raises(ConfigError, match="repeats"):
+        load_config(tiny_config(tmp_path, methods=TWO_METHODS, repeats=0))
+
+
 # -- batch sizes -------------------------------------------------------------------------------
 BATCH_METHODS = TWO_METHODS + [
     # a draft as large as its target never pays under the cost-aware default: a fixed K makes it draft
@@ -349,7 +387,8 @@ def test_batch_sizes_default_and_old_field_keep_the_hash(tmp_path):
     assert config_hash(plain, questions) == config_hash(old, questions) != config_hash(batched, questions)
     # a config without batch sizes hashes as the single-size schema did (results written then still resume)
     import hashlib
-    legacy = {**plain.model_dump(mode="json", exclude={"description", "batch_sizes", "device", "dtype", "reference"}),
+    legacy = {**plain.model_dump(mode="json", exclude={"description", "batch_sizes", "device", "dtype", "reference",
+                                                 "repeats"}),
               "batch_size": 1}
     legacy["methods"] = [{k: v for k, v in m.items() if k not in ("cache_implementation", "compile")}
                          for m in legacy["methods"]]  # the schema before devices and compilation

@@ -310,6 +310,8 @@ class BenchConfig(_Strict):
     methods: list[MethodConfig] = Field(min_length=1)
     threads: int = Field(2, ge=1, description="torch.set_num_threads for the whole run")
     warmup_new_tokens: int = Field(16, ge=1, description="each method generates this many tokens once, unrecorded")
+    repeats: int = Field(1, ge=1, description="times each call runs (methods interleaved per repeat); a row keeps "
+                                              "the run of median wall time, and every run's seconds")
     batch_sizes: list[int] = Field(default_factory=lambda: [1], min_length=1,
                                    description="prompts per generate() call, one pass per size; 1 = per question, "
                                                "both MT-Bench turns; > 1 = first turns in batches, left-padded")

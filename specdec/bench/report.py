@@ -431,7 +431,9 @@ def _header(meta: dict, rows: list[dict]) -> list[str]:
         f"- Rows: {done} of {total} (method x question x turn"
         + (f"; method x batch at batch sizes {', '.join(batched)})" if batched else ")")
         + ("." if done >= total else " — **incomplete run**: rerun the command to resume."),
-        "- Methods, interleaved per question after one warm-up each: "
+        "- Methods, interleaved per question after one warm-up each"
+        + (f", each call run {config['repeats']} times (rows keep the run of median time)"
+           if config.get("repeats", 1) > 1 else "") + ": "
         + "; ".join(f"`{m['name']}` = {m['generator']}" + (f" {m['options']}" if m["options"] else "")
                     + (f" draft `{m['draft']}`" if m.get("draft") else "") + _cache_words(m) for m in methods) + ".",
         f"- Reference (speedup 1.00x, exact match `ref`): `{reference_name(config)}`.",

@@ -1,15 +1,18 @@
 """Run a benchmark config: every method on the same prompts, interleaved per question, resumable.
 
 Plan. Questions are selected deterministically (per subtask, evenly spaced by question_id). For
-each question, every method runs, the reference method first (so that every other row can record
-where its output first differs from the reference's) and the others in config order, each turn in
+each question, turn by turn, every method runs, the reference method first (so that every other
+row can record where its output first differs from the reference's) and the others in config
 order; an MT-Bench question's second turn is built from the first turn, that method's *own* first
-answer and the second turn, through the chat template (plain text for a model without one). Interleaving methods per question
-keeps a shared, noisy machine from favouring whichever method ran during a quiet minute.
+answer and the second turn, through the chat template (plain text for a model without one).
+Interleaving methods per question keeps a shared, noisy machine from favouring whichever method
+ran during a quiet minute. With ``repeats: N`` each turn runs N times, every method once per
+repeat, and a row keeps the run of median wall time (:func:`median_run`; every run's seconds in
+``seconds_runs``, and ``runs_identical``): a burst of load then moves a ratio far less.
 
 Rows. One row is one (method, question_id, turn): a JSON line in ``results.jsonl``, appended,
-flushed and fsynced as soon as it is produced, so an interrupted run loses at most the row in
-flight. ``run.json`` holds the validated config, the selected question ids, a hash of both, and
+flushed and fsynced as soon as it is produced (after its repeats), so an interrupted run loses at
+most the turn in flight. ``run.json`` holds the validated config, the selected question ids, a hash of both, and
 the machine it ran on.
 
 Batches. ``batch_sizes`` lists the passes: size 1 is the per-question run above (its rows have no
@@ -172,7 +175,7 @@ def config_hash(config: BenchConfig, questions: list[Question]) -> str:
 
 #: fields added after results were first written: hashed only when set to something other than their
 #: default, so those results still resume
-_LATER_FIELDS = {"config": ("device", "dtype", "reference"), "method": ("cache_implementation", "compile")}
+_LATER_FIELDS = {"config": ("device", "dtype", "reference", "repeats"), "method": ("cache_implementation", "compile")}
 
 
 def _without_later_defaults(dumped: dict) -> dict:
@@ -595,34 +598,57 @@ def _open_results(out_dir: Path, config: BenchConfig, config_file: str, digest: 
     return store, done, result
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The row of one call run ``len(runs)`` times: the run of median wall time (the lower of the two
+    middle ones for an even count), with every run's ``seconds_runs`` and whether every run gave the
+    same new tokens (``runs_identical``). One run is returned as it is."""
+    if len(runs) == 1:
+        return runs[0]
+    chosen = sorted(runs, key=lambda r: r["seconds"])[(len(runs) - 1) // 2]
+    return {**chosen, "seconds_runs": [r["seconds"] for r in runs],
+            "runs_identical": all(r["output_ids"] == chosen["output_ids"] for r in runs)}
+
+
 def _run_per_question(models: _Models, questions: list[Question], gen: GenerationSettings, done: dict,
-                      record: _Recorder) -> None:
-    """The batch-size-1 pass: every question, every method (the reference first), every turn in order."""
+                      record: _Recorder, repeats: int = 1) -> None:
+    """The batch-size-1 pass: every question, turn by turn; each turn runs ``repeats`` times, every
+    method (the reference first) once per repeat. A method's later turns carry its own recorded answers."""
     for q in questions:
-        for runner in models.runners:
-            answers: list[str] = []
-            for turn in range(1, len(q.turns) + 1):
+        answers: dict[str, list[str]] = {r.config.name: [] for r in models.runners}
+        for turn in range(1, len(q.turns) + 1):
+            todo = []
+            for runner in models.runners:
                 key = (runner.config.name, q.question_id, turn)
                 if key in done:
-                    answers.append(done[key]["text"])
-                    continue
-                row = _run_one(runner, q, turn, answers, models, gen)
-                answers.append(row["text"])
+                    answers[runner.config.name].append(done[key]["text"])
+                else:
+                    todo.append(runner)
+            runs: dict[str, list[dict]] = {r.config.name: [] for r in todo}
+            for _ in range(repeats):
+                for runner in todo:
+                    runs[runner.config.name].append(_run_one(runner, q, turn, answers[runner.config.name], models, gen))
+            for runner in todo:
+                row = median_run(runs[runner.config.name])
+                answers[runner.config.name].append(row["text"])
                 record(row, q.subtask)
 
 
 def _run_batches(models: _Models, questions: list[Question], batch_size: int, gen: GenerationSettings, done: dict,
-                 record: _Recorder) -> None:
-    """One batch-size > 1 pass: first turns, left-padded batches, every method that runs batches."""
+                 record: _Recorder, repeats: int = 1) -> None:
+    """One batch-size > 1 pass: first turns, left-padded batches, every method that runs batches
+    (``repeats`` times per batch, interleaved as in :func:`_run_per_question`)."""
     for index, group in enumerate(batch_groups(questions, batch_size)):
-        prompts = None
-        for runner in models.runners:
-            if runner.run_batch is None or (runner.config.name, "batch", batch_size, index) in done:
-                continue
-            if prompts is None:
-                prompts = [encode_chat(models.tokenizer, build_messages(q.turns[:1], []))[0] for q in group]
-            row = _run_batch(runner, group, prompts, batch_size, index, models, gen)
-            record(row, f"batch {batch_size} #{index}")
+        todo = [r for r in models.runners
+                if r.run_batch is not None and (r.config.name, "batch", batch_size, index) not in done]
+        if not todo:
+            continue
+        prompts = [encode_chat(models.tokenizer, build_messages(q.turns[:1], []))[0] for q in group]
+        runs: dict[str, list[dict]] = {r.config.name: [] for r in todo}
+        for _ in range(repeats):
+            for runner in todo:
+                runs[runner.config.name].append(_run_batch(runner, group, prompts, batch_size, index, models, gen))
+        for runner in todo:
+            record(median_run(runs[runner.config.name]), f"batch {batch_size} #{index}")
 
 
 def run_benchmark(config: BenchConfig, *, config_file: str | Path, out_dir: str | Path | None = None,
@@ -650,9 +676,9 @@ def run_benchmark(config: BenchConfig, *, config_file: str | Path, out_dir: str 
             reference = None if config.generation.do_sample else config.reference_method.name
             record = _Recorder(store, done, result, bar, on_row, reference)
             if 1 in config.batch_sizes:
-                _run_per_question(models, questions, config.generation, done, record)
+                _run_per_question(models, questions, config.generation, done, record, config.repeats)
             for size in (b for b in config.batch_sizes if b > 1):
-                _run_batches(models, questions, size, config.generation, done, record)
+                _run_batches(models, questions, size, config.generation, done, record, config.repeats)
     result.report = write_report(out_dir, log=None)  # a missing matplotlib was reported at the start
     return result
 
