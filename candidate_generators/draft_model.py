@@ -47,6 +47,7 @@ def tokenizer_mismatch(target, draft, tokenizer, draft_tokenizer) -> str | None:
 
 @register_candidate_generator("draft_model")
 class DraftModelGenerator(LowPrecisionDraft, CandidateGenerator):
+    drafts_stepwise = True
     def __init__(self, draft, *, num_tokens: int = 5, schedule: str = "auto", max_tokens: int = 16,
                  weights: str | None = None, compile_draft: bool | dict | None = None):
         if not isinstance(draft, torch.nn.Module):
@@ -82,20 +83,22 @@ class DraftModelGenerator(LowPrecisionDraft, CandidateGenerator):
         k = int(lengths.max())
         if k == 0:
             return Proposal.empty(ctx.batch_size, max_drafts.device)
-        ids, probs = [], []
+        ids, probs, confidence = [], [], []
         for i in range(k):
             logits = self.assistant.next_logits()[:, : self.shared_vocab].float()  # [B, V]
+            p = ctx.sampling.probs(logits) if ctx.sampling.do_sample else logits.softmax(dim=-1)
+            token = sample(p, ctx.generator) if ctx.sampling.do_sample else logits.argmax(dim=-1)
             if ctx.sampling.do_sample:
-                p = ctx.sampling.probs(logits)
-                token = sample(p, ctx.generator)
                 probs.append(torch.nn.functional.pad(p, (0, self.target_vocab - self.shared_vocab)))
-            else:
-                token = logits.argmax(dim=-1)
             ids.append(token)
+            confidence.append(p.gather(1, token[:, None]))  # [B, 1]: the draft's own probability of it
+            if i + 1 < k and not ctx.keep_drafting(torch.stack(ids, dim=1), torch.cat(confidence, dim=1), lengths):
+                break
             if i + 1 < k:  # the last draft is fed next step, and only if the target accepts it
                 self.assistant.feed(token)
-        token_ids = torch.stack(ids, dim=1)  # [B, k]
-        return Proposal(token_ids, lengths, torch.stack(probs, dim=1) if probs else None)
+        token_ids = torch.stack(ids, dim=1)  # [B, k']
+        return Proposal(token_ids, lengths.clamp(max=len(ids)), torch.stack(probs, dim=1) if probs else None,
+                        confidence=torch.cat(confidence, dim=1))
 
     def observe(self, ctx: DecodeContext, feedback: Feedback) -> None:
         self.schedule.update(feedback)

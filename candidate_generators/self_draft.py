@@ -95,7 +95,8 @@ class SelfDraftGenerator(DraftModelGenerator):
 
 def merge(first: Proposal, second: Proposal, use_second: torch.Tensor, vocab: int) -> Proposal:
     """Row b from ``second`` where ``use_second[b]``, else from ``first``; point masses become
-    one-hot rows when the other proposal carries probabilities."""
+    one-hot rows when the other proposal carries probabilities, and a proposal without
+    confidences gives NaN (none) when the other has them."""
     device = second.lengths.device
     k = max(first.token_ids.shape[1], second.token_ids.shape[1])
     pad = lambda t: torch.nn.functional.pad(t.to(device), (0, k - t.shape[1]))  # noqa: E731
@@ -107,4 +108,10 @@ def merge(first: Proposal, second: Proposal, use_second: torch.Tensor, vocab: in
         first_probs = torch.nn.functional.one_hot(pad(first.token_ids), vocab).to(second.probs.dtype)
         second_probs = torch.nn.functional.pad(second.probs, (0, 0, 0, k - second.probs.shape[1]))
         probs = torch.where(pick[..., None], second_probs, first_probs)
-    return Proposal(token_ids, lengths, probs)
+    confidence = None
+    if first.confidence is not None or second.confidence is not None:
+        nan = lambda p: (torch.nn.functional.pad(p.confidence.to(device), (0, k - p.confidence.shape[1]),  # noqa: E731
+                                                 value=float("nan")) if p.confidence is not None
+                         else torch.full((pick.shape[0], k), float("nan"), device=device))
+        confidence = torch.where(pick, nan(second), nan(first))
+    return Proposal(token_ids, lengths, probs, confidence=confidence)

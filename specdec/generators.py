@@ -46,6 +46,9 @@ class Proposal:
     #: [B] long: which of the generator's sources drafted each row (an index into its
     #: ``acceptance_prior()``), for a generator with several; None = source 0
     sources: torch.Tensor | None = None
+    #: [B, K] float: the drafter's own probability of each draft (NaN where it has none), for the
+    #: policy to weigh each draft by; None = none
+    confidence: torch.Tensor | None = None
 
     @classmethod
     def empty(cls, batch: int, device: torch.device | str = "cpu") -> "Proposal":
@@ -82,6 +85,8 @@ class DecodeContext:
     _target_state: "ModelState" = field(repr=False)
     _attach: Callable[..., "Assistant"] = field(repr=False)
     _rate: Callable[[torch.Tensor, int], "torch.Tensor | None"] | None = field(default=None, repr=False)
+    _keep: Callable[[torch.Tensor, torch.Tensor], bool] | None = field(default=None, repr=False)
+    _ended: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, repr=False)
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -109,6 +114,24 @@ class DecodeContext:
         ``propose`` to draft each row from the source that pays most. None when the generator
         sets its own draft lengths (a ``fixed`` or ``adaptive`` schedule: no policy runs)."""
         return None if self._rate is None else self._rate(counts, source)
+
+    def keep_drafting(self, drafts: torch.Tensor, confidence: torch.Tensor | None, max_drafts: torch.Tensor) -> bool:
+        """Whether to draft one more token this step, asked by a generator that drafts one token at
+        a time (``CandidateGenerator.drafts_stepwise``) after each: ``drafts [B, i]`` the drafts so
+        far, ``confidence [B, i]`` its own probabilities of them (None if it has none),
+        ``max_drafts [B]`` what ``propose`` was given. False once every row has drafted an end of
+        sequence (nothing after it can be kept) or as many as it may; otherwise, under the core's
+        policy, while it expects a longer block to pay, valued with these drafts' own acceptance;
+        True when the generator sets its own draft lengths."""
+        made = drafts.shape[1]
+        open_rows = made < max_drafts.to(drafts.device)
+        if self._ended is not None and made:
+            open_rows &= ~self._ended(drafts)[:, -1]
+        if not bool(open_rows.any()):
+            return False
+        if self._keep is None or confidence is None:
+            return True
+        return self._keep(confidence, max_drafts)
 
     def attach(self, model, tokens: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
                pad_token_id: int | None = None, *, cache_implementation: str | None = None,
@@ -145,6 +168,11 @@ class CandidateGenerator:
     """Base class of every candidate generator (built-in or third-party)."""
 
     name: ClassVar[str] = ""
+    #: True: ``propose`` drafts one token at a time, asks ``ctx.keep_drafting`` after each and
+    #: returns each draft's probability in ``Proposal.confidence``. The core's policy then asks it
+    #: for as many drafts as a row may take wherever drafting pays at all, and the drafter's own
+    #: probabilities decide where each block ends.
+    drafts_stepwise: ClassVar[bool] = False
 
     def __new__(cls, *args, **kwargs):
         self = super().__new__(cls)

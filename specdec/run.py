@@ -9,7 +9,8 @@ so one :class:`~specdec.decoder.SpecDecoder` serves concurrent calls.
 Data path of one :meth:`DecodeRun.step`::
 
     session.propose(ctx, max_drafts [B])          -> Proposal: token_ids [B, K], lengths [B], probs
-    check_proposal (names the plugin)             ;  offered [B] = min(lengths, max_drafts, admissible)
+    check_proposal (names the plugin)             ;  offered [B] = min(lengths, max_drafts, admissible),
+                                                     cut after an end-of-sequence draft, trimmed by the policy
     target.append(drafts); target.forward()       -> logits [B, k+1, V]   (first step: prefill too)
     greedy_verify | speculative_sample            -> accepted [B], next_token [B]
     block [B, k+1] = accepted drafts + next token ;  stopper.cut -> keep [B], finished [B]
@@ -92,6 +93,8 @@ class DecodeRun:
         self.step_shape = (0, 0)  # (pending, context) of the step being proposed: what draft_rate prices
         if self.policy is not None:
             self.ctx._rate = self._draft_rate
+            self.ctx._keep = self._keep_drafting
+        self.ctx._ended = self.stopper.ended
         self.feed = StreamFeed(settings.streamer)
         self.feed.prompt(prompt.input_ids)
         self.prompt_lengths = prompt.lengths.clone()
@@ -190,6 +193,8 @@ class DecodeRun:
             if setup > 0:
                 steady = policy.budget(remaining, 1, context + pending, setup)
                 ask = torch.where(steady > 0, ask, torch.zeros_like(ask))
+            if self.session.drafts_stepwise:  # where drafting pays, its own probabilities end the block
+                ask = torch.where(ask > 0, remaining.clamp(0, policy.max_drafts), ask)
         self.step_shape = (pending, context)
         first = target.is_first_iteration
         if first and self.borrowers:  # they draft once they hold the target's prefill
@@ -209,7 +214,9 @@ class DecodeRun:
             main = offered.cpu() if sources is None else offered.cpu()[sources == 0]  # drafts that cost time to make
             if not first and not catching_up and main.numel():
                 policy.observe_drafting(drafted - tick, int(main.max()))
-            offered = policy.trim(offered, pending, context, sources)
+        offered = self.stopper.worth_verifying(proposal.token_ids.to(target.device), offered)
+        if policy is not None:
+            offered = policy.trim(offered, pending, context, sources, proposal.confidence)
             if not (first and self.borrowers):
                 self.stats.skipped_steps += int(((ask == 0) & (remaining > 0)).sum())
         k = int(offered.max())
@@ -244,6 +251,8 @@ class DecodeRun:
         self.session.observe(self.ctx, Feedback(offered, verdict.accepted))
         if policy is not None:
             policy.acceptance.update(offered, verdict.accepted, sources)
+            if proposal.confidence is not None:
+                policy.calibration.update(proposal.confidence, offered, verdict.accepted, sources)
             if not first:
                 policy.observe_overhead(time.perf_counter() - tick - forward_seconds - (drafted - tick))
         self.stats.draft_seconds += time.perf_counter() - verified  # keeping drafts in step is drafting work
@@ -257,6 +266,10 @@ class DecodeRun:
             raise ValueError(f"{self.plugin}: draft_rate(source={source}) needs a source in [0, {self.sources}) "
                              "(one per acceptance_prior())")
         return self.policy.rates(counts, *self.step_shape, int(source)).to(counts.device)
+
+    def _keep_drafting(self, confidence: torch.Tensor, max_drafts: torch.Tensor) -> bool:
+        """``DecodeContext.keep_drafting``: the policy's answer for this step's shape."""
+        return self.policy.keep_drafting(confidence, max_drafts, *self.step_shape)
 
     def _setup(self) -> float:
         """Seconds the assistants that have not yet run would spend prefilling before their first

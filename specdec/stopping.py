@@ -26,6 +26,19 @@ class Stopper:
             strings = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings)
             self.criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=strings))
 
+    def ended(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """[B, K] -> [B, K] bool: whether an end-of-sequence id is at or before each draft."""
+        return torch.isin(draft_ids, self.eos.to(draft_ids.device)).cumsum(dim=1) > 0
+
+    def worth_verifying(self, draft_ids: torch.Tensor, offered: torch.Tensor) -> torch.Tensor:
+        """offered [B] cut after each row's first end-of-sequence draft: a draft after it could
+        never be kept (accepted, the end stops the row; rejected, so is every later draft)."""
+        if draft_ids.shape[1] == 0:
+            return offered
+        ended = self.ended(draft_ids)
+        after = torch.cat([ended.new_zeros(ended.shape[0], 1), ended[:, :-1]], dim=1)  # an end before draft j
+        return torch.minimum(offered, (~after).sum(dim=1).to(offered.dtype))
+
     def cut(self, tokens: torch.Tensor, committed: torch.Tensor, block: torch.Tensor, counts: torch.Tensor,
             prompt_lengths: torch.Tensor, scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Decide how much of each row's new block to keep.

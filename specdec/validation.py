@@ -157,6 +157,11 @@ def check_proposal(proposal, plugin: str, batch: int, vocab: int, do_sample: boo
                                 or bool(((sources < 0) | (sources >= n_sources)).any())):
         raise ValueError(f"{where}: Proposal.sources must be None or an integer tensor [batch={batch}] of source "
                          f"indexes in [0, {n_sources}) (one per acceptance_prior()), got {_describe(sources)}")
+    confidence = proposal.confidence
+    if confidence is not None and (not isinstance(confidence, torch.Tensor) or not confidence.is_floating_point()
+                                   or confidence.dim() != 2 or confidence.shape[0] != batch or confidence.shape[1] < k):
+        raise ValueError(f"{where}: Proposal.confidence must be None or a float tensor [batch={batch}, K={k}] of the "
+                         f"drafts' probabilities, got {_describe(confidence)}")
     if probs is None:
         return
     if not isinstance(probs, torch.Tensor) or not probs.is_floating_point() or tuple(probs.shape) != (batch, k, vocab):

@@ -15,8 +15,8 @@ from specdec.generators import CandidateGenerator, Proposal
 from specdec.metrics import AcceptanceStats
 from specdec.models import tiny_random
 from specdec import policy as policy_module
-from specdec.policy import (COST_GRID, CONTEXT_GRID, LOAD_RATE, AcceptanceTracker, CostModel, choose_width,
-                            expected_tokens)
+from specdec.policy import (COST_GRID, CONTEXT_GRID, LOAD_RATE, AcceptanceTracker, ConfidenceCalibration, CostModel,
+                            DraftPolicy, choose_width, expected_tokens)
 
 from helpers import ForwardRecorder, repetitive_prompt
 
@@ -307,3 +307,63 @@ def test_sampling_with_auto_is_reproducible_and_timing_free():
             for _ in range(2)]
     assert torch.equal(runs[0].sequences, runs[1].sequences)
     assert runs[0].stats.calibration_seconds == 0.0  # no timing entered the decisions
+
+
+# -- the drafter's own probability ---------------------------------------------------------------
+def test_confidence_changes_nothing_until_it_has_meant_something():
+    calibration = ConfidenceCalibration((0.8, 0.5))
+    assert calibration.factor(0.05) == pytest.approx(1.0) and calibration.factor(0.95, 1) == pytest.approx(1.0)
+    # source 0: drafts given 0.9 or more are always accepted, drafts given under 0.3 never
+    for _ in range(30):
+        calibration.update(torch.tensor([[0.95, 0.2, 0.95], [0.97, float("nan"), 0.95]]),
+                           offered=torch.tensor([3, 3]), accepted=torch.tensor([1, 3]))
+    assert calibration.factor(0.2) < 0.3 < 1.0 < calibration.factor(0.95)
+    assert calibration.factor(0.6) == pytest.approx(1.0)  # no draft seen there
+    assert calibration.factor(0.2, 1) == pytest.approx(1.0)  # the other source is learnt apart
+    # row 0's third draft was never reached (its second was rejected), row 1's NaN is no confidence
+    assert sum(calibration.offered[0]) == pytest.approx(4 * sum(0.99 ** i for i in range(30)), rel=1e-6)
+
+
+def confident_policy(drafts_seconds: float = 0.2) -> DraftPolicy:
+    """One row, costs of 1 + k/8 per forward, a draft token at ``drafts_seconds``, acceptance 0.9,
+    and a drafter whose drafts given under 0.3 have been rejected and over 0.9 accepted."""
+    policy = DraftPolicy(CostModel([1 + x / 8 for x in COST_GRID], rate=0.0), AcceptanceTracker(1, 16, prior=0.9),
+                         16, drafts_seconds)
+    for _ in range(40):
+        policy.calibration.update(torch.tensor([[0.95, 0.95, 0.1]]), torch.tensor([3]), torch.tensor([2]))
+    return policy
+
+
+def test_a_block_ends_at_a_draft_its_drafter_doubts():
+    policy, available = confident_policy(), torch.tensor([16])
+    sure = torch.full((1, 3), 0.97)
+    assert policy.keep_drafting(sure, available, pending=1)
+    assert not policy.keep_drafting(torch.tensor([[0.97, 0.97, 0.1]]), available, pending=1)
+    # once drafted, the doubted draft is not verified; the sure ones before it are
+    offered = policy.trim(torch.tensor([3]), 1, confidence=torch.tensor([[0.97, 0.97, 0.1]]))
+    assert offered.tolist() == [2]
+    assert policy.trim(torch.tensor([3]), 1, confidence=sure).tolist() == [3]
+    # without confidences, the tracker's estimate decides, as before
+    assert policy.trim(torch.tensor([3]), 1).tolist() == [3]
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.floats(0.0, 1.0), min_size=1, max_size=15), st.integers(1, 16))
+def test_never_drafts_past_what_a_row_may_offer(confidences, cap):
+    policy = confident_policy(0.01)
+    made = torch.tensor([confidences])
+    if made.shape[1] >= cap:
+        assert not policy.keep_drafting(made, torch.tensor([cap]), pending=1)
+
+
+def test_a_drafters_confidence_is_checked():
+    target, _ = tiny_random("llama", seed=3)
+
+    class BadConfidence(CandidateGenerator):
+        name = "bad_confidence"
+
+        def propose(self, ctx, max_drafts):
+            return Proposal(torch.zeros(1, 2, dtype=torch.long), torch.full((1,), 2), confidence=torch.ones(1, 1))
+
+    with pytest.raises(ValueError, match="bad_confidence.*Proposal.confidence"):
+        SpecDecoder(target, BadConfidence()).generate(repetitive_prompt(8), max_new_tokens=5)

@@ -270,3 +270,25 @@ def test_transformers_text_streamer_prints_the_same_text(setup, capsys):
     ours = capsys.readouterr().out
     assert ours == theirs
     assert ours.rstrip("\n") == tok.decode(out.sequences[0, ids.shape[1]:])
+
+
+def test_drafts_after_an_end_of_sequence_are_neither_drafted_nor_verified(setup):
+    """The target as its own draft (every draft right) with an EOS id that the greedy continuation
+    reaches inside a block: the draft stops there, the verification takes nothing after it, and
+    the output is the one ``generate`` gives."""
+    from specdec.stopping import Stopper
+
+    model, tok, ids, new, firsts = setup
+    eos = new[firsts[5]]
+    stopper = Stopper(max_new_tokens=50, eos_token_ids=[eos])
+    drafts = torch.tensor([[1, eos, 2, 3], [1, 2, 3, 4], [eos, eos, 5, 6]])
+    assert stopper.ended(drafts).tolist() == [[False, True, True, True], [False] * 4, [True] * 4]
+    assert stopper.worth_verifying(drafts, torch.tensor([4, 4, 1])).tolist() == [2, 4, 1]
+    ref = model.generate(ids, max_new_tokens=HORIZON, do_sample=False, eos_token_id=eos)
+    out = SpecDecoder(model, model, tokenizer=tok, num_tokens=16, schedule="fixed").generate(
+        ids, max_new_tokens=HORIZON, eos_token_id=eos)
+    assert torch.equal(out.sequences, ref) and out.sequences.shape[1] == ids.shape[1] + firsts[5] + 1
+    # every draft was right, so no step drafted past the end: the drafts are exactly the tokens kept
+    # but the last step's own (the target's token after its last draft, or the EOS it produced)
+    assert out.stats.accepted_tokens == out.stats.drafted_tokens
+    assert out.stats.drafted_tokens <= firsts[5] + 1
