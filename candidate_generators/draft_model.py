@@ -6,6 +6,10 @@ to ``propose``, then drafts one token per forward on its own cache. After every 
 controller brings it to the committed prefix, so it is never fed a token it already holds (only
 the target's new token, and the last draft when all were accepted).
 
+Each step it drafts one token at a time and asks ``ctx.keep_drafting`` after each, with its own
+probabilities of the drafts so far: the core's policy ends the block where another draft no longer
+pays, and at once after a drafted end of sequence.
+
 Vocabularies may be padded to different sizes; drafts are restricted to the ids both models
 have. A draft with a different tokenizer is refused (that needs a cross-tokenizer generator).
 
@@ -47,7 +51,8 @@ def tokenizer_mismatch(target, draft, tokenizer, draft_tokenizer) -> str | None:
 
 @register_candidate_generator("draft_model")
 class DraftModelGenerator(LowPrecisionDraft, CandidateGenerator):
-    drafts_stepwise = True
+    drafts_stepwise = True  # its own probability of each draft ends the block (ctx.keep_drafting)
+
     def __init__(self, draft, *, num_tokens: int = 5, schedule: str = "auto", max_tokens: int = 16,
                  weights: str | None = None, compile_draft: bool | dict | None = None):
         if not isinstance(draft, torch.nn.Module):
