@@ -624,13 +624,14 @@ def _run_per_question(models: _Models, questions: list[Question], gen: Generatio
                 else:
                     todo.append(runner)
             runs: dict[str, list[dict]] = {r.config.name: [] for r in todo}
-            for _ in range(repeats):
+            for repeat in range(repeats):
                 for runner in todo:
-                    runs[runner.config.name].append(_run_one(runner, q, turn, answers[runner.config.name], models, gen))
-            for runner in todo:
-                row = median_run(runs[runner.config.name])
-                answers[runner.config.name].append(row["text"])
-                record(row, q.subtask)
+                    name = runner.config.name
+                    runs[name].append(_run_one(runner, q, turn, answers[name], models, gen))
+                    if repeat == repeats - 1:  # its last run: the row is complete
+                        row = median_run(runs[name])
+                        answers[name].append(row["text"])
+                        record(row, q.subtask)
 
 
 def _run_batches(models: _Models, questions: list[Question], batch_size: int, gen: GenerationSettings, done: dict,
@@ -644,11 +645,11 @@ def _run_batches(models: _Models, questions: list[Question], batch_size: int, ge
             continue
         prompts = [encode_chat(models.tokenizer, build_messages(q.turns[:1], []))[0] for q in group]
         runs: dict[str, list[dict]] = {r.config.name: [] for r in todo}
-        for _ in range(repeats):
+        for repeat in range(repeats):
             for runner in todo:
                 runs[runner.config.name].append(_run_batch(runner, group, prompts, batch_size, index, models, gen))
-        for runner in todo:
-            record(median_run(runs[runner.config.name]), f"batch {batch_size} #{index}")
+                if repeat == repeats - 1:
+                    record(median_run(runs[runner.config.name]), f"batch {batch_size} #{index}")
 
 
 def run_benchmark(config: BenchConfig, *, config_file: str | Path, out_dir: str | Path | None = None,
