@@ -183,22 +183,9 @@ class DecodeRun:
         remaining = self.settings.max_new_tokens - (target.lengths - self.prompt_lengths) - 1  # [B]
         pending = target.pending_width()
         context = target.cached_slots  # cache slots the verification attends to besides its own tokens
-        if policy is None:
-            ask = remaining
-        else:
-            # an assistant's prefill still to come is paid once, so it is spread over the steps left;
-            # and drafting starts only where a later step (one token pending) would draft too
-            setup = self._setup() / max(int(remaining.max()), 1)
-            ask = policy.budget(remaining, pending, context, setup)  # [B]
-            if setup > 0:
-                steady = policy.budget(remaining, 1, context + pending, setup)
-                ask = torch.where(steady > 0, ask, torch.zeros_like(ask))
-            if self.session.drafts_stepwise:  # where drafting pays, its own probabilities end the block
-                ask = torch.where(ask > 0, remaining.clamp(0, policy.max_drafts), ask)
+        ask = self._ask(remaining, pending, context)  # [B]
         self.step_shape = (pending, context)
         first = target.is_first_iteration
-        if first and self.borrowers:  # they draft once they hold the target's prefill
-            ask = torch.zeros_like(ask)
         # an assistant that has not yet run prefills in this proposal, one that sat out steps first
         # catches up on their tokens: either way the proposal's time says nothing of a draft's cost
         catching_up = policy is not None and any(s.is_first_iteration or s.pending_width() > CATCH_UP
@@ -259,6 +246,25 @@ class DecodeRun:
         if bool(finished.any()):
             self._retire(finished)
         return bool(self.row_ids.numel())
+
+    def _ask(self, remaining: torch.Tensor, pending: int, context: int) -> torch.Tensor:
+        """[B] the drafts to ask each row for this step: none while assistants that borrow the
+        target's prefill wait for it, all a row may take without a policy, else the policy's budget."""
+        policy = self.policy
+        if self.target.is_first_iteration and self.borrowers:  # they draft once they hold the target's prefill
+            return torch.zeros_like(remaining)
+        if policy is None:
+            return remaining
+        # an assistant's prefill still to come is paid once, so it is spread over the steps left;
+        # and drafting starts only where a later step (one token pending) would draft too
+        setup = self._setup() / max(int(remaining.max()), 1)
+        ask = policy.budget(remaining, pending, context, setup)
+        if setup > 0:
+            steady = policy.budget(remaining, 1, context + pending, setup)
+            ask = torch.where(steady > 0, ask, torch.zeros_like(ask))
+        if self.session.drafts_stepwise:  # where drafting pays, its own probabilities end the block
+            ask = torch.where(ask > 0, remaining.clamp(0, policy.max_drafts), ask)
+        return ask
 
     def _draft_rate(self, counts: torch.Tensor, source: int) -> torch.Tensor:
         """``DecodeContext.draft_rate``: the policy's expected rate for this step's shape."""
