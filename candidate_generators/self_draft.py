@@ -110,8 +110,9 @@ def merge(first: Proposal, second: Proposal, use_second: torch.Tensor, vocab: in
         probs = torch.where(pick[..., None], second_probs, first_probs)
     confidence = None
     if first.confidence is not None or second.confidence is not None:
-        nan = lambda p: (torch.nn.functional.pad(p.confidence.to(device), (0, k - p.confidence.shape[1]),  # noqa: E731
-                                                 value=float("nan")) if p.confidence is not None
-                         else torch.full((pick.shape[0], k), float("nan"), device=device))
-        confidence = torch.where(pick, nan(second), nan(first))
+        def own(p: Proposal) -> torch.Tensor:  # [B, k]: its confidences, NaN where it has none
+            if p.confidence is None:
+                return torch.full((pick.shape[0], k), float("nan"), device=device)
+            return torch.nn.functional.pad(p.confidence.to(device), (0, k - p.confidence.shape[1]), value=float("nan"))
+        confidence = torch.where(pick, own(second), own(first))
     return Proposal(token_ids, lengths, probs, confidence=confidence)
