@@ -52,11 +52,12 @@ class SpecDecoder:
     """
 
     def __init__(self, target, draft=None, *, tokenizer=None, draft_tokenizer=None,
-                 cache_implementation: str = "dynamic", compile: bool | dict = False, **generator_options):
+                 cache_implementation: str = "dynamic", compile: bool | dict = False, fast_head: bool = True,
+                 **generator_options):
         self.target = target
         self.tokenizer = tokenizer
         self.draft_tokenizer = draft_tokenizer
-        self.cache = CacheSettings.make(cache_implementation, compile)
+        self.cache = CacheSettings.make(cache_implementation, compile, fast_head=fast_head)
         if self.cache.static:
             problem = static_problem(target, prefill_inputs=False)
             if problem:

@@ -35,6 +35,8 @@ import torch
 from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import StaticLayer
 
+from .head import model_logits
+
 #: forward widths the compiled path pads to by default (each compiles once per batch size and
 #: cache length); covers a verification of the drafts the policy usually picks
 WIDTHS = (1, 2, 4, 8, 16)
@@ -58,10 +60,11 @@ class CacheSettings:
     lengths: tuple[int, ...] = ()
     widths: tuple[int, ...] = WIDTHS  # the widths compiled forwards pad to; wider ones run eagerly
     owned: bool = False  # the model is private to its generator: see compiled_forward
+    fast_head: bool = True  # eager forwards compute the output layer as ``head.FastHead`` where it pays
 
     @classmethod
     def make(cls, implementation: str = "dynamic", compile: Any = False,
-             widths: tuple[int, ...] = WIDTHS) -> "CacheSettings":
+             widths: tuple[int, ...] = WIDTHS, fast_head: bool = True) -> "CacheSettings":
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(f"cache_implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
         if not isinstance(compile, (bool, dict)):
@@ -72,7 +75,8 @@ class CacheSettings:
         if not widths or any(not isinstance(w, int) or w < 1 for w in widths):
             raise ValueError(f"compiled widths must be positive ints, got {widths!r}")
         options = dict(compile) if isinstance(compile, dict) else {}
-        return cls(implementation, bool(compile is not False), options, widths=tuple(sorted(set(widths))))
+        return cls(implementation, bool(compile is not False), options, widths=tuple(sorted(set(widths))),
+                   fast_head=bool(fast_head))
 
     @property
     def static(self) -> bool:
@@ -81,7 +85,7 @@ class CacheSettings:
     @property
     def key(self) -> tuple:
         """What a forward's cost depends on besides the model, device and dtype."""
-        return (self.implementation, self.compile)
+        return (self.implementation, self.compile, self.fast_head)
 
 
 def static_problem(model, prefill_inputs: bool) -> str | None:
@@ -109,7 +113,7 @@ class DynamicKV:
         ``width`` columns (or fewer, with ``logits_to_keep``)."""
         if needs_mask:
             kwargs["attention_mask"] = mask(first_slot + width)
-        return (model.forward if direct else model)(**kwargs).logits
+        return model_logits(model, kwargs, direct=direct, fast_head=self.settings.fast_head)
 
     def padded_width(self, width: int, first: bool) -> int:
         return width
@@ -174,7 +178,7 @@ class StaticKV:
                 layer.cumulative_length = torch.tensor(first_slot)
         kwargs["attention_mask"] = mask(self.length)  # always: slots past the rows' ends hold stale entries
         if self.compiled is None or first or fed not in self.settings.widths:
-            return (model.forward if direct else model)(**kwargs).logits
+            return model_logits(model, kwargs, direct=direct, fast_head=self.settings.fast_head)
         kwargs.pop("logits_to_keep", None)  # an int argument would compile one graph per value
         if kwargs["input_ids"].device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()

@@ -82,6 +82,8 @@ class ForwardTimer:
     ``with ForwardTimer(model) as timer: ...`` then ``timer.calls``, ``timer.seconds``; hooks are
     removed on exit (or by :meth:`remove`)."""
 
+    observes_only = True  # its hooks neither read nor change outputs (``head.model_logits`` relies on it)
+
     def __init__(self, module: torch.nn.Module):
         self.calls, self.seconds, self._start = 0, 0.0, 0.0
         self._handles = [module.register_forward_pre_hook(self._pre), module.register_forward_hook(self._post)]

@@ -133,7 +133,8 @@ class DecodeRun:
             cache = CacheSettings.make(cache_implementation or base.implementation,
                                        (base.options or base.compile) if compile is None else compile,
                                        compile_widths or base.widths)
-            cache = dataclasses.replace(cache, lengths=base.lengths, owned=bool(owned))  # keeps the warmed-up lengths
+            # keeps the warmed-up lengths and the call's choice of head
+            cache = dataclasses.replace(cache, lengths=base.lengths, owned=bool(owned), fast_head=base.fast_head)
         if tokens is None:  # follows the target's tokens: the run keeps it in step
             prefill, positions = self.spec.for_model(model)  # the inputs its forward declares; its own positions
             state = ModelState(model, self.target.tokens[:, : self.width], self.target.lengths,

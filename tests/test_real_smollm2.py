@@ -5,7 +5,7 @@ package, fp32) is token-identical to ``target.generate(do_sample=False)`` on thr
 prompts of 48+ tokens (summarization, rag, coding), with ``prompt_lookup`` and with
 ``draft_model`` (SmolLM2 drafting for itself: same tokenizer, every draft accepted); and the
 three prompts (56 to 769 tokens) decoded as one left-padded batch give, per row, what each row
-gives alone.
+gives alone; the same with the output layer computed as ``W @ h.T`` (``specdec.head``).
 
 ``load_model``: an unknown name lists what is known; a packaged model whose package is missing
 names the install command; ``tiny-random:<arch>`` builds every listed architecture; a local
@@ -70,6 +70,25 @@ def test_batched_rows_are_token_identical_to_each_row_alone(smollm2, smollm2_pro
         got = out.sequences[i, ids.shape[1]:]
         assert torch.equal(got[: alone.numel()], alone), f"row {i}: {tokenizer.decode(got)}"
     assert out.stats.steps > 0 and out.stats.drafted_tokens > 0
+
+
+@pytest.mark.real_model
+def test_the_fast_output_layer_is_token_identical(smollm2, smollm2_prompts, references):
+    """SmolLM2's head (49152 x 576) computed as ``W @ h.T`` (pinned: whether it is faster is the
+    machine's to decide) matches its own logits, and decoding with it, with and without drafts,
+    is token-identical."""
+    from specdec.head import FastHead
+
+    target, tokenizer = smollm2
+    try:
+        assert FastHead.pin(target, True) is not None
+        for draft in (None, "prompt_lookup"):
+            decoder = SpecDecoder(target, draft, tokenizer=tokenizer)
+            for prompt, ref in zip(smollm2_prompts, references):
+                out = decoder.generate(prompt, max_new_tokens=NEW_TOKENS)
+                assert torch.equal(out.sequences, ref), (draft, tokenizer.decode(out.sequences[0, prompt.shape[1]:]))
+    finally:
+        FastHead.forget(target)
 
 
 # -- load_model ------------------------------------------------------------------------------------

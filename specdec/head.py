@@ -1,0 +1,189 @@
+"""The output layer as ``W @ h.T``: the orientation a CPU multiplies a large head fastest in.
+
+A causal LM's logits are ``h @ W.T`` with ``W [V, H]`` its output embedding. ``nn.Linear`` runs
+that on a CPU as a matrix-vector product for one token and as a matrix product with ``W``
+transposed for several, and with a large ``W`` both read it far slower than memory allows. On the
+2-core CPU here (torch 2.13, fp32), Gemma-3-270M's head (262144 x 640, 671 MB):
+
+==========  =====================  ====================
+tokens      ``nn.Linear``          ``W @ h.T``
+==========  =====================  ====================
+1           57 ms                  28 ms (two columns)
+2           124-143 ms             28 ms
+4           107-115 ms             33 ms
+8           102-111 ms             50 ms
+==========  =====================  ====================
+
+so a whole forward of 5 tokens cost 1.9x one token, and with this head 1.1x (one token: 97 ms
+-> 62 ms). SmolLM2-135M's head (49152 x 576) 9.7 ms -> 4.7 ms for one token.
+
+:func:`model_logits` runs the model with ``logits_to_keep`` an empty index (the model computes no
+logits) and ``output_hidden_states=True``, and applies the head to the last hidden state itself,
+Gemma's final soft-capping included. Whether a model gets this is decided once per model for the
+process (:meth:`FastHead.of`): a CPU model whose output layer is a plain ``nn.Linear`` of at least
+``MIN_ELEMENTS`` weights, whose logits this way match its own forward's on a probe (same top
+token everywhere, within ``TOLERANCE`` of the largest logit: anything a model does to its logits
+besides the soft-capping, such as a scale, fails here), and on which ``W @ h.T`` timed faster
+than ``nn.Linear`` at one and at four tokens. Forward hooks could read or rewrite the logits the
+model no longer computes, so a model with any (other than specdec's own timers, which only
+count) runs its own head.
+
+The logits differ from the model's own only in rounding (one matmul in another order), as the
+logits of a multi-token verification already differ from those of one-token steps.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+import weakref
+
+import torch
+
+#: heads smaller than this (vocabulary x hidden size) run as the model runs them: a small head
+#: costs little either way
+MIN_ELEMENTS = 1 << 22
+#: largest difference from the model's own logits, relative to their largest magnitude, by weight dtype
+TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8}
+HALF_TOLERANCE = 2e-2
+#: the head is used only if it is at least this much faster than ``nn.Linear``
+MIN_GAIN = 0.9
+_NO_LOGITS = torch.zeros(0, dtype=torch.long)
+
+
+class FastHead:
+    """``W @ h.T`` (+ bias, then soft-capping) for one model's output layer."""
+
+    _decided: "weakref.WeakKeyDictionary[torch.nn.Module, FastHead | None]" = weakref.WeakKeyDictionary()
+    _lock = threading.Lock()
+
+    def __init__(self, layer: torch.nn.Linear, softcap: float | None):
+        self.layer, self.softcap = layer, softcap
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, T, H] -> logits [B, T, V]."""
+        b, t, h = hidden.shape
+        flat = hidden.reshape(b * t, h)
+        if b * t == 1:  # two columns: one would run as the slow matrix-vector product
+            flat = flat.expand(2, h).contiguous()
+        logits = torch.matmul(self.layer.weight, flat.T).T[: b * t]  # [B*T, V], a transposed view
+        if self.layer.bias is not None:
+            logits = logits + self.layer.bias
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits.reshape(b, t, -1)
+
+    @classmethod
+    def of(cls, model) -> "FastHead | None":
+        """The model's fast head, or None where it runs its own (decided once per model)."""
+        with cls._lock:
+            if model in cls._decided:
+                return cls._decided[model]
+        head = cls._decide(model)
+        with cls._lock:
+            return cls._decided.setdefault(model, head)
+
+    @classmethod
+    def pin(cls, model, use: bool) -> "FastHead | None":
+        """Decide for ``model`` without timing: True uses the fast head whatever the head's size
+        where the model qualifies otherwise (its logits match), False the model's own head. For
+        tests, and for machines measured offline. Returns the head now in use."""
+        head = cls._candidate(model, min_elements=0) if use else None
+        if head is not None and not head._matches(model):
+            head = None
+        with cls._lock:
+            cls._decided[model] = head
+        return head
+
+    @classmethod
+    def forget(cls, model) -> None:
+        """Decide again at ``model``'s next forward."""
+        with cls._lock:
+            cls._decided.pop(model, None)
+
+    @classmethod
+    def _candidate(cls, model, min_elements: int = MIN_ELEMENTS) -> "FastHead | None":
+        layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if type(layer) is not torch.nn.Linear:
+            return None
+        weight = layer.weight
+        if (type(weight.data) is not torch.Tensor or not weight.dtype.is_floating_point
+                or weight.device.type != "cpu" or weight.numel() < min_elements):
+            return None
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        return cls(layer, getattr(config, "final_logit_softcapping", None))
+
+    @classmethod
+    def _decide(cls, model) -> "FastHead | None":
+        head = cls._candidate(model)
+        if head is None or not head._matches(model):
+            return None
+        return head if head._faster() else None
+
+    def _matches(self, model) -> bool:
+        """Whether this head reproduces the model's own logits on a short probe."""
+        vocab = self.layer.weight.shape[0]
+        ids = (torch.arange(7, device=self.layer.weight.device) * 97 + 11)[None, :] % vocab
+        try:
+            with torch.no_grad():
+                own = model.forward(input_ids=ids, use_cache=False).logits
+                out = model.forward(input_ids=ids, use_cache=False, logits_to_keep=_NO_LOGITS,
+                                    output_hidden_states=True)
+                if out.logits is not None and out.logits.shape[1] != 0 or not out.hidden_states:
+                    return False  # the model ignores logits_to_keep, or gives no hidden states
+                mine = self(out.hidden_states[-1])
+        except (TypeError, ValueError, RuntimeError, AttributeError, IndexError):
+            return False
+        if mine.shape != own.shape:
+            return False
+        tolerance = TOLERANCE.get(own.dtype, HALF_TOLERANCE)
+        close = float((mine - own).abs().max()) <= tolerance * float(own.abs().max())
+        return close and bool((mine.argmax(-1) == own.argmax(-1)).all())
+
+    def _faster(self, reps: int = 3) -> bool:
+        """Whether ``W @ h.T`` beats ``nn.Linear`` on this machine at one and four tokens together."""
+        weight = self.layer.weight
+
+        def median_seconds(fn) -> float:
+            fn()
+            times = []
+            for _ in range(reps):
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+            return statistics.median(times)
+
+        linear = mine = 0.0
+        with torch.no_grad():
+            for tokens in (1, 4):
+                hidden = torch.randn(1, tokens, weight.shape[1], dtype=weight.dtype, device=weight.device)
+                linear += median_seconds(lambda: self.layer(hidden))
+                mine += median_seconds(lambda: self(hidden))
+        return mine < MIN_GAIN * linear
+
+
+def _observers_only(module: torch.nn.Module) -> bool:
+    """Whether every forward hook on ``module`` only observes (specdec's timers), none global."""
+    from torch.nn.modules import module as nn_module
+
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return False
+    hooks = list(module._forward_hooks.values()) + list(module._forward_pre_hooks.values())
+    return all(getattr(getattr(h, "__self__", None), "observes_only", False) for h in hooks)
+
+
+def model_logits(model, kwargs: dict, *, direct: bool = False, fast_head: bool = True) -> torch.Tensor:
+    """``model(**kwargs).logits`` (``model.forward`` if ``direct``: no module hooks), with the output
+    layer as :class:`FastHead` where ``fast_head`` and the model qualifies."""
+    call = model.forward if direct else model
+    head = FastHead.of(model) if fast_head else None
+    layer = head.layer if head is not None else None
+    if head is None or layer._forward_hooks or layer._forward_pre_hooks or not (direct or _observers_only(model)):
+        return call(**kwargs).logits
+    keep = kwargs.get("logits_to_keep", 0)
+    out = call(**{**kwargs, "logits_to_keep": _NO_LOGITS, "output_hidden_states": True})
+    hidden = out.hidden_states[-1]
+    if isinstance(keep, int) and keep > 0:
+        hidden = hidden[:, -keep:]
+    return head(hidden)
