@@ -3,19 +3,11 @@
 A causal LM's logits are ``h @ W.T`` with ``W [V, H]`` its output embedding. ``nn.Linear`` runs
 that on a CPU as a matrix-vector product for one token and as a matrix product with ``W``
 transposed for several, and with a large ``W`` both read it far slower than memory allows. On the
-2-core CPU here (torch 2.13, fp32), Gemma-3-270M's head (262144 x 640, 671 MB):
-
-==========  =====================  ====================
-tokens      ``nn.Linear``          ``W @ h.T``
-==========  =====================  ====================
-1           57 ms                  28 ms (two columns)
-2           124-143 ms             28 ms
-4           107-115 ms             33 ms
-8           102-111 ms             50 ms
-==========  =====================  ====================
-
-so a whole forward of 5 tokens cost 1.9x one token, and with this head 1.1x (one token: 97 ms
--> 62 ms). SmolLM2-135M's head (49152 x 576) 9.7 ms -> 4.7 ms for one token.
+2-core CPU here (torch 2.13, fp32; ``benchmarks/output_layer.py``), Gemma-3-270M's head
+(262144 x 640, 671 MB) took 54 ms for one token and 96-123 ms for 2-8 tokens as ``nn.Linear``,
+19-55 ms as ``W @ h.T`` (one token padded to two columns): a whole forward of 1 / 4 tokens
+96 / 177 ms with the model's own head, 61 / 96 ms with this one. SmolLM2-135M's head (49152 x
+576): 9.2 ms -> 3.9 ms for one token.
 
 :func:`model_logits` runs the model with ``logits_to_keep`` an empty index (the model computes no
 logits) and ``output_hidden_states=True``, and applies the head to the last hidden state itself,
@@ -26,7 +18,8 @@ token everywhere, within ``TOLERANCE`` of the largest logit: anything a model do
 besides the soft-capping, such as a scale, fails here), and on which ``W @ h.T`` timed faster
 than ``nn.Linear`` at one and at four tokens. Forward hooks could read or rewrite the logits the
 model no longer computes, so a model with any (other than specdec's own timers, which only
-count) runs its own head.
+count) runs its own head, and so does a forward of more than ``MAX_TOKENS`` tokens (a prompt's
+prefill: the model would return every layer's hidden states for it).
 
 The logits differ from the model's own only in rounding (one matmul in another order), as the
 logits of a multi-token verification already differ from those of one-token steps.
@@ -49,6 +42,10 @@ TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8}
 HALF_TOLERANCE = 2e-2
 #: the head is used only if it is at least this much faster than ``nn.Linear``
 MIN_GAIN = 0.9
+#: most tokens (width x batch) a forward may feed to get the fast head: the model returns every
+#: layer's hidden states for it, so a long prompt's prefill (which needs its last logits only) runs
+#: the model's own head
+MAX_TOKENS = 256
 _NO_LOGITS = torch.zeros(0, dtype=torch.long)
 
 
@@ -179,7 +176,9 @@ def model_logits(model, kwargs: dict, *, direct: bool = False, fast_head: bool =
     call = model.forward if direct else model
     head = FastHead.of(model) if fast_head else None
     layer = head.layer if head is not None else None
-    if head is None or layer._forward_hooks or layer._forward_pre_hooks or not (direct or _observers_only(model)):
+    ids = kwargs.get("input_ids")
+    if (head is None or ids is None or ids.numel() > MAX_TOKENS or layer._forward_hooks or layer._forward_pre_hooks
+            or not (direct or _observers_only(model))):
         return call(**kwargs).logits
     keep = kwargs.get("logits_to_keep", 0)
     out = call(**{**kwargs, "logits_to_keep": _NO_LOGITS, "output_hidden_states": True})

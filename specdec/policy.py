@@ -305,6 +305,12 @@ def synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
+#: acceptance at which a source of drafts is priced until one of its drafts has been verified (its
+#: prior, if higher): a draft whose worth is unknown is tried once where it would pay if it agreed
+#: with the target this often, and its record decides from then on
+UNTRIED = 0.8
+
+
 class AcceptanceTracker:
     """Per source of drafts, row and draft position, decayed counts of drafts offered and accepted
     (with a prior per source).
@@ -316,14 +322,22 @@ class AcceptanceTracker:
     forgets slowly (``idle_decay``), so after a run of rejections its estimate climbs back to the
     prior over a few dozen steps and it probes again, rarely enough to cost little where drafting
     never pays.
+
+    With ``untried`` (a run passes :data:`UNTRIED`), until a source's first drafts have been
+    verified (in any row) it is priced at ``untried`` (or its prior if higher) at every position: the prior is what a source is
+    worth on average, but a source that pays only on text it agrees with would never be tried at
+    it, and one verified block settles the question for a few milliseconds.
     """
 
     def __init__(self, batch: int, positions: int, *, prior: float | tuple[float, ...] = 0.5,
-                 prior_weight: float = 2.0, decay: float = 0.9, idle_decay: float = 0.97):
+                 prior_weight: float = 2.0, decay: float = 0.9, idle_decay: float = 0.97,
+                 untried: float | None = None):
         self.priors = tuple(float(p) for p in (prior if isinstance(prior, (tuple, list)) else (prior,)))
         self.offered = torch.zeros(len(self.priors), batch, positions, dtype=torch.float64)  # [S, B, K]
         self.accepted = torch.zeros_like(self.offered)
         self.prior_weight, self.decay, self.idle_decay = prior_weight, decay, idle_decay
+        # per source: the acceptance it is priced at before any of its drafts was verified (None: tried)
+        self.untried: list[float | None] = [max(p, untried) if untried is not None else None for p in self.priors]
 
     def estimate(self, sources: torch.Tensor | None = None) -> torch.Tensor:
         """[B, K] conditional acceptance per position of row b's source ``sources[b]`` (default:
@@ -335,6 +349,9 @@ class AcceptanceTracker:
         picks = [0] * batch if sources is None else sources.cpu().tolist()
         rows = []
         for b, s in enumerate(picks):  # plain floats: B x K is small
+            if self.untried[s] is not None:
+                rows.append([self.untried[s]] * self.offered.shape[2])
+                continue
             rate, row = self.priors[s], []
             for a, o in zip(self.accepted[s, b].tolist(), self.offered[s, b].tolist()):
                 rate = (a + rate * w) / (o + w)
@@ -355,6 +372,8 @@ class AcceptanceTracker:
         keep = torch.where(drafted, self.decay, self.idle_decay).double()  # [S, B, 1]
         self.offered.mul_(keep).add_(tried.double())
         self.accepted.mul_(keep).add_(hit.double())
+        for s in drafted.reshape(drafted.shape[0], -1).any(1).nonzero().flatten().tolist():
+            self.untried[s] = None
 
     def select_rows(self, rows: torch.Tensor) -> None:
         rows = rows.cpu()

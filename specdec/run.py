@@ -34,7 +34,7 @@ from .kv import CacheSettings, static_problem
 from .metrics import AcceptanceStats
 from .modelinfo import kv_layout, step_bytes, vocab_size
 from .multimodal import PrefillSpec, Prefix, check_assistant
-from .policy import AcceptanceTracker, CostModel, DraftPolicy, synchronize
+from .policy import UNTRIED, AcceptanceTracker, CostModel, DraftPolicy, synchronize
 from .sampling import SamplingParams
 from .state import ModelState, cache_problem
 from .stopping import Stopper, StreamFeed
@@ -162,7 +162,7 @@ class DecodeRun:
         cap = self.session.draft_cap()
         if cap <= 0:
             return None
-        acceptance = AcceptanceTracker(prompt.rows.shape[0], cap, prior=priors)
+        acceptance = AcceptanceTracker(prompt.rows.shape[0], cap, prior=priors, untried=UNTRIED)
         # decoding is bound by reading weights: an assistant's draft token costs about the bytes its
         # step reads relative to the target's one-token step (no assistant, e.g. prompt lookup: about nothing)
         self.weight = {id(s): step_bytes(s.model) / step_bytes(target) for s in (*self.followers, *self.own)}

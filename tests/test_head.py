@@ -14,6 +14,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from specdec import SpecDecoder
+import specdec.head as head_module
 from specdec.head import FastHead, model_logits
 from specdec.modelinfo import ForwardTimer
 from specdec.models import TINY_ARCHS, tiny_config, tiny_random
@@ -144,3 +145,16 @@ def test_fast_head_false_keeps_the_models_head(pin, head_calls):
     out = SpecDecoder(target, "prompt_lookup", fast_head=False).generate(ids, max_new_tokens=16)
     assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=16, do_sample=False))
     assert not head_calls
+
+
+def test_long_forwards_keep_the_models_head(pin, head_calls, monkeypatch):
+    """A prefill of more than ``MAX_TOKENS`` tokens would return every layer's hidden states."""
+    monkeypatch.setattr(head_module, "MAX_TOKENS", 4)
+    model, _ = tiny_random("llama")
+    pin(model)
+    head_calls.clear()  # pinning probes
+    ids = repetitive_prompt(6)
+    model_logits(model, {"input_ids": ids[:, :5]})
+    assert not head_calls
+    model_logits(model, {"input_ids": ids[:, :4]})
+    assert len(head_calls) == 1

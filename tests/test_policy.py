@@ -163,6 +163,27 @@ def test_each_source_of_drafts_is_learnt_apart():
     assert tracker.estimate().shape == (1, 4) and tracker.estimate()[0, 0] > 0.9
 
 
+def test_an_untried_source_is_tried_once_at_the_optimistic_price_then_its_record_decides():
+    """Costs of 1 + k/8 per forward and a draft token at half a step: at the prior of 0.5 no block
+    pays, at 0.8 one does. The untried source is asked for drafts; after one verified block its
+    record decides: a rejected first draft stops drafting, accepted ones keep it going."""
+    costs = CostModel([1 + x / 8 for x in COST_GRID], rate=0.0)
+    remaining = torch.tensor([20])
+    plain = DraftPolicy(costs, AcceptanceTracker(1, 8, prior=0.5), 8, 0.5)
+    assert int(plain.budget(remaining, 1)) == 0  # without the rule the draft is never tried
+    for accepted, drafts_after in ((0, False), (3, True)):
+        tracker = AcceptanceTracker(1, 8, prior=(0.5, 0.9), untried=0.8)
+        policy = DraftPolicy(costs, tracker, 8, 0.5)
+        assert tracker.estimate(torch.tensor([1]))[0].tolist() == [0.9] * 8  # a prior above it stands
+        first = int(policy.budget(remaining, 1))
+        assert first > 0 and tracker.estimate()[0].tolist() == [0.8] * 8
+        tracker.update(torch.tensor([0]), torch.tensor([0]))  # a step without drafts tries nothing
+        assert tracker.untried[0] == 0.8
+        tracker.update(torch.tensor([first]), torch.tensor([min(accepted, first)]))
+        assert tracker.untried == [None, 0.9]  # source 1 was not drafted from: still untried
+        assert (int(policy.budget(remaining, 1)) > 0) == drafts_after, accepted
+
+
 class OracleOrRandom(CandidateGenerator):
     """Source 0 proposes the target's own continuation (always accepted); with ``alternate``,
     every other step is source 1's random ids (never accepted). ``log`` (shared by sessions) gets

@@ -210,6 +210,8 @@ class MethodConfig(_Strict):
         "dynamic", description="how the target (and the draft) keep their key/value caches")
     compile: bool | dict[str, Any] = Field(False, description="torch.compile the forwards (static caches only): "
                                                               "true, or a mapping of compile options")
+    fast_head: bool = Field(True, description="specdec methods: compute the output layer as W @ h.T where a CPU "
+                                              "runs that faster (docs/performance.md); false: the model's own head")
 
     @field_validator("compile", mode="before")
     @classmethod
@@ -258,6 +260,9 @@ class MethodConfig(_Strict):
             problem = generator_option_problem(cls, self.options, needs_draft)
             if problem:
                 raise ValueError(f"options: {problem}")
+        if self.generator in REFERENCE_METHODS and not self.fast_head:
+            raise ValueError(f"fast_head: {self.generator!r} runs transformers' own generate, whose output layer "
+                             "is the model's; remove 'fast_head'")
         if needs_draft and self.draft is None:
             raise ValueError(f"draft: method {self.generator!r} needs a draft model (a load_model name)")
         if not needs_draft and self.draft is not None:

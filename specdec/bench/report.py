@@ -441,11 +441,12 @@ def _header(meta: dict, rows: list[dict]) -> list[str]:
 
 
 def _cache_words(method: dict) -> str:
-    """How a method keeps its cache, in words (nothing for the default dynamic cache)."""
+    """How a method keeps its cache and computes its output layer, in words (nothing for the defaults)."""
     compile = method.get("compile", False)
+    words = "" if method.get("fast_head", True) else ", the model's own output layer (fast_head: false)"
     if method.get("cache_implementation", "dynamic") == "dynamic" and compile is False:
-        return ""
-    words = f", {method['cache_implementation']} cache"
+        return words
+    words = f", {method['cache_implementation']} cache" + words
     if compile is not False:
         words += ", compiled" + (f" {compile}" if isinstance(compile, dict) and compile else "")
     return words

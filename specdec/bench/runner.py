@@ -175,7 +175,7 @@ def config_hash(config: BenchConfig, questions: list[Question]) -> str:
 
 #: fields added after results were first written: hashed only when set to something other than their
 #: default, so those results still resume
-_LATER_FIELDS = {"config": ("device", "dtype", "reference", "repeats"), "method": ("cache_implementation", "compile")}
+_LATER_FIELDS = {"config": ("device", "dtype", "reference", "repeats"), "method": ("cache_implementation", "compile", "fast_head")}
 
 
 def _without_later_defaults(dumped: dict) -> dict:
@@ -327,7 +327,8 @@ def _spec_runner(method: MethodConfig, target, tokenizer, draft, gen: Generation
     try:
         instance = cls(draft_model, **method.options) if draft_model is not None else cls(**method.options)
         decoder = SpecDecoder(target, instance, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer,
-                              cache_implementation=method.cache_implementation, compile=method.compile)
+                              cache_implementation=method.cache_implementation, compile=method.compile,
+                              fast_head=method.fast_head)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"methods: {method.name!r}: bad options for {method.generator!r}: {exc}") from None
 
