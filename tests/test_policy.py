@@ -187,7 +187,7 @@ def test_an_untried_source_is_tried_once_at_the_optimistic_price_then_its_record
 class OracleOrRandom(CandidateGenerator):
     """Source 0 proposes the target's own continuation (always accepted); with ``alternate``,
     every other step is source 1's random ids (never accepted). ``log`` (shared by sessions) gets
-    (source, offered) per step."""
+    (source, offered, rate of source 0, rate of source 1, drafts asked for) per step."""
 
     def __init__(self, reference: torch.Tensor, log: list, alternate: bool = True):
         self.reference, self.log, self.alternate = reference, log, alternate
@@ -198,13 +198,14 @@ class OracleOrRandom(CandidateGenerator):
     def propose(self, ctx, max_drafts):
         self.rates = [ctx.draft_rate(max_drafts, source) for source in (0, 1)]  # what each source would pay
         self.source, n = len(self.log) % 2 if self.alternate else 0, int(max_drafts.max())
+        self.cap = n
         start = int(ctx.lengths[0])
         right = self.reference[:, start: start + n]
         ids = right if self.source == 0 else torch.randint(0, 250, (1, n), generator=torch.Generator().manual_seed(start))
         return Proposal(ids, torch.tensor([ids.shape[1]]).clamp(max=max_drafts), sources=torch.tensor([self.source]))
 
     def observe(self, ctx, feedback):
-        self.log.append((self.source, int(feedback.offered[0]), *(float(r[0]) for r in self.rates)))
+        self.log.append((self.source, int(feedback.offered[0]), *(float(r[0]) for r in self.rates), self.cap))
 
 
 def run_oracle(new_tokens: int, alternate: bool) -> tuple[list, AcceptanceStats]:
@@ -228,7 +229,8 @@ def test_the_policy_verifies_each_source_by_its_own_acceptance():
     assert right and wrong and right[len(right) // 2] >= 4, log  # the oracle's blocks stay long
     assert wrong[len(wrong) // 2] <= 1, log  # the random source's blocks shrink to one draft or none
     # what ctx.draft_rate tells a generator choosing between its sources: the oracle pays more
-    assert all(oracle > random for _, _, oracle, random in later), log
+    # (wherever a row may draft at all: with no room left both rates are plain decoding's)
+    assert all(oracle > random for _, _, oracle, random, cap in later if cap > 0), log
 
 
 def test_draft_rate_is_none_without_the_policy_and_checks_its_source():
