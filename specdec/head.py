@@ -40,7 +40,7 @@ MIN_ELEMENTS = 1 << 22
 #: largest difference from the model's own logits, relative to their largest magnitude, by weight dtype
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8}
 HALF_TOLERANCE = 2e-2
-#: the head is used only if it is at least this much faster than ``nn.Linear``
+#: the head is used only if it takes at most this share of ``nn.Linear``'s time
 MIN_GAIN = 0.9
 #: most tokens (width x batch) a forward may feed to get the fast head: the model returns every
 #: layer's hidden states for it, so a long prompt's prefill (which needs its last logits only) runs

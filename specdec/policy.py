@@ -324,9 +324,9 @@ class AcceptanceTracker:
     never pays.
 
     With ``untried`` (a run passes :data:`UNTRIED`), until a source's first drafts have been
-    verified (in any row) it is priced at ``untried`` (or its prior if higher) at every position: the prior is what a source is
-    worth on average, but a source that pays only on text it agrees with would never be tried at
-    it, and one verified block settles the question for a few milliseconds.
+    verified (in any row) it is priced at ``untried`` (or its prior if higher) at every position:
+    the prior is what a source is worth on average, but a source that pays only on text it agrees
+    with would never be tried at it, and one verified block settles the question.
     """
 
     def __init__(self, batch: int, positions: int, *, prior: float | tuple[float, ...] = 0.5,
@@ -372,7 +372,7 @@ class AcceptanceTracker:
         keep = torch.where(drafted, self.decay, self.idle_decay).double()  # [S, B, 1]
         self.offered.mul_(keep).add_(tried.double())
         self.accepted.mul_(keep).add_(hit.double())
-        for s in drafted.reshape(drafted.shape[0], -1).any(1).nonzero().flatten().tolist():
+        for s in drafted.flatten(1).any(1).nonzero().flatten().tolist():  # sources verified this step
             self.untried[s] = None
 
     def select_rows(self, rows: torch.Tensor) -> None:

@@ -175,7 +175,8 @@ def config_hash(config: BenchConfig, questions: list[Question]) -> str:
 
 #: fields added after results were first written: hashed only when set to something other than their
 #: default, so those results still resume
-_LATER_FIELDS = {"config": ("device", "dtype", "reference", "repeats"), "method": ("cache_implementation", "compile", "fast_head")}
+_LATER_FIELDS = {"config": ("device", "dtype", "reference", "repeats"),
+                 "method": ("cache_implementation", "compile", "fast_head")}
 
 
 def _without_later_defaults(dumped: dict) -> dict:
