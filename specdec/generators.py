@@ -211,10 +211,12 @@ class CandidateGenerator:
         return DEFAULT_MAX_DRAFTS
 
     def acceptance_prior(self) -> float | tuple[float, ...]:
-        """The policy's estimate that a draft is accepted before it has measured any this call (in
-        (0, 1)); measurements take over within a few steps. A generator that knows its drafts
-        agree with the target more often (a copy of the target, say) says so, and the policy
-        drafts from the first step instead of waiting to learn it.
+        """The policy's estimate that a draft is accepted where it has measured few this call (in
+        (0, 1)); measurements take over within a few steps. (Until a first block of a source's
+        drafts is verified, the policy prices them at ``policy.UNTRIED`` = 0.8, or at this prior
+        if higher, so that a draft which pays only where it agrees is tried.) A generator that
+        knows its drafts agree with the target more often (a copy of the target, say) says so,
+        and the policy keeps drafting through its first rejections instead of learning it.
 
         A generator with several sources of drafts (prompt lookup where it finds a match, a draft
         model elsewhere) returns one prior per source and names each row's source in
