@@ -127,7 +127,7 @@ class FastHead:
                 own = model.forward(input_ids=ids, use_cache=False).logits
                 out = model.forward(input_ids=ids, use_cache=False, logits_to_keep=_NO_LOGITS,
                                     output_hidden_states=True)
-                if out.logits is not None and out.logits.shape[1] != 0 or not out.hidden_states:
+                if (out.logits is not None and out.logits.shape[1] != 0) or not out.hidden_states:
                     return False  # the model ignores logits_to_keep, or gives no hidden states
                 mine = self(out.hidden_states[-1])
         except (TypeError, ValueError, RuntimeError, AttributeError, IndexError):
