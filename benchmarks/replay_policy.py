@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from candidate_generators.prompt_lookup import lookup
+from candidate_generators.prompt_lookup import PromptLookupGenerator, lookup_match
 from transformers import AutoTokenizer
 
 from specdec.bench.config import load_config
@@ -30,7 +30,7 @@ from specdec.bench.results import default_out_dir
 from specdec.bench.runner import build_messages, load_selected_questions
 from specdec.metrics import AcceptanceStats
 from specdec.models import _packaged_location
-from specdec.policy import COST_GRID, AcceptanceTracker, CostModel, DraftPolicy
+from specdec.policy import COST_GRID, UNTRIED, AcceptanceTracker, CostModel, DraftPolicy
 from specdec.prompts import encode_chat
 
 
@@ -46,18 +46,20 @@ def measured_curve(rows: list[dict]) -> CostModel:
 
 
 def replay(prompt: list[int], output: list[int], policy: DraftPolicy | None, fixed: tuple[str, int] | None,
-           costs: CostModel, overhead: float) -> tuple[float, AcceptanceStats]:
-    """-> (seconds, stats) for one turn. ``policy`` (auto) or ``fixed`` = ("fixed" | "adaptive", K)."""
+           ngrams: tuple[int, int], costs: CostModel, overhead: float) -> tuple[float, AcceptanceStats]:
+    """-> (seconds, stats) for one turn. ``policy`` (auto) or ``fixed`` = ("fixed" | "adaptive", K);
+    ``ngrams`` = (max_ngram, min_ngram) of the lookup."""
     sequence = torch.tensor(prompt + output)
     committed, end = len(prompt), len(prompt) + len(output)
     seconds, stats, k_now = 0.0, AcceptanceStats(), (fixed[1] if fixed else 0)
     while committed < end:
         remaining = torch.tensor([end - committed - 1])
         ask = policy.budget(remaining, 1) if policy else torch.minimum(torch.tensor([k_now]), remaining)
-        found = lookup(sequence[:committed], 3, 2, int(ask[0])) if int(ask[0]) > 0 else sequence[:0]
+        n, found = lookup_match(sequence[:committed], *ngrams, int(ask[0])) if int(ask[0]) > 0 else (0, sequence[:0])
+        source = torch.tensor([ngrams[0] - n if n else 0])  # as PromptLookupGenerator names it
         offered = torch.tensor([found.numel()])
         if policy:
-            offered = policy.trim(offered, 1)
+            offered = policy.trim(offered, 1, sources=source)
         k = int(offered[0])
         truth = sequence[committed: committed + k]
         accepted = int((found[:k] == truth).long().cumprod(0).sum()) if k else 0
@@ -65,7 +67,7 @@ def replay(prompt: list[int], output: list[int], policy: DraftPolicy | None, fix
         stats.record_step([k], [accepted], [accepted + 1])
         stats.skipped_steps += int(ask[0] == 0 and remaining[0] > 0)
         if policy:
-            policy.acceptance.update(torch.tensor([k]), torch.tensor([accepted]))
+            policy.acceptance.update(torch.tensor([k]), torch.tensor([accepted]), source)
         elif fixed[0] == "adaptive" and k > 0:
             k_now = min(k_now + 2, 10) if accepted == k else max(k_now - 1, 1)
         committed += accepted + 1
@@ -88,16 +90,20 @@ def main() -> None:
     costs, overhead = measured_curve(rows), args.overhead_ms / 1000
     turns = [r for r in rows if r["method"] == base]
     answers = {(r["question_id"], r["turn"]): r["text"] for r in turns}
-    policies = {"auto": None, "adaptive from 4": ("adaptive", 4), "fixed 10": ("fixed", 10)}
-    for name, fixed in policies.items():
+    default = PromptLookupGenerator()  # auto: the defaults, one source per match length
+    policies = {"auto": (None, (default.max_ngram, default.min_ngram)),
+                "adaptive from 4": (("adaptive", 4), (3, 2)),  # the earlier default
+                "fixed 10": (("fixed", 10), (2, 1))}  # transformers' settings
+    for name, (fixed, ngrams) in policies.items():
         by_subtask: dict[str, list[float]] = {}
         total = AcceptanceStats()
         for r in turns:
             q = questions[r["question_id"]]
             previous = [answers[(q.question_id, t)] for t in range(1, r["turn"])]
             prompt = encode_chat(tokenizer, build_messages(q.turns[: r["turn"]], previous))[0].tolist()
-            policy = None if fixed else DraftPolicy(costs, AcceptanceTracker(1, 10), 10, step_overhead=overhead)
-            spent, stats = replay(prompt, r["output_ids"], policy, fixed, costs, overhead)
+            tracker = AcceptanceTracker(1, 10, prior=default.acceptance_prior(), untried=UNTRIED)
+            policy = None if fixed else DraftPolicy(costs, tracker, 10, step_overhead=overhead)
+            spent, stats = replay(prompt, r["output_ids"], policy, fixed, ngrams, costs, overhead)
             plain = len(r["output_ids"]) * (float(costs.predict(1)) + overhead)
             by_subtask.setdefault(r["subtask"], [0.0, 0.0])
             by_subtask[r["subtask"]][0] += plain

@@ -49,11 +49,11 @@ class SelfDraftGenerator(DraftModelGenerator):
         if self.lookup is not None:
             self.lookup.setup(ctx)
 
-    def acceptance_prior(self) -> float | tuple[float, float]:
+    def acceptance_prior(self) -> float | tuple[float, ...]:
         # The copy is the target rounded: its greedy token agreed with the target's on 90-99% of
-        # positions (docs/self_draft.md). With lookup, the policy learns the two sources apart:
-        # source 0 the copy (whose drafts cost time), source 1 a lookup match (accepted less often).
-        return (0.85, 0.5) if self.lookup is not None else 0.85
+        # positions (docs/self_draft.md). With lookup, the policy learns the sources apart:
+        # source 0 the copy (whose drafts cost time), then lookup's, one per match length.
+        return (0.85, *self.lookup.acceptance_prior()) if self.lookup is not None else 0.85
 
     def attach_options(self) -> dict:
         # The copy has the target's cache layout, so it mirrors the target's cache: it starts from
@@ -67,14 +67,19 @@ class SelfDraftGenerator(DraftModelGenerator):
             return super().propose(ctx, max_drafts)
         found = self.lookup.propose(ctx, max_drafts)
         matched = found.lengths > 0  # [B]
-        lookup_rate = ctx.draft_rate(found.lengths, source=1) if bool(matched.any()) else None
-        if lookup_rate is not None:  # a match is taken where it pays at least as well as the copy
-            matched &= (lookup_rate >= ctx.draft_rate(max_drafts, source=0)).to(matched.device)
+        lookup_sources = found.sources + 1  # [B] this generator's source of each row's match
+        copy_rate = ctx.draft_rate(max_drafts, source=0) if bool(matched.any()) else None  # None: no policy
+        if copy_rate is not None:  # a match is taken where it pays at least as well as the copy
+            lookup_rate = torch.zeros(matched.shape, dtype=torch.float64)
+            for source in lookup_sources[matched.cpu()].unique().tolist():
+                mine = lookup_sources == source
+                lookup_rate[mine] = ctx.draft_rate(found.lengths, source=source).cpu()[mine]
+            matched &= (lookup_rate >= copy_rate.cpu()).to(matched.device)
         missing = ~matched & (max_drafts.to(found.lengths.device) > 0)  # [B]
         if bool(missing.any()):
             found = merge(found, super().propose(ctx, max_drafts), use_second=missing.to(max_drafts.device),
                           vocab=ctx.target_vocab_size)
-        found.sources = (~missing).long().cpu()  # 0: the copy's drafts, 1: a lookup match
+        found.sources = torch.where(missing.cpu(), 0, lookup_sources)  # 0: the copy's drafts, else a match's
         return found
 
     def observe(self, ctx: DecodeContext, feedback: Feedback) -> None:

@@ -390,3 +390,33 @@ def test_a_drafters_confidence_is_checked():
 
     with pytest.raises(ValueError, match="bad_confidence.*Proposal.confidence"):
         SpecDecoder(target, BadConfidence()).generate(repetitive_prompt(8), max_new_tokens=5)
+
+
+def test_prompt_lookup_names_each_rows_match_length_as_its_source():
+    """Source 0 is the longest n-gram (max_ngram), one source per length down to min_ngram, each
+    with its own prior; a row's source is the length of the suffix it matched."""
+    from types import SimpleNamespace
+
+    from candidate_generators.prompt_lookup import NGRAM_PRIOR, PromptLookupGenerator, lookup_match
+    from candidate_generators.self_draft import SelfDraftGenerator
+
+    gen = PromptLookupGenerator()  # n-grams 4..2
+    assert gen.acceptance_prior() == (NGRAM_PRIOR[4], NGRAM_PRIOR[3], NGRAM_PRIOR[2])
+    assert PromptLookupGenerator(max_ngram=6, min_ngram=1).acceptance_prior()[:3] == (NGRAM_PRIOR[4],) * 3
+    assert SelfDraftGenerator(lookup=True).acceptance_prior() == (0.85, *gen.acceptance_prior())
+    rows = [[1, 2, 3, 4, 9, 9, 1, 2, 3, 4],  # a 4-gram seen before: 9, 9, 1 follow it
+            [5, 6, 7, 8, 0, 6, 7, 8],  # the 3-gram 6 7 8 (not 0 6 7 8): 0, 6, 7 follow it
+            [5, 6, 7, 8, 0, 3, 7, 8],  # only 7 8
+            [1, 2, 3, 4, 5, 6, 7, 8]]  # nothing
+    tokens = torch.zeros(4, 12, dtype=torch.long)
+    for b, row in enumerate(rows):
+        tokens[b, : len(row)] = torch.tensor(row)
+    ctx = SimpleNamespace(tokens=tokens, lengths=torch.tensor([len(r) for r in rows]), batch_size=4)
+    gen.setup(ctx)
+    proposal = gen.propose(ctx, torch.full((4,), 3))
+    assert proposal.sources.tolist() == [0, 1, 2, 0]
+    assert proposal.lengths.tolist() == [3, 3, 3, 0]
+    assert proposal.token_ids[0].tolist() == [9, 9, 1] and proposal.token_ids[1].tolist() == [0, 6, 7]
+    n, drafts = lookup_match(torch.tensor(rows[2]), 4, 2, 5)
+    assert n == 2 and drafts.tolist() == [0, 3, 7, 8]
+
