@@ -32,7 +32,8 @@ class AcceptanceStats:
     generator: dict[str, float] = field(default_factory=dict)
     #: [k] row-steps that verified k drafts (the chosen draft lengths)
     drafts_verified: list[int] = field(default_factory=list)
-    #: row-steps where the cost-aware policy asked for no drafts (drafting skipped)
+    #: row-steps where the cost-aware policy chose no drafts (drafting skipped): it asked for
+    #: none, or verified none of those offered
     skipped_steps: int = 0
     #: target forwards by tokens fed (width x batch): {tokens: [forwards, seconds]}, prefill excluded
     forward_costs: dict[int, list[float]] = field(default_factory=dict)

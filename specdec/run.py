@@ -204,9 +204,11 @@ class DecodeRun:
                 policy.observe_drafting(drafted - tick, int(main.max()))
         offered = self.stopper.worth_verifying(proposal.token_ids.to(target.device), offered)
         if policy is not None:
+            found = offered
             offered = policy.trim(offered, pending, context, sources, proposal.confidence)
-            if not (first and self.borrowers):
-                self.stats.skipped_steps += int(((ask == 0) & (remaining > 0)).sum())
+            if not (first and self.borrowers):  # no drafts asked for, or none of those offered verified
+                declined = (ask == 0) | ((found > 0) & (offered == 0))
+                self.stats.skipped_steps += int((declined & (remaining > 0)).sum())
         k = int(offered.max())
         draft_ids = proposal.token_ids[:, :k].to(target.device)  # [B, k]
         committed = target.lengths.clone()  # [B]
