@@ -14,7 +14,8 @@ Policies: ``auto`` (the defaults: n-grams 4..2, one source per match length, unt
 priced at ``policy.UNTRIED``), ``adaptive from 4`` with n-grams 3..2 (the earlier default) and
 ``fixed 10`` with n-grams 2..1 (transformers' settings), as the configs' methods run them.
 Prints, per policy: estimated speedup over plain decoding (each step costs t(pending + K)), mean
-accepted length, mean K, skipped share (steps asked for no drafts); overall and per subtask.
+accepted length, mean K, skipped share (steps where the policy chose no drafts); overall and per
+subtask.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def replay(prompt: list[int], output: list[int], policy: DraftPolicy | None, fix
         accepted = int((found[:k] == truth).long().cumprod(0).sum()) if k else 0
         seconds += float(costs.predict(1 + k)) + overhead
         stats.record_step([k], [accepted], [accepted + 1])
-        stats.skipped_steps += int(ask[0] == 0 and remaining[0] > 0)
+        stats.skipped_steps += int(bool(policy) and (ask[0] == 0 or (found.numel() > 0 and k == 0)) and remaining[0] > 0)
         if policy:
             policy.acceptance.update(torch.tensor([k]), torch.tensor([accepted]), source)
         elif fixed[0] == "adaptive" and k > 0:
