@@ -222,7 +222,7 @@ def run_oracle(new_tokens: int, alternate: bool) -> tuple[list, AcceptanceStats]
 
 
 def test_the_policy_verifies_each_source_by_its_own_acceptance():
-    log, _ = run_oracle(120, alternate=True)
+    log, stats = run_oracle(120, alternate=True)
     later = log[6:]
     right = sorted(k for source, k, *_ in later if source == 0)
     wrong = sorted(k for source, k, *_ in later if source == 1)
@@ -231,6 +231,9 @@ def test_the_policy_verifies_each_source_by_its_own_acceptance():
     # what ctx.draft_rate tells a generator choosing between its sources: the oracle pays more
     # (wherever a row may draft at all: with no room left both rates are plain decoding's)
     assert all(oracle > random for _, _, oracle, random, cap in later if cap > 0), log
+    # a step whose offered drafts the policy verified none of counts as skipped drafting
+    declined = sum(1 for _, offered, _, _, cap in log if cap > 0 and offered == 0)
+    assert declined > 0 and stats.skipped_steps >= declined, (stats.skipped_steps, log)
 
 
 def test_draft_rate_is_none_without_the_policy_and_checks_its_source():
@@ -419,4 +422,3 @@ def test_prompt_lookup_names_each_rows_match_length_as_its_source():
     assert proposal.token_ids[0].tolist() == [9, 9, 1] and proposal.token_ids[1].tolist() == [0, 6, 7]
     n, drafts = lookup_match(torch.tensor(rows[2]), 4, 2, 5)
     assert n == 2 and drafts.tolist() == [0, 3, 7, 8]
-

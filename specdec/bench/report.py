@@ -515,8 +515,9 @@ def _draft_lengths_section(meta: dict, rows: list[dict], all_summaries: list[Sum
     out = ["", "## Draft lengths chosen", "",
            "Over the rows of the overall table: mean K = drafts per step; K distribution = share of row-steps that "
            "verified K drafts (`AcceptanceStats.drafts_verified`); drafting skipped = share of row-steps where the "
-           "draft-length policy chose no drafts: asked for none, or verified none of those offered (`AcceptanceStats.skipped_share`); calibration = seconds spent "
-           "measuring the target's forward costs, over all the method's rows.", ""]
+           "draft-length policy chose no drafts: asked for none, or verified none of those offered "
+           "(`AcceptanceStats.skipped_share`); calibration = seconds spent measuring the target's forward costs, "
+           "over all the method's rows.", ""]
     body = [[f"`{s.method}`", _f(s.k_per_step, ".2f"), f"{s.stats.skipped_share:.1%}", k_distribution(s.stats),
              _f(every_row[s.method].calibration_seconds if s.method in every_row else None, ".2f", " s")]
             for s in drafting]
