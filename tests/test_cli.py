@@ -52,7 +52,7 @@ REFUSED = [
     (["generate", "--max-new-tokens", "many", "hi"], ["--max-new-tokens", "whole number"]),
     (["generate", "--threads", "0", "hi"], ["--threads", "must be >= 1"]),
     (["generate", "--option", "num_token=6", "hi"],
-     ["no option 'num_token'", "Did you mean 'num_tokens'?", "num_tokens=4", "max_ngram=3", "schedule='auto'"]),
+     ["no option 'num_token'", "Did you mean 'num_tokens'?", "num_tokens=4", "max_ngram=4", "schedule='auto'"]),
     (["generate", "--option", "schedule=adaptve", "hi"], ["prompt_lookup", "schedule must be one of"]),
     (["generate", "--option", "min_ngram=3", "--option", "max_ngram=2", "hi"], ["min_ngram <= max_ngram"]),
     (["generate", "--option", "num_tokens", "hi"], ["KEY=VALUE", "'num_tokens'"]),
