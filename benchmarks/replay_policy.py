@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from candidate_generators.prompt_lookup import PromptLookupGenerator, lookup_match
+from candidate_generators.prompt_lookup import PromptLookupGenerator, lookup_match, ngram_source
 from transformers import AutoTokenizer
 
 from specdec.bench.config import load_config
@@ -60,7 +60,7 @@ def replay(prompt: list[int], output: list[int], policy: DraftPolicy | None, fix
         remaining = torch.tensor([end - committed - 1])
         ask = policy.budget(remaining, 1) if policy else torch.minimum(torch.tensor([k_now]), remaining)
         n, found = lookup_match(sequence[:committed], *ngrams, int(ask[0])) if int(ask[0]) > 0 else (0, sequence[:0])
-        source = torch.tensor([ngrams[0] - n if n else 0])  # as PromptLookupGenerator names it
+        source = torch.tensor([ngram_source(ngrams[0], n)])
         offered = torch.tensor([found.numel()])
         if policy:
             offered = policy.trim(offered, 1, sources=source)
@@ -105,8 +105,9 @@ def main() -> None:
             q = questions[r["question_id"]]
             previous = [answers[(q.question_id, t)] for t in range(1, r["turn"])]
             prompt = encode_chat(tokenizer, build_messages(q.turns[: r["turn"]], previous))[0].tolist()
-            tracker = AcceptanceTracker(1, 10, prior=default.acceptance_prior(), untried=UNTRIED)
-            policy = None if fixed else DraftPolicy(costs, tracker, 10, step_overhead=overhead)
+            policy = None if fixed else DraftPolicy(
+                costs, AcceptanceTracker(1, 10, prior=default.acceptance_prior(), untried=UNTRIED), 10,
+                step_overhead=overhead)
             spent, stats = replay(prompt, r["output_ids"], policy, fixed, ngrams, costs, overhead)
             plain = len(r["output_ids"]) * (float(costs.predict(1)) + overhead)
             by_subtask.setdefault(r["subtask"], [0.0, 0.0])

@@ -52,6 +52,12 @@ def ngram_prior(n: int) -> float:
     return NGRAM_PRIOR[min(n, max(NGRAM_PRIOR))]
 
 
+def ngram_source(max_ngram: int, n: int) -> int:
+    """The source of a match of n tokens when n-grams up to ``max_ngram`` are tried: 0 the longest
+    (and rows without a match, n = 0)."""
+    return max_ngram - n if n else 0
+
+
 @register_candidate_generator("prompt_lookup")
 class PromptLookupGenerator(CandidateGenerator):
     # Defaults chosen on SmolLM2-135M / 2 CPU cores with Spec-Bench prompts (docs/benchmarks.md,
@@ -79,8 +85,7 @@ class PromptLookupGenerator(CandidateGenerator):
         found = [lookup_match(tokens[b, : lengths[b]], self.max_ngram, self.min_ngram, budget[b]) if budget[b] > 0
                  else (0, tokens.new_empty(0)) for b in range(len(lengths))]
         proposal = Proposal.from_rows([drafts for _, drafts in found], tokens.device)
-        # the row's source: how long a suffix matched (0: the longest; rows without a match, 0)
-        proposal.sources = torch.tensor([self.max_ngram - n if n else 0 for n, _ in found], dtype=torch.long)
+        proposal.sources = torch.tensor([ngram_source(self.max_ngram, n) for n, _ in found], dtype=torch.long)
         return proposal
 
     def observe(self, ctx: DecodeContext, feedback: Feedback) -> None:
