@@ -505,12 +505,15 @@ def test_the_gpu_config_validates_here():
     assert config.dataset.per_subtask == 2 and config.generation.max_new_tokens == 128
     assert config.reference_method.name == "baseline_compiled"
     shape = [(m.generator, m.cache_implementation, m.compiles) for m in config.methods]
+    lookup = [("prompt_lookup", "static", True)] * 3 + [("prompt_lookup", "dynamic", False)] * 3
     assert shape == [("baseline", "dynamic", False), ("baseline", "static", True), ("none", "static", True),
-                     ("prompt_lookup", "static", True), ("prompt_lookup", "static", True),
-                     ("hf_prompt_lookup", "dynamic", False)]
-    assert config.methods[4].options["num_tokens"] == 10 and config.methods[5].options["num_tokens"] == 10
+                     *lookup, ("hf_prompt_lookup", "dynamic", False)]
+    # the policy's choice against K fixed at 4 and 10, compiled and eager, with the same n-grams
+    fixed = [(m.options.get("schedule", "auto"), m.options.get("num_tokens")) for m in config.methods[3:9]]
+    assert fixed == [("auto", None), ("fixed", 4), ("fixed", 10)] * 2
+    assert all(set(m.options) <= {"schedule", "num_tokens"} for m in config.methods[3:9])
     header = GPU_CONFIG.read_text().split("description:")[0]
-    assert header.startswith("# Needs a CUDA GPU") and "under 5 minutes" in header
+    assert header.startswith("# Needs a CUDA GPU") and "under 8 minutes" in header
 
 
 def test_a_missing_cuda_device_is_refused_when_the_run_starts(tmp_path, capsys, monkeypatch):
