@@ -5,7 +5,7 @@
 For every question (interleaved, so machine noise hits all methods alike) it runs
 ``target.generate(do_sample=False)``, ``target.generate(prompt_lookup_num_tokens=K)`` and
 ``SpecDecoder(target, "prompt_lookup")`` twice: with transformers' settings (fixed K, n-grams of 1
-to 2 tokens) and with specdec's defaults (adaptive K, n-grams of 2 to 3). It checks that every
+to 2 tokens) and with specdec's defaults (K chosen each step by the cost-aware policy, n-grams of 4 down to 2). It checks that every
 output is identical to plain decoding, and reports tokens/s, speedup over plain decoding (ratio of summed times), mean
 accepted length, and the share of specdec's wall time spent outside model forwards (timed with
 forward hooks on the target). Results go to benchmarks/results/prompt_lookup/.

@@ -10,7 +10,7 @@ policy learns each one's acceptance apart and verifies long blocks after long ma
 ones or none after short matches. Greedy SmolLM2-135M-Instruct on the 70 turns of
 ``benchmarks/configs/spec_bench_smollm2.yaml``, the first draft after a match found by searching
 n = 4..1 was accepted at 22% after a 1-token match, 50% after 2, 63% after 3, 85% after 4
-(``NGRAM_PRIOR``).
+(``NGRAM_PRIOR`` holds them rounded).
 """
 
 from __future__ import annotations
