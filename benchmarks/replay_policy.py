@@ -10,8 +10,8 @@ is the quick way to see why one policy beats another.
 
     python benchmarks/replay_policy.py benchmarks/configs/spec_bench_smollm2.yaml
 
-Policies: ``auto`` (the defaults: n-grams 4..2, one source per match length, untried sources
-priced at ``policy.UNTRIED``), ``adaptive from 4`` with n-grams 3..2 (the earlier default) and
+Policies: ``auto`` (the defaults: n-grams 4..2, two sources per match length, uncontested and
+contested, untried sources priced at ``policy.UNTRIED``), ``adaptive from 4`` with n-grams 3..2 (the earlier default) and
 ``fixed 10`` with n-grams 2..1 (transformers' settings), as the configs' methods run them.
 Prints, per policy: estimated speedup over plain decoding (each step costs t(pending + K)), mean
 accepted length, mean K, skipped share (steps where the policy chose no drafts); overall and per
@@ -59,8 +59,9 @@ def replay(prompt: list[int], output: list[int], policy: DraftPolicy | None, fix
     while committed < end:
         remaining = torch.tensor([end - committed - 1])
         ask = policy.budget(remaining, 1) if policy else torch.minimum(torch.tensor([k_now]), remaining)
-        n, found = lookup_match(sequence[:committed], *ngrams, int(ask[0])) if int(ask[0]) > 0 else (0, sequence[:0])
-        source = torch.tensor([ngram_source(ngrams[0], n)])
+        match = lookup_match(sequence[:committed], *ngrams, int(ask[0])) if int(ask[0]) > 0 else None
+        found = match.drafts if match else sequence[:0]
+        source = torch.tensor([ngram_source(ngrams[0], match.n, match.contested) if match else 0])
         offered = torch.tensor([found.numel()])
         if policy:
             offered = policy.trim(offered, 1, sources=source)
@@ -94,7 +95,7 @@ def main() -> None:
     costs, overhead = measured_curve(rows), args.overhead_ms / 1000
     turns = [r for r in rows if r["method"] == base]
     answers = {(r["question_id"], r["turn"]): r["text"] for r in turns}
-    default = PromptLookupGenerator()  # auto: the defaults, one source per match length
+    default = PromptLookupGenerator()  # auto: the defaults, two sources per match length
     policies = {"auto": (None, (default.max_ngram, default.min_ngram)),
                 "adaptive from 4": (("adaptive", 4), (3, 2)),  # the earlier default
                 "fixed 10": (("fixed", 10), (2, 1))}  # transformers' settings

@@ -52,7 +52,7 @@ class SelfDraftGenerator(DraftModelGenerator):
     def acceptance_prior(self) -> float | tuple[float, ...]:
         # The copy is the target rounded: its greedy token agreed with the target's on 90-99% of
         # positions (docs/self_draft.md). With lookup, the policy learns the sources apart:
-        # source 0 the copy (whose drafts cost time), then lookup's, one per match length.
+        # source 0 the copy (whose drafts cost time), then lookup's, two per match length.
         return (0.85, *self.lookup.acceptance_prior()) if self.lookup is not None else 0.85
 
     def attach_options(self) -> dict:

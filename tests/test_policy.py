@@ -392,33 +392,41 @@ def test_a_drafters_confidence_is_checked():
         SpecDecoder(target, BadConfidence()).generate(repetitive_prompt(8), max_new_tokens=5)
 
 
-def test_prompt_lookup_names_each_rows_match_length_as_its_source():
-    """Source 0 is the longest n-gram (max_ngram), one source per length down to min_ngram, each
-    with its own prior; a row's source is the length of the suffix it matched."""
+def test_prompt_lookup_names_each_rows_match_length_and_agreement_as_its_source():
+    """Two sources per n-gram length from max_ngram down to min_ngram, uncontested then contested,
+    each with its own prior; a row's source is the length of the suffix it matched and whether
+    that suffix's earlier occurrences disagree on the next token (the latest one's is proposed)."""
     from types import SimpleNamespace
 
     from candidate_generators.prompt_lookup import NGRAM_PRIOR, PromptLookupGenerator, lookup_match
     from candidate_generators.self_draft import SelfDraftGenerator
 
     gen = PromptLookupGenerator()  # n-grams 4..2
-    assert gen.acceptance_prior() == (NGRAM_PRIOR[4], NGRAM_PRIOR[3], NGRAM_PRIOR[2])
-    assert PromptLookupGenerator(max_ngram=6, min_ngram=1).acceptance_prior()[:3] == (NGRAM_PRIOR[4],) * 3
+    assert gen.acceptance_prior() == (*NGRAM_PRIOR[4], *NGRAM_PRIOR[3], *NGRAM_PRIOR[2])
+    assert all(sure > contested for sure, contested in NGRAM_PRIOR.values())
+    assert PromptLookupGenerator(max_ngram=6, min_ngram=1).acceptance_prior()[:6] == NGRAM_PRIOR[4] * 3
     assert SelfDraftGenerator(lookup=True).acceptance_prior() == (0.85, *gen.acceptance_prior())
     rows = [[1, 2, 3, 4, 9, 9, 1, 2, 3, 4],  # a 4-gram seen before: 9, 9, 1 follow it
             [5, 6, 7, 8, 0, 6, 7, 8],  # the 3-gram 6 7 8 (not 0 6 7 8): 0, 6, 7 follow it
             [5, 6, 7, 8, 0, 3, 7, 8],  # only 7 8
-            [1, 2, 3, 4, 5, 6, 7, 8]]  # nothing
-    tokens = torch.zeros(4, 12, dtype=torch.long)
+            [1, 2, 3, 4, 5, 6, 7, 8],  # nothing
+            [7, 8, 1, 7, 8, 2, 7, 8]]  # 7 8 seen twice, followed by 1 and by 2: contested; 2, 7, 8 follow the latest
+    tokens = torch.zeros(len(rows), 12, dtype=torch.long)
     for b, row in enumerate(rows):
         tokens[b, : len(row)] = torch.tensor(row)
-    ctx = SimpleNamespace(tokens=tokens, lengths=torch.tensor([len(r) for r in rows]), batch_size=4)
+    ctx = SimpleNamespace(tokens=tokens, lengths=torch.tensor([len(r) for r in rows]), batch_size=len(rows))
     gen.setup(ctx)
-    proposal = gen.propose(ctx, torch.full((4,), 3))
-    assert proposal.sources.tolist() == [0, 1, 2, 0]
-    assert proposal.lengths.tolist() == [3, 3, 3, 0]
+    proposal = gen.propose(ctx, torch.full((len(rows),), 3))
+    assert proposal.sources.tolist() == [0, 2, 4, 0, 5]
+    assert proposal.lengths.tolist() == [3, 3, 3, 0, 3]
     assert proposal.token_ids[0].tolist() == [9, 9, 1] and proposal.token_ids[1].tolist() == [0, 6, 7]
-    n, drafts = lookup_match(torch.tensor(rows[2]), 4, 2, 5)
-    assert n == 2 and drafts.tolist() == [0, 3, 7, 8]
+    assert proposal.token_ids[4].tolist() == [2, 7, 8]
+    match = lookup_match(torch.tensor(rows[2]), 4, 2, 5)
+    assert (match.n, match.contested, match.drafts.tolist()) == (2, False, [0, 3, 7, 8])
+    match = lookup_match(torch.tensor(rows[4] + [1]), 4, 1, 5)  # 7 8 1 seen once: uncontested
+    assert (match.n, match.contested, match.drafts.tolist()) == (3, False, [7, 8, 2, 7, 8])
+    match = lookup_match(torch.tensor(rows[4]), 4, 2, 5)
+    assert (match.n, match.contested, match.drafts.tolist()) == (2, True, [2, 7, 8])
 
 
 def test_drafts_the_policy_declines_to_verify_count_as_skipped_drafting():

