@@ -11,8 +11,9 @@ is the quick way to see why one policy beats another.
     python benchmarks/replay_policy.py benchmarks/configs/spec_bench_smollm2.yaml
 
 Policies: ``auto`` (the defaults: n-grams 4..2, two sources per match length, uncontested and
-contested, untried sources priced at ``policy.UNTRIED``), ``adaptive from 4`` with n-grams 3..2 (the earlier default) and
-``fixed 10`` with n-grams 2..1 (transformers' settings), as the configs' methods run them.
+contested, untried sources priced at ``policy.UNTRIED``), ``adaptive from 4`` with n-grams 3..2
+(the earlier default) and ``fixed 10`` with n-grams 2..1 (transformers' settings), as the
+configs' methods run them.
 Prints, per policy: estimated speedup over plain decoding (each step costs t(pending + K)), mean
 accepted length, mean K, skipped share (steps where the policy chose no drafts); overall and per
 subtask.

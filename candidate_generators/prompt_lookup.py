@@ -81,9 +81,9 @@ class PromptLookupGenerator(CandidateGenerator):
     # Defaults chosen on SmolLM2-135M / 2 CPU cores with Spec-Bench prompts (docs/benchmarks.md,
     # docs/draft_length.md): matches of at least two tokens (after one, the first draft was right
     # 22% of the time, too seldom to pay for a wider forward there), and up to four, the longest
-    # tried first: a four-token match is the surest source (86%), and replaying the policy on
-    # recorded outputs (benchmarks/replay_policy.py) put n-grams 4..2 about 1% above 3..2 and
-    # 1..4 below both.
+    # tried first: a four-token match is the surest source (85%), and replaying the policy on
+    # recorded outputs (benchmarks/replay_policy.py) put n-grams 4..2 about 1% above 3..2, and
+    # 4..1 no higher.
     def __init__(self, *, num_tokens: int = 4, max_ngram: int = 4, min_ngram: int = 2,
                  schedule: str = "auto", max_tokens: int = 10):
         if not 1 <= min_ngram <= max_ngram:
