@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from candidate_generators.prompt_lookup import PromptLookupGenerator, lookup_match, ngram_source
+from candidate_generators.prompt_lookup import Match, PromptLookupGenerator, lookup_match, ngram_source
 from transformers import AutoTokenizer
 
 from specdec.bench.config import load_config
@@ -37,6 +37,8 @@ from specdec.metrics import AcceptanceStats
 from specdec.models import _packaged_location
 from specdec.policy import COST_GRID, UNTRIED, AcceptanceTracker, CostModel, DraftPolicy
 from specdec.prompts import encode_chat
+
+NO_MATCH = Match(0, False, torch.zeros(0, dtype=torch.long))  # no lookup this step
 
 
 def measured_curve(rows: list[dict]) -> CostModel:
@@ -60,9 +62,8 @@ def replay(prompt: list[int], output: list[int], policy: DraftPolicy | None, fix
     while committed < end:
         remaining = torch.tensor([end - committed - 1])
         ask = policy.budget(remaining, 1) if policy else torch.minimum(torch.tensor([k_now]), remaining)
-        match = lookup_match(sequence[:committed], *ngrams, int(ask[0])) if int(ask[0]) > 0 else None
-        found = match.drafts if match else sequence[:0]
-        source = torch.tensor([ngram_source(ngrams[0], match.n, match.contested) if match else 0])
+        match = lookup_match(sequence[:committed], *ngrams, int(ask[0])) if int(ask[0]) > 0 else NO_MATCH
+        found, source = match.drafts, torch.tensor([ngram_source(ngrams[0], match.n, match.contested)])
         offered = torch.tensor([found.numel()])
         if policy:
             offered = policy.trim(offered, 1, sources=source)

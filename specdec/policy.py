@@ -16,9 +16,9 @@ Inputs, all measured while decoding:
 * :class:`CostModel`: seconds of one target forward as a function of the tokens it feeds
   (width x batch) and of the tokens it attends to (its context), kept per (model, device, dtype,
   cache kind, fast output layer or not) for the process: a short calibration the first time
-  (forwards of 1..64 tokens after contexts of 32 and 512 tokens, on throwaway caches), then corrected by every forward
-  the loop runs: a load factor moves every width at once, a slower shape correction the widths
-  near the one observed;
+  (forwards of 1..64 tokens after contexts of 32 and 512 tokens, on throwaway caches), then
+  corrected by every forward the loop runs: a load factor moves every width at once, a slower
+  shape correction the widths near the one observed;
 * the drafting cost per proposed token, measured per call from the generator's ``propose``;
   before the first measurement, the bytes of weights the attached assistants' steps read
   relative to the target's (``modelinfo.step_bytes``), times a one-token target forward
