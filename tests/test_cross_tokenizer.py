@@ -21,8 +21,8 @@ import copy
 import pytest
 import torch
 
-from candidate_generators.cross_tokenizer import (
-    DRAFT_WINDOW, CrossTokenizerGenerator, complete_text_after, continuation_ids, decode, encode, freeze_split)
+from candidate_generators.cross_tokenizer import CrossTokenizerGenerator
+from specdec.alignment import DRAFT_WINDOW, complete_text_after, continuation_ids, decode, encode, freeze_split
 from specdec import SpecDecoder
 from specdec.models import byte_tokenizer, tiny_random
 from specdec.sampling import SamplingParams
