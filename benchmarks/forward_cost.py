@@ -11,7 +11,7 @@ cache backends ``SpecDecoder`` uses (``specdec.kv``), with compile time measured
 * ``fp32-static``, ``fp32-static-compiled``: ``cache_implementation="static"`` without / with
   ``compile=True``;
 * ``bf16-*``, ``int8-*``, ``w8a8-*``: the draft copies ``self_draft`` builds
-  (``candidate_generators.lowbit.build_copy``), eager (dynamic cache) and compiled.
+  (``specdec.forwards.lowbit.build_copy``), eager (dynamic cache) and compiled.
 
 Results: ``benchmarks/results/forward_cost/{rows.json,report.md,forward_cost.png}``, written
 after each variant (an interrupted run keeps what it measured).
@@ -40,7 +40,7 @@ OUT = Path(__file__).parent / "results" / "forward_cost"
 
 
 def model_for(variant: str, target):
-    from candidate_generators.lowbit import build_copy
+    from specdec.forwards.lowbit import build_copy
 
     weights = variant.split("-")[0]
     return target if weights == "fp32" else build_copy(target, {"bf16": "bfloat16"}.get(weights, weights))

@@ -32,7 +32,7 @@ from specdec.multimodal import declared_inputs
 from specdec.registry import register_candidate_generator
 from specdec.sampling import sample
 
-from .lowbit import LowPrecisionDraft
+from specdec.forwards.lowbit import LowPrecisionDraft
 
 #: draft tokens of context when decoding drafted tokens (decoders that strip a leading space)
 DECODE_CONTEXT = 4

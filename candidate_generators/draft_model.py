@@ -28,7 +28,7 @@ from specdec.generators import (CandidateGenerator, DecodeContext, DraftLengthSc
 from specdec.registry import register_candidate_generator
 from specdec.sampling import sample
 
-from .lowbit import LowPrecisionDraft
+from specdec.forwards.lowbit import LowPrecisionDraft
 
 #: vocabularies whose sizes differ by more than this are not "the same tokenizer, padded"
 MAX_VOCAB_PADDING = 1024

@@ -50,7 +50,7 @@ class SpecDecoder:
     ``draft`` is a model (drafts with ``draft_model``), a registered generator name, a
     :class:`CandidateGenerator` instance or class, or None (plain decoding through the same loop).
     ``fast_head`` (default True) computes each model's output layer as ``W @ h.T`` in eager
-    forwards where that is faster on this machine (``specdec.head``); False keeps the models' own.
+    forwards where that is faster on this machine (``specdec.forwards.head``); False keeps the models' own.
     """
 
     def __init__(self, target, draft=None, *, tokenizer=None, draft_tokenizer=None,

@@ -35,7 +35,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import StaticLayer
 
-from .head import model_logits
+from .forwards.head import model_logits
 
 #: forward widths the compiled path pads to by default (each compiles once per batch size and
 #: cache length); covers a verification of the drafts the policy usually picks

@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from candidate_generators.int8 import Int8Linear, quantize_linears
+from specdec.forwards.int8 import Int8Linear, quantize_linears
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 

@@ -5,7 +5,7 @@ package, fp32) is token-identical to ``target.generate(do_sample=False)`` on thr
 prompts of 48+ tokens (summarization, rag, coding), with ``prompt_lookup`` and with
 ``draft_model`` (SmolLM2 drafting for itself: same tokenizer, every draft accepted); and the
 three prompts (56 to 769 tokens) decoded as one left-padded batch give, per row, what each row
-gives alone; the same with the output layer computed as ``W @ h.T`` (``specdec.head``).
+gives alone; the same with the output layer computed as ``W @ h.T`` (``specdec.forwards.head``).
 
 ``load_model``: an unknown name lists what is known; a packaged model whose package is missing
 names the install command; ``tiny-random:<arch>`` builds every listed architecture; a local
@@ -77,7 +77,7 @@ def test_the_fast_output_layer_is_token_identical(smollm2, smollm2_prompts, refe
     """SmolLM2's head (49152 x 576) computed as ``W @ h.T`` (pinned: whether it is faster is the
     machine's to decide) matches its own logits, and decoding with it, with and without drafts,
     is token-identical."""
-    from specdec.head import FastHead
+    from specdec.forwards.head import FastHead
 
     target, tokenizer = smollm2
     try:

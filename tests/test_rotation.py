@@ -1,4 +1,4 @@
-"""The residual-stream rotation of a ``self_draft`` copy (``candidate_generators/rotation.py``).
+"""The residual-stream rotation of a ``self_draft`` copy (``specdec/forwards/rotation.py``).
 
 Rotated in full precision the copy computes the target's logits (norm scales folded, weights
 rotated, head untied); layouts it does not know are left alone; a copy whose rotated logits differ
@@ -12,9 +12,9 @@ import copy
 import pytest
 import torch
 
-from candidate_generators.int8 import quantize_linears
-from candidate_generators.lowbit import build_copy
-from candidate_generators.rotation import kron_orthogonal, rotatable, rotate_residual
+from specdec.forwards.int8 import quantize_linears
+from specdec.forwards.lowbit import build_copy
+from specdec.forwards.rotation import kron_orthogonal, rotatable, rotate_residual
 from specdec.models import tiny_random
 
 

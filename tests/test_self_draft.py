@@ -17,8 +17,8 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from candidate_generators.draft_model import DraftModelGenerator
-from candidate_generators.int8 import Int8Linear
-from candidate_generators.lowbit import GROUPED_SDPA, build_copy, grouped_sdpa
+from specdec.forwards.int8 import Int8Linear
+from specdec.forwards.lowbit import GROUPED_SDPA, build_copy, grouped_sdpa
 from candidate_generators.self_draft import merge, tensor_bytes
 from specdec import SpecDecoder
 from specdec.generators import Proposal

@@ -2,12 +2,10 @@
 
 A causal LM's logits are ``h @ W.T`` with ``W [V, H]`` its output embedding. ``nn.Linear`` runs
 that on a CPU as a matrix-vector product for one token and as a matrix product with ``W``
-transposed for several, and with a large ``W`` both read it far slower than memory allows. On the
-2-core CPU here (torch 2.13, fp32; ``benchmarks/output_layer.py``), Gemma-3-270M's head
-(262144 x 640, 671 MB) took 54 ms for one token and 96-123 ms for 2-8 tokens as ``nn.Linear``,
-19-55 ms as ``W @ h.T`` (one token padded to two columns): a whole forward of 1 / 4 tokens
-96 / 177 ms with the model's own head, 61 / 96 ms with this one. SmolLM2-135M's head (49152 x
-576): 9.2 ms -> 3.9 ms for one token.
+transposed for several, and with a large ``W`` both read it far slower than memory allows; the
+same product as ``W @ h.T`` (one token padded to two columns) reads it much closer to memory speed,
+which matters most for large vocabularies (the measurements, from ``benchmarks/output_layer.py``:
+docs/performance.md, "The output layer on a CPU").
 
 :func:`model_logits` runs the model with ``logits_to_keep`` an empty index (the model computes no
 logits) and ``output_hidden_states=True``, and applies the head to the last hidden state itself,

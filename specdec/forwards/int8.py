@@ -4,14 +4,12 @@ A decoding step of a small model on a CPU is bound by reading its weights. This 
 linear layer's weights as int8 (one scale per output channel) and quantizes each token's
 activations to uint8 on the fly (its own scale and zero point), so the product runs on the CPU's
 int8 dot-product instructions (AVX512-VNNI / AMX) through ``torch._int_mm``, reading a quarter of
-the fp32 bytes. Measured on this project's 2-core machine, a single row against SmolLM2-135M's
-weights: all its linear layers 4.3 ms per token against 18.9 ms in fp32 (docs/self_draft.md).
+the fp32 bytes (measured: docs/self_draft.md, "How the copy drafts").
 
 Why not torchao's int8-activation layers (``Int8DynamicActivationInt8WeightConfig``) here: on a
-CPU with AMX they multiply int8 by int8, which for one row is 9x slower than uint8 by int8 (64 us
-against 7 us for a 576 x 1536 product); and compiled, inductor hands ``torch._int_mm`` their
-one-row operand as a view with a zero row stride, for which the CPU kernel returns wrong numbers
-(torch 2.13). This layer quantizes the 2-D activations itself, so the compiled graph allocates
+CPU with AMX they multiply int8 by int8, which for one row is much slower than uint8 by int8
+(docs/self_draft.md); and compiled, inductor hands ``torch._int_mm`` their one-row operand as a
+view with a zero row stride, for which the CPU kernel returns wrong numbers (torch 2.13). This layer quantizes the 2-D activations itself, so the compiled graph allocates
 the operand with its real strides (``tests/test_int8.py`` checks compiled against eager).
 
 Only the draft uses these layers: a draft is checked token by token against the target, so
