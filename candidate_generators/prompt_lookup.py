@@ -9,15 +9,9 @@ far a copy is likely to hold, so under the cost-aware policy each (match length,
 is a source of its own (``Proposal.sources``; source 0 the longest uncontested match): the policy
 learns each one's acceptance apart and verifies long blocks after sure matches, short ones or
 none after weak ones. A match is *contested* when the suffix occurred more than once before and
-not every occurrence was followed by the same token (the latest one's is proposed). Greedy
-SmolLM2-135M-Instruct on the 70 turns of ``benchmarks/configs/spec_bench_smollm2.yaml``, every
-position searched with n = 4..1, the first draft after a match was accepted at
-
-    match of        1 token   2 tokens   3 tokens   4+ tokens
-    uncontested       38%       61%        68%        89%
-    contested         14%       24%        24%        50%
-
-(``NGRAM_PRIOR`` holds them rounded). Contested matches were 12% of the matches of 2 to 4 tokens.
+not every occurrence was followed by the same token (the latest one's is proposed). The
+acceptance measured per source, from which ``NGRAM_PRIOR`` is rounded, is in
+docs/draft_length.md ("Its inputs").
 """
 
 from __future__ import annotations
@@ -78,12 +72,9 @@ def ngram_source(max_ngram: int, n: int, contested: bool = False) -> int:
 
 @register_candidate_generator("prompt_lookup")
 class PromptLookupGenerator(CandidateGenerator):
-    # Defaults chosen on SmolLM2-135M / 2 CPU cores with Spec-Bench prompts (docs/benchmarks.md,
-    # docs/draft_length.md): matches of at least two tokens (after one, the first draft was right
-    # 22% of the time, too seldom to pay for a wider forward there), and up to four, the longest
-    # tried first: a four-token match is the surest source (85%), and replaying the policy on
-    # recorded outputs (benchmarks/replay_policy.py) put n-grams 4..2 about 1% above 3..2, and
-    # 4..1 no higher.
+    # Defaults: matches of two to four tokens, the longest tried first. A one-token match is too
+    # seldom right to pay for a wider forward, and replaying the policy on recorded outputs
+    # (benchmarks/replay_policy.py) chose 4..2; the measurements are in docs/draft_length.md.
     def __init__(self, *, num_tokens: int = 4, max_ngram: int = 4, min_ngram: int = 2,
                  schedule: str = "auto", max_tokens: int = 10):
         if not 1 <= min_ngram <= max_ngram:

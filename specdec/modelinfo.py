@@ -69,7 +69,7 @@ def pad_token_id(model, eos: list[int] | None = None) -> int:
 
 def cache_argument(model) -> str:
     """The keyword its forward takes a cache by: ``cache`` where declared (``past_key_values`` is
-    deprecated there, and a StaticCache passed by that name was measured 4x slower), else
+    deprecated there, and a StaticCache passed by that name runs slower: docs/performance.md), else
     ``past_key_values``."""
     import inspect
 

@@ -1,8 +1,8 @@
 """The number of intra-op threads for the command line and the benchmarks.
 
 On a machine whose cores are shared, a torch thread whose core is busy with another process
-stalls every operation of the others (they wait for it at each barrier): with 2 threads and one
-of 2 cores busy, decoding was measured 2.6x slower than with 1 thread (docs/performance.md).
+stalls every operation of the others (they wait for it at each barrier; measured in
+docs/performance.md, "Threads on a shared machine").
 ``auto`` therefore counts the cores that are idle right now (from ``/proc/stat`` over a short
 window) and uses that many threads, at least one; elsewhere it uses torch's own default.
 """
