@@ -19,13 +19,14 @@ forward (the prefill) and any forward wider than the widest bucket run eagerly, 
 ``transformers``. Compiled forwards bypass ``nn.Module`` hooks. The first compiled forward of
 each width is checked against an eager one: a model whose compiled graph disagrees (seen with
 torchao's int8-activation layers under inductor on CPU) runs eagerly from then on, with a warning.
+Which compiled function a model gets, and that check, live in :mod:`specdec.compiled`; this
+module keeps the caches and decides when to call it.
 """
 
 from __future__ import annotations
 
 import copy
 import threading
-import types
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import StaticLayer
 
+from .compiled import agrees, checked, compiled_forward, miscompiled, run_compiled
 from .forwards.head import model_logits
 
 #: forward widths the compiled path pads to by default (each compiles once per batch size and
@@ -164,7 +166,8 @@ class StaticKV:
         self.settings = settings
         self.length = self._length_for(capacity)
         self.cache = _POOL.acquire(model, batch, self.length)
-        compiles = settings.compile and model not in _MISCOMPILED
+        compiles = settings.compile and not miscompiled(model)
+        # looked up in this module's namespace, so tests may patch ``specdec.kv.compiled_forward``
         self.compiled = compiled_forward(model, settings.options, owned=settings.owned) if compiles else None
 
     def forward(self, model, kwargs: dict, *, first_slot: int, width: int, first: bool, mask,
@@ -180,26 +183,19 @@ class StaticKV:
         if self.compiled is None or first or fed not in self.settings.widths:
             return model_logits(model, kwargs, direct=direct, fast_head=self.settings.fast_head)
         kwargs.pop("logits_to_keep", None)  # an int argument would compile one graph per value
-        if kwargs["input_ids"].device.type == "cuda":
-            torch.compiler.cudagraph_mark_step_begin()
-        with _recompile_room():
-            logits = self.compiled(model, **kwargs).logits[:, :width].clone()
-        if (fed, self.length) not in _CHECKED.get(model, ()):
+        logits = run_compiled(self.compiled, model, kwargs, width)  # [B, width, V]
+        if not checked(model, (fed, self.length)):
             logits = self._check(model, kwargs, first_slot, fed, logits)
         return logits
 
     def _check(self, model, kwargs: dict, first_slot: int, fed: int, logits: torch.Tensor) -> torch.Tensor:
-        """The first compiled forward of each width is run eagerly too (same slots, same inputs): a
-        compiled graph whose top token is not among the eager forward's top 5 anywhere is wrong
-        (a miscompiled quantized kernel, say), and the model runs eagerly from then on."""
+        """The first compiled forward of each width is run eagerly too (same slots, same inputs,
+        :func:`specdec.compiled.agrees`); a model that disagrees runs eagerly from then on."""
         for layer in self.cache.layers:
             layer.cumulative_length.fill_(first_slot)
-        eager = model.forward(**kwargs).logits[:, : logits.shape[1]]
-        top = eager.topk(min(5, eager.shape[-1]), dim=-1).values[..., -1:]
-        if bool((eager.gather(-1, logits.argmax(-1, keepdim=True)) >= top).all()):
-            _CHECKED.setdefault(model, set()).add((fed, self.length))
+        eager = model.forward(**kwargs).logits[:, : logits.shape[1]]  # [B, width, V]
+        if agrees(model, (fed, self.length), logits, eager):
             return logits
-        _MISCOMPILED.add(model)
         self.compiled = None
         warnings.warn(f"torch.compile gave {type(model).__name__} outputs that disagree with its eager forward; "
                       "it runs eagerly from now on", RuntimeWarning, stacklevel=2)
@@ -313,67 +309,6 @@ class _CachePool:
 
 
 _POOL = _CachePool()
-#: compiled (width, cache length) pairs checked against eager forwards, per model
-_CHECKED: "weakref.WeakKeyDictionary[torch.nn.Module, set]" = weakref.WeakKeyDictionary()
-#: models whose compiled forward disagreed with the eager one: never compiled again
-_MISCOMPILED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
-_COMPILED: dict[tuple, Any] = {}
-#: compiled functions of models private to their generator (compiled_forward's ``owned``), per model
-_OWNED: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, Any]]" = weakref.WeakKeyDictionary()
-_COMPILED_LOCK = threading.Lock()
-#: inductor options that drop the generated code's checks of its kernels' outputs (owned models)
-NO_ASSERTS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
-
-
-def compiled_forward(model, options: dict, owned: bool = False):
-    """``torch.compile`` of the model class's ``forward`` (called as ``fn(model, **kwargs)``), one
-    per (class, options) for the process. Default options: ``fullgraph``, no dynamic shapes, and
-    on CUDA the mode that captures CUDA graphs.
-
-    ``owned``: the model is private to the generator that built it (a quantized copy of the
-    target, say), so neither its modules nor their attributes ever change. It then gets a compiled
-    function of its own that checks none of dynamo's guards on its modules: those guards cost
-    1.4 ms of a 12 ms one-token step of a 135M model on a 2-core CPU, and they are what tells the
-    graphs of two models of one class apart, so a function without them serves one model only.
-    Its graphs also skip inductor's checks of the sizes and strides its kernels return (about
-    0.7 ms of a 10 ms step there, ``NO_ASSERTS``)."""
-    device = next(model.parameters()).device.type
-    settings = {"fullgraph": True, "dynamic": False}
-    if device == "cuda":
-        settings["mode"] = "reduce-overhead"
-    settings.update(options)
-    key = (type(model), device, tuple(sorted((k, repr(v)) for k, v in settings.items())))
-    with _COMPILED_LOCK:
-        if not owned:
-            if key not in _COMPILED:
-                _COMPILED[key] = torch.compile(type(model).forward, **settings)
-            return _COMPILED[key]
-        made = _OWNED.setdefault(model, {})
-        if key not in made:
-            mode = settings.pop("mode", None)  # torch.compile takes a mode or options, not both
-            inductor = {**(torch._inductor.list_mode_options(mode) if mode else {}),
-                        "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-                        **NO_ASSERTS, **settings.pop("options", {})}
-            made[key] = torch.compile(_own_forward(model), options=inductor, **settings)
-        return made[key]
-
-
-def _own_forward(model):
-    """``type(model).forward`` behind a code object of its own: dynamo keeps graphs per code object."""
-    def forward(module, **kwargs):
-        return type(module).forward(module, **kwargs)
-
-    code = forward.__code__.replace(co_name=f"forward_{type(model).__name__}_{id(model):x}")
-    return types.FunctionType(code, forward.__globals__, code.co_name)
-
-
-def _recompile_room():
-    """Dynamo's recompile limits, raised for the duration of one compiled call: each (width, batch
-    size, cache length) of each compiled model is a graph of its own, which the defaults (a few per
-    function, a few hundred per process) would otherwise turn into silent eager fallbacks."""
-    config = torch._dynamo.config
-    return config.patch(recompile_limit=max(1024, config.recompile_limit),
-                        accumulated_recompile_limit=max(8192, config.accumulated_recompile_limit))
 
 
 def _round_up(n: int, step: int) -> int:

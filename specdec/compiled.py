@@ -1,0 +1,123 @@
+"""Compiled forwards: the process-wide registry of ``torch.compile`` d model forwards, and the
+check that a compiled graph computes what the eager forward does.
+
+A compiled forward is ``fn(model, **kwargs)`` for ``fn`` the compiled ``type(model).forward``.
+There is one per (model class, device, options) for the process, so every model of a class
+shares its graphs (dynamo's guards on the modules tell two models apart), except a model its
+generator *owns* (a private copy that nothing changes), which gets a function of its own with
+those guards dropped (:func:`compiled_forward`).
+
+Invariants:
+
+* Compiling never changes output: the first compiled forward of each (width, cache length) of a
+  model is checked against an eager one (:func:`agrees`); a model whose graph disagrees is
+  recorded as miscompiled and is never compiled again (the caller runs it eagerly).
+* The registry holds models weakly: a model that goes away takes its records with it.
+
+The static cache backend (``specdec.kv.StaticKV``) is the only caller at run time; this module
+knows nothing of caches.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+import weakref
+from typing import Any
+
+import torch
+
+_COMPILED: dict[tuple, Any] = {}
+#: compiled functions of models private to their generator (compiled_forward's ``owned``), per model
+_OWNED: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, Any]]" = weakref.WeakKeyDictionary()
+_COMPILED_LOCK = threading.Lock()
+#: compiled (width, cache length) pairs checked against eager forwards, per model
+_CHECKED: "weakref.WeakKeyDictionary[torch.nn.Module, set]" = weakref.WeakKeyDictionary()
+#: models whose compiled forward disagreed with the eager one: never compiled again
+_MISCOMPILED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+#: inductor options that drop the generated code's checks of its kernels' outputs (owned models)
+NO_ASSERTS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
+
+
+def compiled_forward(model, options: dict, owned: bool = False):
+    """``torch.compile`` of the model class's ``forward`` (called as ``fn(model, **kwargs)``), one
+    per (class, options) for the process. Default options: ``fullgraph``, no dynamic shapes, and
+    on CUDA the mode that captures CUDA graphs.
+
+    ``owned``: the model is private to the generator that built it (a quantized copy of the
+    target, say), so neither its modules nor their attributes ever change. It then gets a compiled
+    function of its own that checks none of dynamo's guards on its modules: those guards are a
+    visible share of a small model's step on a CPU, and they are what tells the graphs of two
+    models of one class apart, so a function without them serves one model only. Its graphs also
+    skip inductor's checks of the sizes and strides its kernels return (``NO_ASSERTS``). What both
+    save is measured in docs/self_draft.md ("No module guards on the copy's compiled steps")."""
+    device = next(model.parameters()).device.type
+    settings = {"fullgraph": True, "dynamic": False}
+    if device == "cuda":
+        settings["mode"] = "reduce-overhead"
+    settings.update(options)
+    key = (type(model), device, tuple(sorted((k, repr(v)) for k, v in settings.items())))
+    with _COMPILED_LOCK:
+        if not owned:
+            if key not in _COMPILED:
+                _COMPILED[key] = torch.compile(type(model).forward, **settings)
+            return _COMPILED[key]
+        made = _OWNED.setdefault(model, {})
+        if key not in made:
+            mode = settings.pop("mode", None)  # torch.compile takes a mode or options, not both
+            inductor = {**(torch._inductor.list_mode_options(mode) if mode else {}),
+                        "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+                        **NO_ASSERTS, **settings.pop("options", {})}
+            made[key] = torch.compile(_own_forward(model), options=inductor, **settings)
+        return made[key]
+
+
+def _own_forward(model):
+    """``type(model).forward`` behind a code object of its own: dynamo keeps graphs per code object."""
+    def forward(module, **kwargs):
+        return type(module).forward(module, **kwargs)
+
+    code = forward.__code__.replace(co_name=f"forward_{type(model).__name__}_{id(model):x}")
+    return types.FunctionType(code, forward.__globals__, code.co_name)
+
+
+def run_compiled(fn, model, kwargs: dict, width: int) -> torch.Tensor:
+    """``fn(model, **kwargs)`` for a compiled ``fn``; -> the logits of its first ``width`` columns
+    ``[B, width, V]``, copied out of the graph's output buffers (CUDA graphs reuse them)."""
+    if kwargs["input_ids"].device.type == "cuda":
+        torch.compiler.cudagraph_mark_step_begin()
+    with recompile_room():
+        return fn(model, **kwargs).logits[:, :width].clone()
+
+
+def recompile_room():
+    """Dynamo's recompile limits, raised for the duration of one compiled call: each (width, batch
+    size, cache length) of each compiled model is a graph of its own, which the defaults (a few per
+    function, a few hundred per process) would otherwise turn into silent eager fallbacks."""
+    config = torch._dynamo.config
+    return config.patch(recompile_limit=max(1024, config.recompile_limit),
+                        accumulated_recompile_limit=max(8192, config.accumulated_recompile_limit))
+
+
+# -- the first-use check --------------------------------------------------------------------------
+def miscompiled(model) -> bool:
+    """Whether ``model``'s compiled forward once disagreed with its eager one."""
+    return model in _MISCOMPILED
+
+
+def checked(model, key: tuple) -> bool:
+    """Whether ``model``'s compiled graph for ``key`` (width, cache length) was checked already."""
+    return key in _CHECKED.get(model, ())
+
+
+def agrees(model, key: tuple, compiled: torch.Tensor, eager: torch.Tensor) -> bool:
+    """Compare a compiled forward's logits with the eager forward's (both ``[B, W, V]``) and record
+    the outcome for ``model``: ``key`` checked, or the model miscompiled. A compiled graph whose
+    top token is not among the eager forward's top 5 anywhere is wrong (a miscompiled quantized
+    kernel, say); rounding differences never move a token that far."""
+    top = eager.topk(min(5, eager.shape[-1]), dim=-1).values[..., -1:]  # [B, W, 1] 5th-largest logit
+    if bool((eager.gather(-1, compiled.argmax(-1, keepdim=True)) >= top).all()):
+        _CHECKED.setdefault(model, set()).add(key)
+        return True
+    _MISCOMPILED.add(model)
+    return False
