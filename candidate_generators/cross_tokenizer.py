@@ -25,14 +25,13 @@ from __future__ import annotations
 import torch
 
 from specdec.alignment import REPLACEMENT, RowText, fast, leading_special_ids, text_after
+from specdec.forwards.lowbit import LowPrecisionDraft
 from specdec.generators import (CandidateGenerator, DecodeContext, DraftLengthSchedule, Feedback, Proposal,
                                 token_id_list, vocab_size)
 from specdec.modelinfo import eos_token_ids, pad_token_id
 from specdec.multimodal import declared_inputs
 from specdec.registry import register_candidate_generator
 from specdec.sampling import sample
-
-from specdec.forwards.lowbit import LowPrecisionDraft
 
 #: draft tokens of context when decoding drafted tokens (decoders that strip a leading space)
 DECODE_CONTEXT = 4

@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import torch
 
+from specdec.forwards.lowbit import LowPrecisionDraft
 from specdec.generators import (CandidateGenerator, DecodeContext, DraftLengthSchedule, Feedback, Proposal,
                                 token_id_list, vocab_size)
 from specdec.registry import register_candidate_generator
 from specdec.sampling import sample
-
-from specdec.forwards.lowbit import LowPrecisionDraft
 
 #: vocabularies whose sizes differ by more than this are not "the same tokenizer, padded"
 MAX_VOCAB_PADDING = 1024
