@@ -50,7 +50,7 @@ class CrossTokenizerGenerator(LowPrecisionDraft, CandidateGenerator):
     verified position is expensive (docs/cross_tokenizer.md). ``report()`` counts steps, proposed
     target tokens and how each proposal was aligned (``anchored``, ``unanchored``, ``unaligned``).
     ``weights=`` drafts with a copy of the draft model at lower precision, ``compile_draft`` as
-    for ``draft_model`` (``lowbit.py``).
+    for ``draft_model`` (``specdec/forwards/lowbit.py``).
     """
 
     def __init__(self, draft_model, *, num_tokens: int = 6, schedule: str = "auto", max_tokens: int = 16,

@@ -13,7 +13,7 @@ pays, and at once after a drafted end of sequence.
 Vocabularies may be padded to different sizes; drafts are restricted to the ids both models
 have. A draft with a different tokenizer is refused (that needs a cross-tokenizer generator).
 
-``weights=`` (``"w8a8"``, ``"bfloat16"``, ... see ``lowbit.py``) drafts with a copy of the draft at
+``weights=`` (``"w8a8"``, ``"bfloat16"``, ... see ``specdec/forwards/lowbit.py``) drafts with a copy of the draft at
 that precision instead, built once per decoder (the draft model is only read) and stepped
 compiled on a static cache (``compile_draft``): on a CPU a w8a8 copy of a small draft steps
 several times faster than the draft itself.

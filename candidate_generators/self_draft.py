@@ -7,7 +7,7 @@ never modified) and attached as a draft model; with ``lookup=True`` a row drafts
 lookup where an n-gram matches and the policy expects the match to pay at least as well as the
 copy (``ctx.draft_rate``), from the copy elsewhere.
 
-``weights`` (``candidate_generators/lowbit.py``): ``"auto"`` (default) is ``"w8a8"`` for a
+``weights`` (``specdec/forwards/lowbit.py``): ``"auto"`` (default) is ``"w8a8"`` for a
 target on a CPU (the fastest copy measured there, no extra package) and ``"bfloat16"`` elsewhere;
 ``"bfloat16"``, ``"float16"``, ``"int8"``, ``"w8a8"`` and ``"int4"`` as chosen (the last three
 off the CPU by ``torchao``: ``pip install "specdec[quant]"``).
@@ -36,7 +36,7 @@ from .prompt_lookup import PromptLookupGenerator
 class SelfDraftGenerator(DraftModelGenerator):
     def __init__(self, *, weights: str = "auto", num_tokens: int = 5, schedule: str = "auto",
                  max_tokens: int = 16, compile_draft: bool | dict = True, lookup: bool = False):
-        # no draft yet: setup() builds it from the call's target (once per decoder, see lowbit.Copies)
+        # no draft yet: setup() builds it from the call's target (once per decoder, see forwards.lowbit.Copies)
         super().__init__(torch.nn.Module(), num_tokens=num_tokens, schedule=schedule, max_tokens=max_tokens,
                          weights=weights, compile_draft=compile_draft)
         self.lookup = PromptLookupGenerator(schedule="auto", max_tokens=max_tokens) if lookup else None
