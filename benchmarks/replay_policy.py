@@ -34,7 +34,7 @@ from specdec.bench.config import load_config
 from specdec.bench.results import default_out_dir
 from specdec.bench.runner import build_messages, load_selected_questions
 from specdec.metrics import AcceptanceStats
-from specdec.models import _packaged_location
+from specdec.models import packaged_location
 from specdec.policy import COST_GRID, UNTRIED, AcceptanceTracker, CostModel, DraftPolicy
 from specdec.prompts import encode_chat
 
@@ -91,7 +91,7 @@ def main() -> None:
     run = Path(args.results) if args.results else default_out_dir(Path(args.config))
     rows = [json.loads(line) for line in (run / "results.jsonl").read_text().splitlines() if line.strip()]
     base = config.methods[0].name
-    folder, gguf = _packaged_location(config.target)
+    folder, gguf = packaged_location(config.target)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
     questions = {q.question_id: q for q in load_selected_questions(config, Path(args.config).parent)}
     costs, overhead = measured_curve(rows), args.overhead_ms / 1000

@@ -1,9 +1,10 @@
 """Command line: ``specdec generate | demo | list | bench``.
 
-Every argument is checked before a model loads (loading a packaged model takes seconds to tens of
-seconds): numbers, model names, the generator name and its ``--option`` keys (against the
-generator's ``__init__``), a generator that drafts without a model is even built first, and the
-device (``--device cuda`` on a machine without one is refused before loading anything).
+Every argument is checked before a model loads (loading a packaged model is slow: README.md,
+"Models without a network"): numbers, model names, the device (``--device cuda`` on a machine
+without one), the generator name and its ``--option`` names and values. The checks are the
+library's own (the registry resolves ``--draft`` as ``SpecDecoder`` resolves ``draft``; models
+and devices are checked by :mod:`specdec.models`); this module only says them in flags.
 
 ``--device``, ``--dtype``, ``--cache-implementation`` and ``--compile`` say where and how the
 models run; with ``--compile`` every forward is compiled (``SpecDecoder.warmup``, and for the
@@ -14,15 +15,15 @@ took are printed apart.
 from __future__ import annotations
 
 import argparse
-import difflib
-import inspect
 import sys
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from .registry import describe_options, generator_options, option_problem
+from .names import did_you_mean
+from .registry import (OptionError, available_generators, check_model_draft, get_candidate_generator, needs_model,
+                       resolve_draft)
 from .threads import configure_threads
 
 
@@ -95,11 +96,6 @@ def _parse_options(pairs: list[str]) -> dict:
     return options
 
 
-def _did_you_mean(name: str, known) -> str:
-    close = difflib.get_close_matches(name, list(known), n=1)
-    return f" Did you mean {close[0]!r}?" if close else ""
-
-
 # -- the draft: checked before any model loads ------------------------------------------------------------
 @dataclass
 class DraftPlan:
@@ -111,81 +107,52 @@ class DraftPlan:
     options: dict = field(default_factory=dict)
 
 
-def _needs_model(cls) -> bool:
-    """``cls.__init__`` has a required positional parameter: the draft model."""
-    if cls.__init__ is object.__init__:
-        return False
-    params = list(inspect.signature(cls.__init__).parameters.values())[1:]
-    return bool(params) and params[0].kind in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD) \
-        and params[0].default is params[0].empty
-
-
-def _check_option_names(label: str, cls, takes_model: bool, options: dict) -> None:
-    problem = option_problem(cls, options, takes_model)
-    if problem:
-        raise UsageError(f"{label} {problem}")
-
-
 def plan_draft(draft: str | None, options: dict) -> DraftPlan:
-    """Check ``--draft`` and ``--option`` without loading a model (see :class:`DraftPlan`)."""
-    from .decoder import CROSS_TOKENIZER_GENERATOR, MODEL_DRAFT_GENERATOR
-    from .models import PACKAGED_MODELS, ModelNotAvailableError, check_model_name
-    from .registry import available_generators, get_candidate_generator
-
+    """Check ``--draft`` and ``--option`` without loading a model (see :class:`DraftPlan`); the
+    registry resolves and checks (:func:`~specdec.registry.resolve_draft`), this says it in flags."""
     if draft is None or draft == "none":
         if options:
             raise UsageError(f"--option {', '.join(options)}: plain decoding (--draft none) takes no options")
         return DraftPlan()
-    generators = available_generators()
-    if draft in generators:
-        cls = get_candidate_generator(draft)
-        label = f"candidate generator {draft!r}"
-        if _needs_model(cls):
-            raise UsageError(f"{label} drafts with a model: give the draft model's name as --draft instead "
-                             f"(e.g. --draft smollm2-135m; see `specdec list`)")
-        _check_option_names(label, cls, False, options)
-        try:
-            return DraftPlan(generator=cls(**options))
-        except (TypeError, ValueError) as exc:
-            raise UsageError(f"{label}: {exc}") from None
+    if draft in available_generators():
+        return DraftPlan(generator=_generator(draft, options))
+    _check_draft_model(draft)
     try:
-        check_model_name(draft)
+        check_model_draft(options)
+    except OptionError as exc:
+        raise UsageError(str(exc)) from None
+    except ValueError as exc:
+        raise UsageError(f"--option: {exc}") from None
+    return DraftPlan(model=draft, options=options)
+
+
+def _generator(name: str, options: dict):
+    """Generator ``name`` built with ``options``; one that drafts with a model is refused (its model is ``--draft``)."""
+    label = f"candidate generator {name!r}"
+    if needs_model(get_candidate_generator(name)):
+        raise UsageError(f"{label} drafts with a model: give the draft model's name as --draft instead "
+                         f"(e.g. --draft smollm2-135m; see `specdec list`)")
+    try:
+        return resolve_draft(name, options)
+    except OptionError as exc:
+        raise UsageError(str(exc)) from None
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"{label}: {exc}") from None
+
+
+def _check_draft_model(name: str) -> None:
+    """``--draft`` that is not a generator name must be a loadable model name."""
+    from .models import PACKAGED_MODELS, ModelNotAvailableError, check_model_name
+
+    try:
+        check_model_name(name)
     except ModelNotAvailableError as exc:
-        if not (draft.startswith("tiny-random:") or "/" in draft or draft in PACKAGED_MODELS):
-            hint = _did_you_mean(draft, [*generators, *PACKAGED_MODELS])
-            raise UsageError(f"--draft {draft!r} is neither a candidate generator nor a model.{hint} "
+        if not (name.startswith("tiny-random:") or "/" in name or name in PACKAGED_MODELS):
+            generators = available_generators()
+            raise UsageError(f"--draft {name!r} is neither a candidate generator nor a model."
+                             f"{did_you_mean(name, [*generators, *PACKAGED_MODELS])} "
                              f"Generators: {', '.join(generators)}; models: see `specdec list`") from None
         raise UsageError(f"--draft: {exc}") from None
-    # a draft model: draft_model drafts with it, or cross_tokenizer when its tokenizer differs
-    # from the target's (known only once both are loaded), so options valid for either are allowed
-    classes = {n: get_candidate_generator(n) for n in (MODEL_DRAFT_GENERATOR, CROSS_TOKENIZER_GENERATOR)
-               if n in generators}
-    params, var_kw = {}, False
-    for cls in classes.values():
-        p, v = generator_options(cls, takes_model=True)
-        params.update({k: val for k, val in p.items() if k not in params})
-        var_kw |= v
-    if not var_kw:
-        for key in options:
-            if key not in params:
-                raise UsageError(f"a draft model (generators {' / '.join(classes)}) has no option {key!r}."
-                                 f"{_did_you_mean(key, params)} {describe_options(params).capitalize()}.")
-    errors = []
-    for name, cls in classes.items():  # values too, with a stand-in for the model where the names fit
-        p, v = generator_options(cls, takes_model=True)
-        if v or set(options) <= set(p):
-            try:
-                cls(torch.nn.Module(), **options)
-                errors = []
-                break
-            except ValueError as exc:
-                errors.append(f"{name}: {exc}")
-            except Exception:  # needs the real model to tell: checked once it is loaded
-                errors = []
-                break
-    if errors:
-        raise UsageError(f"--option: {errors[0]}")
-    return DraftPlan(model=draft, options=options)
 
 
 @dataclass(frozen=True)
@@ -361,8 +328,8 @@ def cmd_demo(args) -> int:
 
 
 def cmd_list(args) -> int:
-    from .models import PACKAGED_MODELS, TINY_ARCHS
-    from .registry import available_generators, get_candidate_generator
+    from .models import PACKAGED_MODELS
+    from .tiny import TINY_ARCHS
 
     print("candidate generators:")
     for name in available_generators():

@@ -20,22 +20,17 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .generators import CandidateGenerator, NoDraft
+from .generators import CandidateGenerator
 from .kv import CacheSettings, length_ladder, static_problem
 from .metrics import AcceptanceStats
 from .modelinfo import UNSET, eos_token_ids, pad_token_id
 from .multimodal import PrefillSpec, Prefix, check_call, declared_inputs
-from .registry import get_candidate_generator, option_problem
+from .registry import resolve_draft
 from .run import CallSettings, DecodeRun, Prompt
 from .sampling import SamplingParams
 from .state import ModelState, cache_problem
 from .stopping import Stopper
 from .validation import check_generation_config, check_ids_in_vocab, check_max_new_tokens, check_prompt
-
-#: generator used when ``draft`` is a model sharing the target's tokenizer
-MODEL_DRAFT_GENERATOR = "draft_model"
-#: generator used when ``draft`` is a model and the two tokenizers given differ
-CROSS_TOKENIZER_GENERATOR = "cross_tokenizer"
 
 
 @dataclass
@@ -67,29 +62,12 @@ class SpecDecoder:
         self.candidate_generator = self._resolve(draft, generator_options)
 
     def _resolve(self, draft, options: dict) -> CandidateGenerator:
-        if isinstance(draft, CandidateGenerator):
-            if options:
-                raise TypeError(f"options {sorted(options)} cannot be applied to a generator instance")
-            return draft
-        if draft is None:
-            if options:
-                raise TypeError(f"options {sorted(options)} need a draft (a model or a generator name)")
-            return NoDraft()
-        if isinstance(draft, str):
-            cls, args = get_candidate_generator(draft), ()
-        elif isinstance(draft, type) and issubclass(draft, CandidateGenerator):
-            cls, args = draft, ()
-        elif isinstance(draft, torch.nn.Module):
-            tokenizers_differ = (self.tokenizer is not None and self.draft_tokenizer is not None
-                                 and self.tokenizer.get_vocab() != self.draft_tokenizer.get_vocab())
-            name = CROSS_TOKENIZER_GENERATOR if tokenizers_differ else MODEL_DRAFT_GENERATOR
-            cls, args = get_candidate_generator(name), (draft,)
-        else:
-            raise TypeError(f"draft must be a model, a generator name or a CandidateGenerator, got {type(draft).__name__}")
-        problem = option_problem(cls, options, takes_model=bool(args))
-        if problem:
-            raise TypeError(f"candidate generator {cls.name or cls.__name__!r} {problem}")
-        return cls(*args, **options)
+        """The generator ``draft`` means (:func:`~specdec.registry.resolve_draft`); a draft model
+        whose tokenizer differs from the target's drafts through the cross-tokenizer generator."""
+        tokenizers_differ = (isinstance(draft, torch.nn.Module) and not isinstance(draft, CandidateGenerator)
+                             and self.tokenizer is not None and self.draft_tokenizer is not None
+                             and self.tokenizer.get_vocab() != self.draft_tokenizer.get_vocab())
+        return resolve_draft(draft, options, tokenizers_differ=tokenizers_differ)
 
     def generate(self, input_ids, attention_mask=None, *, max_new_tokens: int, do_sample: bool = False,
                  temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import specdec.models as models
+import specdec.weight_cache as weight_cache
 from specdec.cli import main
 from specdec.generators import CandidateGenerator
 from specdec.models import ModelNotAvailableError, load_model
@@ -193,38 +194,39 @@ def test_loading_silences_progress_bars_and_restores_the_callers_setting(enabled
 def test_weight_cache_location_and_opt_out(monkeypatch, tmp_path):
     monkeypatch.delenv("SPECDEC_NO_WEIGHT_CACHE", raising=False)
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
-    assert models.weight_cache_root() == tmp_path / "weights"
+    assert weight_cache.weight_cache_root() == tmp_path / "weights"
     monkeypatch.delenv("SPECDEC_CACHE")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert models.weight_cache_root() == tmp_path / "home" / ".cache" / "specdec" / "weights"
+    assert weight_cache.weight_cache_root() == tmp_path / "home" / ".cache" / "specdec" / "weights"
     for value in ("1", "yes", "true"):
         monkeypatch.setenv("SPECDEC_NO_WEIGHT_CACHE", value)
-        assert models.weight_cache_root() is None
+        assert weight_cache.weight_cache_root() is None
     monkeypatch.setenv("SPECDEC_NO_WEIGHT_CACHE", "0")
-    assert models.weight_cache_root() is not None
+    assert weight_cache.weight_cache_root() is not None
 
 
 def test_weight_cache_round_trip_is_checked_and_written_atomically(tmp_path, capsys, monkeypatch):
     """On a tiny model (the mechanics; the real GGUF model is the real_model test below)."""
     model, tokenizer = load_model("tiny-random:llama")
     cache = tmp_path / "weights" / "tiny-abc"
-    models._write_weight_cache("tiny", model, tokenizer, cache, torch.float32)
-    assert (cache / models._CACHE_MARKER).is_file() and "cached the de-quantized tiny" in capsys.readouterr().err
+    weight_cache.write_weight_cache("tiny", model, tokenizer, cache, torch.float32, load=models._load_folder)
+    assert (cache / weight_cache.CACHE_MARKER).is_file() and "cached the de-quantized tiny" in capsys.readouterr().err
     assert sorted(p.name for p in cache.parent.iterdir()) == ["tiny-abc"]  # no temporary folder left
     loaded, loaded_tok = models._load_folder(cache, torch.float32)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
     assert loaded_tok.get_vocab() == tokenizer.get_vocab()
 
     other = tmp_path / "weights" / "tiny-def"
-    monkeypatch.setattr(models, "_round_trip_problem", lambda *a: "parameter lm_head.weight")
+    monkeypatch.setattr(weight_cache, "_round_trip_problem", lambda *a: "parameter lm_head.weight")
     with pytest.warns(UserWarning, match="not caching tiny's weights.*lm_head"):
-        models._write_weight_cache("tiny", model, tokenizer, other, torch.float32)
+        weight_cache.write_weight_cache("tiny", model, tokenizer, other, torch.float32, load=models._load_folder)
     assert sorted(p.name for p in other.parent.iterdir()) == ["tiny-abc"]  # nothing half-written
 
     blocked = tmp_path / "file"
     blocked.write_text("not a folder")
     with pytest.warns(UserWarning, match="could not cache"):
-        models._write_weight_cache("tiny", model, tokenizer, blocked / "weights" / "x", torch.float32)
+        weight_cache.write_weight_cache("tiny", model, tokenizer, blocked / "weights" / "x", torch.float32,
+                                        load=models._load_folder)
 
 
 @pytest.mark.real_model
@@ -237,7 +239,7 @@ def test_cached_smollm2_loads_identical_to_the_gguf(tmp_path, monkeypatch, capfd
     err = capfd.readouterr().err
     assert f"cached the de-quantized smollm2-135m weights in {cache}" in err and "SPECDEC_NO_WEIGHT_CACHE" in err
     assert "Converting" not in err and "Loading weights" not in err  # no progress bars
-    assert (cache / models._CACHE_MARKER).is_file()
+    assert (cache / weight_cache.CACHE_MARKER).is_file()
 
     start = time.perf_counter()
     cached, cached_tok = load_model("smollm2-135m")

@@ -16,8 +16,8 @@ from transformers.generation import WatermarkingConfig
 from candidate_generators.draft_model import DraftModelGenerator
 from specdec import Proposal, SpecDecoder
 from specdec.generators import CandidateGenerator
-from specdec.models import tiny_random
 from specdec.state import ModelState
+from specdec.tiny import tiny_random
 
 from helpers import ForwardRecorder, perturbed_copy, repetitive_prompt
 

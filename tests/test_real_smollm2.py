@@ -103,9 +103,9 @@ def test_unknown_model_name_lists_the_known_ones():
 @pytest.fixture
 def no_location_cache():
     """``load_model`` caches package locations; start and end the test without that cache."""
-    models._packaged_location.cache_clear()
+    models.packaged_location.cache_clear()
     yield
-    models._packaged_location.cache_clear()
+    models.packaged_location.cache_clear()
 
 
 def test_missing_smollm2_package_names_its_install_command(monkeypatch, no_location_cache):

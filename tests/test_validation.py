@@ -18,7 +18,7 @@ from transformers import MambaConfig, MambaForCausalLM
 
 from candidate_generators.draft_model import DraftModelGenerator
 from specdec import SpecDecoder
-from specdec.models import byte_tokenizer, tiny_random
+from specdec.tiny import byte_tokenizer, tiny_random
 
 from helpers import ForwardRecorder, left_pad, perturbed_copy, repetitive_prompt
 

@@ -30,7 +30,6 @@ a CUDA config validates on a machine without a GPU, and the run refuses it when 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
 import os
 import re
@@ -45,8 +44,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..generators import NoDraft
 from ..models import DTYPES, PACKAGED_MODELS, TINY_ARCHS, device_name_problem
+from ..names import did_you_mean
 from ..prompts import DEFAULT_SPEC_BENCH, MT_BENCH_CATEGORIES, SUBTASKS
-from ..registry import UnknownGeneratorError, available_generators, get_candidate_generator
+from ..registry import UnknownGeneratorError, available_generators, fit_options, get_candidate_generator, needs_model
 
 #: the reference methods: ``transformers`` itself, not a registered candidate generator
 BASELINE = "baseline"
@@ -134,26 +134,14 @@ def generator_class(name: str) -> type:
     return NoDraft if name == NO_DRAFT else get_candidate_generator(name)
 
 
-def generator_needs_draft(cls: type) -> bool:
-    """A generator takes a draft model when its constructor has a required positional parameter."""
-    params = list(inspect.signature(cls).parameters.values())
-    return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty for p in params)
-
-
 def generator_option_problem(cls: type, options: dict, with_draft: bool) -> str | None:
-    """Why ``cls(draft?, **options)`` cannot bind, or None (checks names only, not values)."""
-    if cls.__init__ is object.__init__ and options:  # no constructor (CandidateGenerator.__new__ takes anything)
-        return f"unknown option(s) {sorted(options)} for {cls.name or cls.__name__!r}; allowed: (none)"
-    sig = inspect.signature(cls)
-    try:
-        sig.bind(*([object()] if with_draft else []), **options)
-    except TypeError:
-        accepted = [p.name for p in sig.parameters.values() if p.kind == p.KEYWORD_ONLY
-                    or (p.kind == p.POSITIONAL_OR_KEYWORD and p.default is not p.empty)]
-        unknown = sorted(set(options) - set(accepted))
-        what = f"unknown option(s) {unknown}" if unknown else "options do not fit"
-        return f"{what} for {cls.name or cls.__name__!r}; allowed: {', '.join(accepted) or '(none)'}"
-    return None
+    """Why ``cls(draft?, **options)`` cannot bind (the registry's :func:`~specdec.registry.fit_options`,
+    said in this schema's words), or None (checks names only, not values)."""
+    fit = fit_options(cls, options, takes_model=with_draft)
+    if fit.ok:
+        return None
+    what = f"unknown option(s) {sorted(fit.unknown)}" if fit.unknown else "options do not fit"
+    return f"{what} for {cls.name or cls.__name__!r}; allowed: {', '.join(fit.params) or '(none)'}"
 
 
 def compile_option_names(generator: str) -> list[str]:
@@ -165,11 +153,6 @@ def compile_option_names(generator: str) -> list[str]:
 
         return [f.name for f in dataclasses.fields(CompileConfig)]
     return [name for name in inspect.signature(torch.compile).parameters if name != "model"]
-
-
-def _did_you_mean(name: str, known: list[str]) -> str:
-    close = difflib.get_close_matches(name, known, n=1)
-    return f" Did you mean {close[0]!r}?" if close else ""
 
 
 # -- the schema --------------------------------------------------------------------------------
@@ -230,7 +213,7 @@ class MethodConfig(_Strict):
         known = available_generators()
         if value not in known:
             allowed = [*REFERENCE_METHODS, NO_DRAFT, *known]
-            raise ValueError(f"unknown method {value!r}.{_did_you_mean(value, allowed)} Allowed: {', '.join(allowed)}")
+            raise ValueError(f"unknown method {value!r}.{did_you_mean(value, allowed)} Allowed: {', '.join(allowed)}")
         return value
 
     @field_validator("draft")
@@ -256,7 +239,7 @@ class MethodConfig(_Strict):
                 cls = generator_class(self.generator)
             except UnknownGeneratorError as exc:  # pragma: no cover - checked by the field validator
                 raise ValueError(str(exc)) from None
-            needs_draft = generator_needs_draft(cls)
+            needs_draft = needs_model(cls)
             problem = generator_option_problem(cls, self.options, needs_draft)
             if problem:
                 raise ValueError(f"options: {problem}")
