@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 
 from specdec.forwards.lowbit import LowPrecisionDraft
-from specdec.generators import (CandidateGenerator, DecodeContext, DraftLengthSchedule, Feedback, Proposal,
-                                token_id_list, vocab_size)
+from specdec.generators import (CandidateGenerator, DecodeContext, DraftingInfo, DraftLengthSchedule, Feedback,
+                                Proposal, token_id_list, vocab_size)
 from specdec.registry import register_candidate_generator
 from specdec.sampling import sample
 
@@ -50,8 +50,6 @@ def tokenizer_mismatch(target, draft, tokenizer, draft_tokenizer) -> str | None:
 
 @register_candidate_generator("draft_model")
 class DraftModelGenerator(LowPrecisionDraft, CandidateGenerator):
-    drafts_stepwise = True  # its own probability of each draft ends the block (ctx.keep_drafting)
-
     def __init__(self, draft, *, num_tokens: int = 5, schedule: str = "auto", max_tokens: int = 16,
                  weights: str | None = None, compile_draft: bool | dict | None = None):
         if not isinstance(draft, torch.nn.Module):
@@ -60,6 +58,10 @@ class DraftModelGenerator(LowPrecisionDraft, CandidateGenerator):
         self.schedule = DraftLengthSchedule(num_tokens, schedule, max_tokens)
         self.assistant = None
         self._init_precision(weights, compile_draft)
+
+    def drafting(self) -> DraftingInfo:
+        # stepwise: its own probability of each draft ends the block (ctx.keep_drafting)
+        return DraftingInfo(max_drafts=self.schedule.policy_drafts, stepwise=True)
 
     def source_model(self, ctx: DecodeContext):
         """The model whose weights draft (at ``weights`` precision, if set)."""

@@ -20,7 +20,8 @@ from typing import NamedTuple
 
 import torch
 
-from specdec.generators import CandidateGenerator, DecodeContext, DraftLengthSchedule, Feedback, Proposal
+from specdec.generators import (CandidateGenerator, DecodeContext, DraftingInfo, DraftLengthSchedule, Feedback,
+                                Proposal)
 from specdec.registry import register_candidate_generator
 
 
@@ -85,11 +86,12 @@ class PromptLookupGenerator(CandidateGenerator):
     def setup(self, ctx: DecodeContext) -> None:
         self.schedule.reset(ctx.batch_size)
 
-    def acceptance_prior(self) -> tuple[float, ...]:
+    def drafting(self) -> DraftingInfo:
         """Two sources per match length, the longest first, uncontested then contested
         (``Proposal.sources`` = :func:`ngram_source`)."""
-        return tuple(ngram_prior(n, contested) for n in range(self.max_ngram, self.min_ngram - 1, -1)
-                     for contested in (False, True))
+        priors = tuple(ngram_prior(n, contested) for n in range(self.max_ngram, self.min_ngram - 1, -1)
+                       for contested in (False, True))
+        return DraftingInfo(priors, self.schedule.policy_drafts)
 
     def propose(self, ctx: DecodeContext, max_drafts: torch.Tensor) -> Proposal:
         budget = torch.minimum(self.schedule.current, max_drafts.cpu()).tolist()

@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import torch
 
-from specdec.generators import DecodeContext, Feedback, Proposal
+from specdec.generators import DecodeContext, DraftingInfo, Feedback, Proposal
 from specdec.modelinfo import tensor_bytes
 from specdec.registry import register_candidate_generator
 
 from .draft_model import DraftModelGenerator
 from .prompt_lookup import PromptLookupGenerator
+
+#: the acceptance prior of the copy's drafts (docs/self_draft.md: how often it agrees)
+COPY_PRIOR = 0.85
 
 
 @register_candidate_generator("self_draft")
@@ -49,11 +52,12 @@ class SelfDraftGenerator(DraftModelGenerator):
         if self.lookup is not None:
             self.lookup.setup(ctx)
 
-    def acceptance_prior(self) -> float | tuple[float, ...]:
-        # The copy is the target rounded: its greedy token agreed with the target's on 90-99% of
-        # positions (docs/self_draft.md). With lookup, the policy learns the sources apart:
+    def drafting(self) -> DraftingInfo:
+        # The copy is the target rounded, so it agrees with it far more often than an unrelated
+        # draft (docs/self_draft.md). With lookup, the policy learns the sources apart:
         # source 0 the copy (whose drafts cost time), then lookup's, two per match length.
-        return (0.85, *self.lookup.acceptance_prior()) if self.lookup is not None else 0.85
+        lookup = self.lookup.drafting().priors if self.lookup is not None else ()
+        return DraftingInfo((COPY_PRIOR, *lookup), self.schedule.policy_drafts, stepwise=True)
 
     def attach_options(self) -> dict:
         # The copy has the target's cache layout, so it mirrors the target's cache: it starts from

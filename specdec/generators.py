@@ -7,23 +7,31 @@ leaks between calls and one decoder serves several calls at once (from different
 A generator holding something built once and shared (a quantized model copy) overrides
 ``session()``. On the session, in order:
 
-1. ``setup(ctx)`` once, before any forward, with a :class:`DecodeContext`: the target, the
+1. ``drafting() -> DraftingInfo`` once: what the core's draft-length policy should know of its
+   drafts (priors per source, the most drafts a step, whether it drafts one token at a time);
+2. ``setup(ctx)`` once, before any forward, with a :class:`DecodeContext`: the target, the
    tokenizers, the sampling parameters, the committed tokens, and ``ctx.attach(model)``, which
    hands an assistant model to the controller and returns an
-   :class:`~specdec.assistant.Assistant` handle (the controller owns its cache).
-2. ``propose(ctx, max_drafts) -> Proposal`` before every target forward. ``max_drafts [B]`` is the
-   most each row may offer (so output never runs past ``max_new_tokens``).
-3. ``observe(ctx, feedback)`` after every verification, with per-row offered/accepted counts.
-4. ``select_rows(rows)`` when finished rows leave the batch (per-row state must follow).
-5. ``report() -> dict`` at the end: counters the generator wants in ``stats.generator``.
+   :class:`~specdec.assistant.Assistant` handle (the controller owns its cache);
+3. ``propose(ctx, max_drafts) -> Proposal`` before every target forward. ``max_drafts [B]`` is the
+   most each row may offer (so output never runs past ``max_new_tokens``);
+4. ``observe(ctx, feedback)`` after every verification, with the step's :class:`StepRecord`
+   (a :class:`Feedback`: per-row offered/accepted counts, and the rest of what the step saw);
+5. ``select_rows(rows)`` when finished rows leave the batch (per-row state must follow);
+6. ``report() -> dict`` at the end: counters the generator wants in ``stats.generator``.
 
-Built-in generators live in ``candidate_generators/`` and use nothing beyond the public core.
+Only ``propose`` is required. ``acceptance_prior()``, ``draft_cap()`` and the class flag
+``drafts_stepwise`` are the earlier form of ``drafting()``: still honoured (with a
+``DeprecationWarning``) where a plugin defines them. Built-in generators live in
+``candidate_generators/`` and use the public core only.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+import time
+import warnings
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol
 
 import torch
 
@@ -43,8 +51,8 @@ class Proposal:
     token_ids: torch.Tensor  # [B, K] long, padded past each row's length
     lengths: torch.Tensor  # [B] long, valid drafts per row (0 allowed)
     probs: torch.Tensor | None = None  # [B, K, target_vocab] draft distribution, None = point masses
-    #: [B] long: which of the generator's sources drafted each row (an index into its
-    #: ``acceptance_prior()``), for a generator with several; None = source 0
+    #: [B] long: which of the generator's sources drafted each row (an index into
+    #: ``DraftingInfo.priors``), for a generator with several; None = source 0
     sources: torch.Tensor | None = None
     #: [B, K] float: the drafter's own probability of each draft (NaN where it has none), for the
     #: policy to weigh each draft by; None = none
@@ -66,15 +74,80 @@ class Proposal:
         return cls(token_ids, torch.tensor(counts, dtype=torch.long, device=device))
 
 
+@dataclass(frozen=True)
+class DraftingInfo:
+    """What a generator declares to the core's draft-length policy, once per call (its
+    ``drafting()``), in one piece as vLLM's proposers get one metadata object.
+
+    * ``priors``: per source of drafts, the acceptance the policy assumes until it has measured
+      some (each in (0, 1); a float means one source). A generator with several sources names
+      each row's in ``Proposal.sources``; source 0 should be the one whose drafts cost time.
+    * ``max_drafts``: the most drafts the policy may ask for a step, or None when the generator
+      sets its own draft lengths (a ``fixed`` or ``adaptive`` schedule): no policy runs then, and
+      the core verifies whatever it offers.
+    * ``stepwise``: ``propose`` drafts one token at a time, asks ``ctx.keep_drafting`` after each
+      and returns each draft's probability in ``Proposal.confidence``: wherever drafting pays it
+      is asked for all a row may take, and its own probabilities end each block.
+    """
+
+    priors: tuple[float, ...] | float = (0.5,)
+    max_drafts: int | None = DEFAULT_MAX_DRAFTS
+    stepwise: bool = False
+
+    def __post_init__(self):
+        priors = self.priors
+        object.__setattr__(self, "priors", tuple(priors) if isinstance(priors, (tuple, list)) else (priors,))
+
+
 @dataclass
 class Feedback:
-    offered: torch.Tensor  # [B] drafts each row offered after clamping
+    offered: torch.Tensor  # [B] drafts each row offered after clamping (the ones verified)
     accepted: torch.Tensor  # [B] drafts each row had accepted
 
 
 @dataclass
+class StepRecord(Feedback):
+    """One step as the run saw it, built once after the commit: the generator's ``observe`` gets
+    it (as its :class:`Feedback`), the draft-length policy learns from it, the statistics count
+    it. Counts are [B] long tensors on the target's device."""
+
+    asked: torch.Tensor  # [B] the max_drafts propose() was given
+    made: torch.Tensor  # [B] drafts proposed within the ask that the target can take (drafting is priced on these)
+    candidates: torch.Tensor  # [B] of those, the ones worth verifying (none after a drafted end of sequence)
+    kept: torch.Tensor  # [B] tokens committed: accepted drafts and the target's own, cut where a row stopped
+    room: torch.Tensor  # [B] drafts each row could still take before this step (its last token excluded)
+    sources: torch.Tensor | None = None  # [B] long, on the CPU: each row's source of drafts (None: source 0)
+    confidence: torch.Tensor | None = None  # [B, K] the drafter's probability of each draft (NaN: none)
+    fed: int = 0  # tokens the target's forward fed, all rows together
+    context: int = 0  # cache slots that forward attended to besides the tokens it fed
+    first: bool = False  # the target's first forward (its prefill): its cost says nothing of a verification's
+    catching_up: bool = False  # an assistant prefilled, or caught up on skipped steps, within this proposal
+    waiting: bool = False  # no drafts asked for: assistants that borrow the target's prefill waited for it
+    started: float = 0.0  # time.perf_counter() when the step began
+    drafting: float = 0.0  # seconds of propose()
+    forward: float = 0.0  # seconds of the target's forward
+    verifying: float = 0.0  # seconds from the proposal to the commit (forward, verification, commit)
+
+    def overhead(self) -> float:
+        """Seconds of this step so far outside drafting and the target's forward (verification,
+        commit, keeping assistants in step, bookkeeping): a cost every step pays, whatever K."""
+        return time.perf_counter() - self.started - self.forward - self.drafting
+
+
+class DraftAdvice(Protocol):
+    """The draft-length policy as a generator's context asks it during ``propose``, for the step
+    it planned (``ctx.draft_rate``, ``ctx.keep_drafting``); see ``specdec.policy.DraftPolicy``."""
+
+    def step_rate(self, counts: torch.Tensor, source: int) -> torch.Tensor | None: ...
+
+    def step_keep(self, confidence: torch.Tensor, max_drafts: torch.Tensor) -> bool: ...
+
+
+@dataclass
 class DecodeContext:
-    """What a generator may read and use during one ``generate()`` call."""
+    """What a generator may read and use during one ``generate()`` call. Built by the run with
+    everything it answers from: the target's state, the run's ``attach``, the draft-length
+    policy (None when the generator sets its own draft lengths) and the stopper's end test."""
 
     target: Any
     tokenizer: Any
@@ -84,8 +157,7 @@ class DecodeContext:
     model_inputs: dict[str, Any]
     _target_state: "ModelState" = field(repr=False)
     _attach: Callable[..., "Assistant"] = field(repr=False)
-    _rate: Callable[[torch.Tensor, int], "torch.Tensor | None"] | None = field(default=None, repr=False)
-    _keep: Callable[[torch.Tensor, torch.Tensor], bool] | None = field(default=None, repr=False)
+    _advice: DraftAdvice | None = field(default=None, repr=False)
     _ended: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, repr=False)
 
     @property
@@ -109,16 +181,17 @@ class DecodeContext:
     def draft_rate(self, counts: torch.Tensor, source: int = 0) -> torch.Tensor | None:
         """[B] committed tokens per second the core's draft-length policy expects for row b this
         step if it verifies the best number, up to ``counts[b]``, of drafts from ``source`` (an
-        index into ``acceptance_prior()``; source 0's measured drafting cost included, other
+        index into ``DraftingInfo.priors``; source 0's measured drafting cost included, other
         sources' drafts taken as free). A generator with several sources asks it during
         ``propose`` to draft each row from the source that pays most. None when the generator
-        sets its own draft lengths (a ``fixed`` or ``adaptive`` schedule: no policy runs)."""
-        return None if self._rate is None else self._rate(counts, source)
+        sets its own draft lengths (a ``fixed`` or ``adaptive`` schedule: no policy runs), and
+        during ``setup`` (drafting is not priced yet)."""
+        return None if self._advice is None else self._advice.step_rate(counts, source)
 
     def keep_drafting(self, drafts: torch.Tensor, confidence: torch.Tensor | None, max_drafts: torch.Tensor) -> bool:
         """Whether to draft one more token this step, asked by a generator that drafts one token at
-        a time (``CandidateGenerator.drafts_stepwise``) after each: ``drafts [B, i]`` the drafts so
-        far, ``confidence [B, i]`` its own probabilities of them (None if it has none),
+        a time (``DraftingInfo.stepwise``) after each: ``drafts [B, i]`` the drafts so far,
+        ``confidence [B, i]`` its own probabilities of them (None if it has none),
         ``max_drafts [B]`` what ``propose`` was given. False once every row has drafted an end of
         sequence (nothing after it can be kept) or as many as it may; otherwise, under the core's
         policy, while it expects a longer block to pay, valued with these drafts' own acceptance;
@@ -129,9 +202,9 @@ class DecodeContext:
             open_rows &= ~self._ended(drafts)[:, -1]
         if not bool(open_rows.any()):
             return False
-        if self._keep is None or confidence is None:
+        if self._advice is None or confidence is None:
             return True
-        return self._keep(confidence, max_drafts)
+        return self._advice.step_keep(confidence, max_drafts)
 
     def attach(self, model, tokens: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
                pad_token_id: int | None = None, *, cache_implementation: str | None = None,
@@ -165,13 +238,11 @@ class DecodeContext:
 
 
 class CandidateGenerator:
-    """Base class of every candidate generator (built-in or third-party)."""
+    """Base class of every candidate generator (built-in or third-party). Only ``propose`` is
+    required; every other method has a default that does nothing or declares the defaults."""
 
     name: ClassVar[str] = ""
-    #: True: ``propose`` drafts one token at a time, asks ``ctx.keep_drafting`` after each and
-    #: returns each draft's probability in ``Proposal.confidence``. The core's policy then asks it
-    #: for as many drafts as a row may take wherever drafting pays at all, and the drafter's own
-    #: probabilities decide where each block ends.
+    #: deprecated: ``DraftingInfo.stepwise`` (read where a plugin still sets it)
     drafts_stepwise: ClassVar[bool] = False
 
     def __new__(cls, *args, **kwargs):
@@ -185,6 +256,14 @@ class CandidateGenerator:
         args, kwargs = getattr(self, "_init_args", ((), {}))
         return type(self)(*args, **kwargs)
 
+    def drafting(self) -> DraftingInfo:
+        """What the core's draft-length policy should know of this generator's drafts. Default:
+        one source at prior 0.5; up to ``DEFAULT_MAX_DRAFTS`` drafts a step, or for a generator
+        with a ``schedule`` (:class:`DraftLengthSchedule`) its ``policy_drafts``; not stepwise
+        (read from the deprecated hooks below, which a plugin may still override)."""
+        cap = self.draft_cap()
+        return DraftingInfo(self.acceptance_prior(), cap if cap > 0 else None, bool(self.drafts_stepwise))
+
     def setup(self, ctx: DecodeContext) -> None:
         """Called once per session, before any forward: validate here, attach assistants."""
 
@@ -192,7 +271,7 @@ class CandidateGenerator:
         raise NotImplementedError
 
     def observe(self, ctx: DecodeContext, feedback: Feedback) -> None:
-        """Called after every verification."""
+        """Called after every verification with the step's :class:`StepRecord`."""
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` of any per-row state."""
@@ -201,29 +280,52 @@ class CandidateGenerator:
         """Counters for ``stats.generator`` at the end of the call (none by default)."""
         return {}
 
+    # -- deprecated: the earlier form of drafting() -----------------------------------------------
     def draft_cap(self) -> int:
-        """The most drafts the core's cost-aware policy may ask this generator for per step, or 0
-        when the generator sets its own number (a ``fixed`` or ``adaptive`` schedule): the core
-        then verifies whatever it offers. Generators without a ``schedule`` get the policy."""
+        """Deprecated: ``DraftingInfo.max_drafts`` (0 here meaning None)."""
         schedule = getattr(self, "schedule", None)
         if isinstance(schedule, DraftLengthSchedule):
-            return schedule.max_tokens if schedule.kind == "auto" else 0
+            return schedule.policy_drafts or 0
         return DEFAULT_MAX_DRAFTS
 
     def acceptance_prior(self) -> float | tuple[float, ...]:
-        """The policy's estimate that a draft is accepted where it has measured few this call (in
-        (0, 1)); measurements take over within a few steps. (Until a first block of a source's
-        drafts is verified, the policy prices them at ``policy.UNTRIED`` = 0.8, or at this prior
-        if higher, so that a draft which pays only where it agrees is tried.) A generator that
-        knows its drafts agree with the target more often (a copy of the target, say) says so,
-        and the policy keeps drafting through its first rejections instead of learning it.
-
-        A generator with several sources of drafts (prompt lookup where it finds a match, a draft
-        model elsewhere) returns one prior per source and names each row's source in
-        ``Proposal.sources``: the policy then learns each source's acceptance apart. The
-        ``max_drafts`` that ``propose`` gets are priced for source 0, which should be the source
-        whose drafts cost time to make."""
+        """Deprecated: ``DraftingInfo.priors``."""
         return 0.5
+
+
+#: the hooks ``drafting()`` replaces, and the ``DraftingInfo`` field each one fills
+_DEPRECATED_HOOKS = {"acceptance_prior": "priors", "draft_cap": "max_drafts", "drafts_stepwise": "stepwise"}
+
+
+def declared_drafting(generator: CandidateGenerator, plugin: str) -> DraftingInfo:
+    """``generator.drafting()``, checked. A deprecated hook that a plugin overrides still counts
+    (with a ``DeprecationWarning``), also below a class that defines ``drafting()`` (a subclass of
+    a built-in that overrides ``acceptance_prior``, say), so plugins written for the earlier
+    surface keep working."""
+    info = generator.drafting()
+    mro = type(generator).__mro__
+    depth = lambda name: next(i for i, k in enumerate(mro) if name in vars(k))  # noqa: E731
+    for hook, name in _DEPRECATED_HOOKS.items():
+        if depth(hook) < mro.index(CandidateGenerator):
+            warnings.warn(f"candidate generator {plugin!r}: {hook} is deprecated; return "
+                          f"DraftingInfo({name}=...) from drafting()", DeprecationWarning, stacklevel=3)
+            if depth(hook) < depth("drafting"):
+                info = replace(info, **{name: _deprecated_value(generator, hook)})
+    if not info.priors or not all(isinstance(p, (int, float)) and 0.0 < p < 1.0 for p in info.priors):
+        raise ValueError(f"{plugin}: the acceptance priors (DraftingInfo.priors, formerly acceptance_prior()) "
+                         f"must be in (0, 1) (a float, or one per source), got {info.priors!r}")
+    if info.max_drafts is not None and (not isinstance(info.max_drafts, int) or info.max_drafts < 1):
+        raise ValueError(f"{plugin}: DraftingInfo.max_drafts must be a positive int or None, got {info.max_drafts!r}")
+    return info
+
+
+def _deprecated_value(generator: CandidateGenerator, hook: str):
+    if hook == "acceptance_prior":
+        return DraftingInfo(generator.acceptance_prior()).priors
+    if hook == "draft_cap":
+        cap = generator.draft_cap()
+        return cap if cap > 0 else None
+    return bool(generator.drafts_stepwise)
 
 
 class NoDraft(CandidateGenerator):
@@ -231,8 +333,8 @@ class NoDraft(CandidateGenerator):
 
     name = "none"
 
-    def draft_cap(self) -> int:
-        return 0
+    def drafting(self) -> DraftingInfo:
+        return DraftingInfo(max_drafts=None)
 
     def propose(self, ctx: DecodeContext, max_drafts: torch.Tensor) -> Proposal:
         return Proposal.empty(ctx.batch_size, ctx.tokens.device)
@@ -259,6 +361,12 @@ class DraftLengthSchedule:
         self.kind, self.max_tokens = kind, max(int(max_tokens), int(num_tokens))
         self.initial = self.max_tokens if kind == "auto" else int(num_tokens)
         self.current = torch.empty(0, dtype=torch.long)
+
+    @property
+    def policy_drafts(self) -> int | None:
+        """``DraftingInfo.max_drafts`` of a generator on this schedule: ``max_tokens`` under
+        ``auto``, None (the generator sets its own lengths) otherwise."""
+        return self.max_tokens if self.kind == "auto" else None
 
     def reset(self, batch: int) -> None:
         self.current = torch.full((batch,), self.initial, dtype=torch.long)

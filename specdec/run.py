@@ -2,21 +2,26 @@
 
 A run is made after validation and before any forward. It owns the target's
 :class:`~specdec.state.ModelState`, the assistants' states (plugins hold only
-:class:`~specdec.assistant.Assistant` handles), the generator's session, the stopper, the
-streamer feed, the statistics and the finished rows. Nothing in it is shared with another call,
-so one :class:`~specdec.decoder.SpecDecoder` serves concurrent calls.
+:class:`~specdec.assistant.Assistant` handles), the generator's session, the draft-length
+policy, the stopper, the streamer feed, the statistics and the finished rows. Nothing in it is
+shared with another call, so one :class:`~specdec.decoder.SpecDecoder` serves concurrent calls.
 
-Data path of one :meth:`DecodeRun.step`::
+One :meth:`DecodeRun.step`, the algorithm::
 
-    session.propose(ctx, max_drafts [B])          -> Proposal: token_ids [B, K], lengths [B], probs
-    check_proposal (names the plugin)             ;  offered [B] = min(lengths, max_drafts, admissible),
-                                                     cut after an end-of-sequence draft, trimmed by the policy
-    target.append(drafts); target.forward()       -> logits [B, k+1, V]   (first step: prefill too)
-    greedy_verify | speculative_sample            -> accepted [B], next_token [B]
-    block [B, k+1] = accepted drafts + next token ;  stopper.cut -> keep [B], finished [B]
-    target.commit(committed, block, keep, cached) :  one realign of the target's cache
-    stats, streamer                               ;  followers.sync(target tokens); session.observe
-    finished rows leave every state and the session
+    plan      policy.plan(remaining [B], pending, context)   -> asked [B]  (all a row may take without a policy)
+    propose   session.propose(ctx, asked)                    -> Proposal: token_ids [B, K], lengths [B], probs
+    admit     check_proposal; made [B] = min(lengths, asked), admissible; candidates [B] = cut after a drafted
+              end of sequence; offered [B] = policy.admit(candidates)
+    forward   target.append(drafts [B, k]); target.forward() -> logits [B, k+1, V]  (first step: prefill too)
+    verify    greedy_verify | speculative_sample             -> accepted [B], next_token [B]
+    commit    block [B, k+1] = accepted drafts + next token;  stopper.cut -> kept [B], finished [B];
+              target.commit: one realign of the target's cache
+    observe   StepRecord -> statistics, streamer, followers.sync, session.observe, policy.observe;
+              finished rows leave every state, the session and the policy
+
+The record of a step is built once and read by everyone who learns from the step; the policy is
+met only through ``plan``, ``admit`` and ``observe`` (and, from the generator, through the
+context it was built with: ``ctx.draft_rate`` and ``ctx.keep_drafting``).
 """
 
 from __future__ import annotations
@@ -29,12 +34,13 @@ from typing import Any
 import torch
 
 from .assistant import Assistant
-from .generators import CandidateGenerator, DecodeContext, Feedback
+from .device import synchronize
+from .generators import CandidateGenerator, DecodeContext, Proposal, StepRecord, declared_drafting
 from .kv import CacheSettings, static_problem
 from .metrics import AcceptanceStats
-from .modelinfo import kv_layout, step_bytes, vocab_size
+from .modelinfo import kv_layout, vocab_size
 from .multimodal import PrefillSpec, Prefix, check_assistant
-from .policy import UNTRIED, AcceptanceTracker, CostModel, DraftPolicy, synchronize
+from .policy import DraftPolicy
 from .sampling import SamplingParams
 from .state import ModelState, cache_problem
 from .stopping import Stopper, StreamFeed
@@ -83,23 +89,28 @@ class DecodeRun:
         self.borrowers: list[ModelState] = []  # followers whose cache mirrors the target's
         self.session = generator.session()
         self.plugin = generator.name or type(generator).__name__
-        self.sources = 1  # sources of drafts the generator names: one per acceptance_prior() (see _policy)
+        self.drafting = declared_drafting(self.session, self.plugin)  # priors, max drafts, stepwise
+        self.policy = DraftPolicy.for_call(self.drafting, prompt.rows.shape[0], settings.sampling.do_sample,
+                                           target.device.type, self.plugin)  # None: the generator's own lengths
         self.ctx = DecodeContext(target, tokenizer, draft_tokenizer, settings.sampling, settings.generator,
-                                 prompt.spec.user_inputs, self.target, self._attach)
+                                 prompt.spec.user_inputs, self.target, self._attach, self.policy, self.stopper.ended)
         self.session.setup(self.ctx)  # validates and attaches assistants: still before any forward
         self.vocab = vocab_size(target)
         self.stats = AcceptanceStats()
-        self.policy = self._policy(target, prompt)
-        self.step_shape = (0, 0)  # (pending, context) of the step being proposed: what draft_rate prices
-        if self.policy is not None:
-            self.ctx._rate = self._draft_rate
-            self.ctx._keep = self._keep_drafting
-        self.ctx._ended = self.stopper.ended
+        if self.policy is not None:  # drafting is priced by the assistants just attached
+            self.stats.calibration_seconds += self.policy.price(
+                target, [s.model for s in self.assistants], prompt.rows, prompt.lengths, settings.cache,
+                self.target.kv.slots)
         self.feed = StreamFeed(settings.streamer)
         self.feed.prompt(prompt.input_ids)
         self.prompt_lengths = prompt.lengths.clone()
         self.row_ids = torch.arange(prompt.rows.shape[0], device=prompt.rows.device)  # original row of each row
         self.outputs: list[torch.Tensor | None] = [None] * prompt.rows.shape[0]
+
+    @property
+    def assistants(self) -> list[ModelState]:
+        """Every assistant's state, followers first (the order the policy prices them in)."""
+        return [*self.followers, *self.own]
 
     def _cache_args(self, model, cache: CacheSettings | None = None) -> dict:
         """How ``model`` keeps its cache this call: as the call says, unless ``cache`` overrides."""
@@ -150,146 +161,75 @@ class DecodeRun:
             self.own.append(state)
         return Assistant(state, follows_target=tokens is None)
 
-    def _policy(self, target, prompt: Prompt) -> DraftPolicy | None:
-        """The cost-aware draft-length policy, unless the generator sets its own draft lengths.
-        Measured costs under greedy decoding; timing-free ones under sampling (see policy.py)."""
-        prior = self.session.acceptance_prior()
-        priors = tuple(prior) if isinstance(prior, (tuple, list)) else (prior,)
-        if not priors or not all(isinstance(p, (int, float)) and 0.0 < p < 1.0 for p in priors):
-            raise ValueError(f"{self.plugin}.acceptance_prior() must be in (0, 1) (a float, or one per source), "
-                             f"got {prior!r}")
-        self.sources = len(priors)
-        cap = self.session.draft_cap()
-        if cap <= 0:
-            return None
-        acceptance = AcceptanceTracker(prompt.rows.shape[0], cap, prior=priors, untried=UNTRIED)
-        # decoding is bound by reading weights: an assistant's draft token costs about the bytes its
-        # step reads relative to the target's one-token step (no assistant, e.g. prompt lookup: about nothing)
-        self.weight = {id(s): step_bytes(s.model) / step_bytes(target) for s in (*self.followers, *self.own)}
-        ratio = sum(self.weight.values())
-        if self.settings.sampling.do_sample:
-            return DraftPolicy(CostModel.fixed(target.device.type), acceptance, cap, ratio, measured=False)
-        costs, spent = CostModel.for_model(target, prompt.rows[0, : int(prompt.lengths[0])], self.settings.cache,
-                                           slots=self.target.kv.slots)
-        self.stats.calibration_seconds += spent
-        # the drafting cost's prior until propose() is first timed (the first proposal also prefills)
-        per_token = ratio * float(costs.predict(prompt.rows.shape[0], float(prompt.lengths.max())))
-        return DraftPolicy(costs, acceptance, cap, per_token)
-
     # -- the loop ---------------------------------------------------------------------------------
     def step(self) -> bool:
-        """Propose, verify, commit, stop, sync; return whether any row is still decoding."""
-        tick = time.perf_counter()
-        target, policy = self.target, self.policy
-        remaining = self.settings.max_new_tokens - (target.lengths - self.prompt_lengths) - 1  # [B]
-        pending = target.pending_width()
-        context = target.cached_slots  # cache slots the verification attends to besides its own tokens
-        ask = self._ask(remaining, pending, context)  # [B]
-        self.step_shape = (pending, context)
-        first = target.is_first_iteration
-        # an assistant that has not yet run prefills in this proposal, one that sat out steps first
-        # catches up on their tokens: either way the proposal's time says nothing of a draft's cost
-        catching_up = policy is not None and any(s.is_first_iteration or s.pending_width() > CATCH_UP
-                                                 for s in (*self.followers, *self.own) if s not in self.borrowers)
-        proposal = self.session.propose(self.ctx, ask)
+        """Plan, propose, admit, forward, verify, commit, observe; return whether any row is still decoding."""
+        started, target = time.perf_counter(), self.target
+        room = self.settings.max_new_tokens - (target.lengths - self.prompt_lengths) - 1  # [B] drafts a row may take
+        pending, context = target.pending_width(), target.cached_slots  # context: slots attended besides those fed
+        first, catching_up = target.is_first_iteration, self._catching_up()
+        asked = self._plan(room, pending, context)  # [B]
+        proposal = self.session.propose(self.ctx, asked)
         drafted = time.perf_counter()
-        check_proposal(proposal, self.plugin, target.batch_size, self.vocab, self.settings.sampling.do_sample,
-                       self.sources)
-        offered = torch.minimum(proposal.lengths.to(target.device), ask).clamp_min(0)  # [B]
-        offered = target.admissible_drafts(proposal.token_ids.to(target.device), offered)
-        sources = proposal.sources.cpu() if proposal.sources is not None else None  # [B] or None: source 0
-        if policy is not None:
-            main = offered.cpu() if sources is None else offered.cpu()[sources == 0]  # drafts that cost time to make
-            if not first and not catching_up and main.numel():
-                policy.observe_drafting(drafted - tick, int(main.max()))
-        offered = self.stopper.worth_verifying(proposal.token_ids.to(target.device), offered)
-        if policy is not None:
-            found = offered
-            offered = policy.trim(offered, pending, context, sources, proposal.confidence)
-            if not (first and self.borrowers):  # no drafts asked for, or none of those offered verified
-                declined = (ask == 0) | ((found > 0) & (offered == 0))
-                self.stats.skipped_steps += int((declined & (remaining > 0)).sum())
+        made, candidates, offered = self._admit(proposal, asked)  # [B] each
         k = int(offered.max())
         draft_ids = proposal.token_ids[:, :k].to(target.device)  # [B, k]
         committed = target.lengths.clone()  # [B]
-        target.append(draft_ids, offered)
-        logits = target.forward(start=committed - 1)  # [B, k+1, V]
-        synchronize(target.device)
-        forward_seconds = time.perf_counter() - drafted
-        if not first:  # the prefill's cost says nothing about a verification's
-            tokens = (pending + k) * target.batch_size
-            self.stats.record_forward(tokens, forward_seconds)
-            if policy is not None:
-                policy.costs.observe(tokens, forward_seconds, context)
+        logits = self._forward(draft_ids, offered, committed)  # [B, k+1, V]
+        forwarded = time.perf_counter()
         verdict = self._verify(logits, draft_ids, offered, proposal)
-        block = torch.cat([draft_ids, verdict.next_token[:, None]], dim=1)  # [B, k+1]
-        block.scatter_(1, verdict.accepted[:, None], verdict.next_token[:, None])  # the target's token after the accepted
-        keep, finished = self.stopper.cut(target.tokens, committed, block, verdict.accepted + 1,
-                                          self.prompt_lengths, logits)
-        target.commit(committed, block, keep, cached=committed + verdict.accepted)
-        verified = time.perf_counter()
-
-        self.stats.record_step(offered.tolist(), verdict.accepted.tolist(), keep.tolist())
-        self.stats.draft_seconds += drafted - tick
-        self.stats.verify_seconds += verified - drafted
-        self.feed.tokens(block[0, : int(keep[0])])
-        for state in self.followers:
-            if state in self.borrowers:
-                state.mirror(target)
-            else:
-                state.sync(target.tokens, target.lengths, since=committed)
-        self.session.observe(self.ctx, Feedback(offered, verdict.accepted))
-        if policy is not None:
-            policy.acceptance.update(offered, verdict.accepted, sources)
-            if proposal.confidence is not None:
-                policy.calibration.update(proposal.confidence, offered, verdict.accepted, sources)
-            if not first:
-                policy.observe_overhead(time.perf_counter() - tick - forward_seconds - (drafted - tick))
-        self.stats.draft_seconds += time.perf_counter() - verified  # keeping drafts in step is drafting work
+        block, kept, finished = self._commit(logits, draft_ids, verdict, committed)  # [B, k+1], [B], [B]
+        record = StepRecord(
+            offered, verdict.accepted, asked=asked, made=made, candidates=candidates, kept=kept, room=room,
+            sources=proposal.sources.cpu() if proposal.sources is not None else None,
+            confidence=proposal.confidence, fed=(pending + k) * target.batch_size, context=context,
+            first=first, catching_up=catching_up, waiting=first and bool(self.borrowers), started=started,
+            drafting=drafted - started, forward=forwarded - drafted, verifying=time.perf_counter() - drafted)
+        self._observe(record, block, committed)
         if bool(finished.any()):
             self._retire(finished)
         return bool(self.row_ids.numel())
 
-    def _ask(self, remaining: torch.Tensor, pending: int, context: int) -> torch.Tensor:
-        """[B] the drafts to ask each row for this step: none while assistants that borrow the
-        target's prefill wait for it, all a row may take without a policy, else the policy's budget."""
-        policy = self.policy
+    def _plan(self, room: torch.Tensor, pending: int, context: int) -> torch.Tensor:
+        """[B] the drafts to ask each row for: the policy's plan, or all a row may take without one;
+        none while assistants that borrow the target's prefill wait for it."""
+        if self.policy is None:
+            asked = room
+        else:
+            prefills = [int(s.lengths.max()) * s.batch_size if s.is_first_iteration and s not in self.borrowers
+                        else 0 for s in self.assistants]  # tokens each assistant has yet to prefill
+            asked = self.policy.plan(room, pending, context, prefills)
         if self.target.is_first_iteration and self.borrowers:  # they draft once they hold the target's prefill
-            return torch.zeros_like(remaining)
-        if policy is None:
-            return remaining
-        # an assistant's prefill still to come is paid once, so it is spread over the steps left;
-        # and drafting starts only where a later step (one token pending) would draft too
-        setup = self._setup() / max(int(remaining.max()), 1)
-        ask = policy.budget(remaining, pending, context, setup)
-        if setup > 0:
-            steady = policy.budget(remaining, 1, context + pending, setup)
-            ask = torch.where(steady > 0, ask, torch.zeros_like(ask))
-        if self.session.drafts_stepwise:  # where drafting pays, its own probabilities end the block
-            ask = torch.where(ask > 0, remaining.clamp(0, policy.max_drafts), ask)
-        return ask
+            return torch.zeros_like(room)
+        return asked
 
-    def _draft_rate(self, counts: torch.Tensor, source: int) -> torch.Tensor:
-        """``DecodeContext.draft_rate``: the policy's expected rate for this step's shape."""
-        if not 0 <= int(source) < self.sources:
-            raise ValueError(f"{self.plugin}: draft_rate(source={source}) needs a source in [0, {self.sources}) "
-                             "(one per acceptance_prior())")
-        return self.policy.rates(counts, *self.step_shape, int(source)).to(counts.device)
+    def _catching_up(self) -> bool:
+        """Whether an assistant prefills (it has not yet run) or catches up on steps it sat out in
+        this proposal: either way the proposal's time says nothing of a draft's cost."""
+        return any(s.is_first_iteration or s.pending_width() > CATCH_UP
+                   for s in self.assistants if s not in self.borrowers)
 
-    def _keep_drafting(self, confidence: torch.Tensor, max_drafts: torch.Tensor) -> bool:
-        """``DecodeContext.keep_drafting``: the policy's answer for this step's shape."""
-        return self.policy.keep_drafting(confidence, max_drafts, *self.step_shape)
+    def _admit(self, proposal: Proposal, asked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A checked proposal -> (made, candidates, offered) [B] each: the drafts within ``asked``
+        that the target can take, those worth verifying, those the policy verifies."""
+        target = self.target
+        check_proposal(proposal, self.plugin, target.batch_size, self.vocab, self.settings.sampling.do_sample,
+                       len(self.drafting.priors))
+        ids = proposal.token_ids.to(target.device)  # [B, K]
+        made = target.admissible_drafts(ids, torch.minimum(proposal.lengths.to(target.device), asked).clamp_min(0))
+        candidates = self.stopper.worth_verifying(ids, made)
+        if self.policy is None:
+            return made, candidates, candidates
+        sources = proposal.sources.cpu() if proposal.sources is not None else None  # [B] or None: source 0
+        return made, candidates, self.policy.admit(candidates, sources, proposal.confidence)
 
-    def _setup(self) -> float:
-        """Seconds the assistants that have not yet run would spend prefilling before their first
-        draft (a cost drafting pays once), priced like a target forward over as many tokens,
-        scaled by the assistant's bytes relative to the target's."""
-        policy, seconds = self.policy, 0.0
-        for state in (*self.followers, *self.own):
-            if state.is_first_iteration and state not in self.borrowers:
-                tokens = int(state.lengths.max()) * state.batch_size
-                seconds += self.weight[id(state)] * float(policy.costs.predict(tokens))
-        return seconds
+    def _forward(self, draft_ids: torch.Tensor, offered: torch.Tensor, committed: torch.Tensor) -> torch.Tensor:
+        """Feed the pending tokens and row b's first ``offered[b]`` drafts -> logits [B, k+1, V] from
+        each row's last committed token on; waits for the device, so the forward can be timed."""
+        self.target.append(draft_ids, offered)
+        logits = self.target.forward(start=committed - 1)
+        synchronize(self.target.device)
+        return logits
 
     def _verify(self, logits: torch.Tensor, draft_ids: torch.Tensor, offered: torch.Tensor, proposal) -> Verdict:
         sampling = self.settings.sampling
@@ -298,6 +238,45 @@ class DecodeRun:
         k = draft_ids.shape[1]
         draft_probs = proposal.probs[:, :k].to(logits.device) if proposal.probs is not None else None
         return speculative_sample(sampling.probs(logits), draft_ids, offered, draft_probs, self.settings.generator)
+
+    def _commit(self, logits: torch.Tensor, draft_ids: torch.Tensor, verdict: Verdict,
+                committed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (block [B, k+1]: the accepted drafts, then the target's token; kept [B]: how much of
+        it each row keeps (cut where it stops); finished [B] bool). The target's cache then holds
+        the committed prefix."""
+        target = self.target
+        block = torch.cat([draft_ids, verdict.next_token[:, None]], dim=1)  # [B, k+1]
+        block.scatter_(1, verdict.accepted[:, None], verdict.next_token[:, None])  # the target's token after the accepted
+        kept, finished = self.stopper.cut(target.tokens, committed, block, verdict.accepted + 1,
+                                          self.prompt_lengths, logits)
+        target.commit(committed, block, kept, cached=committed + verdict.accepted)
+        return block, kept, finished
+
+    def _observe(self, record: StepRecord, block: torch.Tensor, committed: torch.Tensor) -> None:
+        """Everyone who learns from the step hears it: statistics, streamer, followers, generator, policy."""
+        self._count(record)
+        self.feed.tokens(block[0, : int(record.kept[0])])
+        for state in self.followers:
+            if state in self.borrowers:
+                state.mirror(self.target)
+            else:
+                state.sync(self.target.tokens, self.target.lengths, since=committed)
+        self.session.observe(self.ctx, record)
+        if self.policy is not None:
+            self.policy.observe(record)
+        # keeping drafts in step is drafting work
+        self.stats.draft_seconds += time.perf_counter() - record.started - record.drafting - record.verifying
+
+    def _count(self, record: StepRecord) -> None:
+        stats = self.stats
+        stats.record_step(record.offered.tolist(), record.accepted.tolist(), record.kept.tolist())
+        stats.draft_seconds += record.drafting
+        stats.verify_seconds += record.verifying
+        if not record.first:  # the prefill's cost says nothing about a verification's
+            stats.record_forward(record.fed, record.forward)
+        if self.policy is not None and not record.waiting:  # no drafts asked for, or none of those offered verified
+            declined = (record.asked == 0) | ((record.candidates > 0) & (record.offered == 0))
+            stats.skipped_steps += int((declined & (record.room > 0)).sum())
 
     def _retire(self, finished: torch.Tensor) -> None:
         """Finished rows [B] bool leave the batch; their new tokens become output."""
@@ -312,7 +291,7 @@ class DecodeRun:
                 state.select_rows(rest)
             self.session.select_rows(rest)
             if self.policy is not None:
-                self.policy.acceptance.select_rows(rest)
+                self.policy.select_rows(rest)
 
     def states(self) -> list[ModelState]:
         """The target's state and every assistant's."""

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdec import SpecDecoder
-from specdec.generators import CandidateGenerator, Proposal
+from specdec.generators import CandidateGenerator, DraftingInfo, Proposal, declared_drafting
 from specdec.metrics import AcceptanceStats
 from specdec.models import tiny_random
 from specdec import policy as policy_module
@@ -192,8 +192,8 @@ class OracleOrRandom(CandidateGenerator):
     def __init__(self, reference: torch.Tensor, log: list, alternate: bool = True):
         self.reference, self.log, self.alternate = reference, log, alternate
 
-    def acceptance_prior(self):
-        return (0.5, 0.5)
+    def drafting(self):
+        return DraftingInfo(priors=(0.5, 0.5))
 
     def propose(self, ctx, max_drafts):
         self.rates = [ctx.draft_rate(max_drafts, source) for source in (0, 1)]  # what each source would pay
@@ -243,8 +243,8 @@ def test_draft_rate_is_none_without_the_policy_and_checks_its_source():
         def __init__(self, own_lengths: bool, source: int = 0):
             self.own_lengths, self.source = own_lengths, source
 
-        def draft_cap(self):
-            return 0 if self.own_lengths else 4  # 0: sets its own lengths, no policy runs
+        def drafting(self):
+            return DraftingInfo(max_drafts=None if self.own_lengths else 4)  # None: its own lengths, no policy
 
         def propose(self, ctx, max_drafts):
             seen.append(ctx.draft_rate(max_drafts, self.source))
@@ -267,7 +267,7 @@ def test_a_proposals_sources_are_checked():
 
         def propose(self, ctx, max_drafts):
             return Proposal(torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long),
-                            sources=torch.tensor([1]))  # one source only (acceptance_prior() is a float)
+                            sources=torch.tensor([1]))  # one source only (the default priors)
 
     with pytest.raises(ValueError, match="bad_source.*Proposal.sources"):
         SpecDecoder(target, BadSource()).generate(repetitive_prompt(8), max_new_tokens=5)
@@ -402,10 +402,10 @@ def test_prompt_lookup_names_each_rows_match_length_and_agreement_as_its_source(
     from candidate_generators.self_draft import SelfDraftGenerator
 
     gen = PromptLookupGenerator()  # n-grams 4..2
-    assert gen.acceptance_prior() == (*NGRAM_PRIOR[4], *NGRAM_PRIOR[3], *NGRAM_PRIOR[2])
+    assert gen.drafting().priors == (*NGRAM_PRIOR[4], *NGRAM_PRIOR[3], *NGRAM_PRIOR[2])
     assert all(sure > contested for sure, contested in NGRAM_PRIOR.values())
-    assert PromptLookupGenerator(max_ngram=6, min_ngram=1).acceptance_prior()[:6] == NGRAM_PRIOR[4] * 3
-    assert SelfDraftGenerator(lookup=True).acceptance_prior() == (0.85, *gen.acceptance_prior())
+    assert PromptLookupGenerator(max_ngram=6, min_ngram=1).drafting().priors[:6] == NGRAM_PRIOR[4] * 3
+    assert SelfDraftGenerator(lookup=True).drafting().priors == (0.85, *gen.drafting().priors)
     rows = [[1, 2, 3, 4, 9, 9, 1, 2, 3, 4],  # a 4-gram seen before: 9, 9, 1 follow it
             [5, 6, 7, 8, 0, 6, 7, 8],  # the 3-gram 6 7 8 (not 0 6 7 8): 0, 6, 7 follow it
             [5, 6, 7, 8, 0, 3, 7, 8],  # only 7 8
@@ -439,8 +439,8 @@ def test_drafts_the_policy_declines_to_verify_count_as_skipped_drafting():
     class Declined(CandidateGenerator):
         name = "declined"
 
-        def acceptance_prior(self):
-            return (0.9, 0.05)
+        def drafting(self):
+            return DraftingInfo(priors=(0.9, 0.05))
 
         def propose(self, ctx, max_drafts):
             g = torch.Generator().manual_seed(int(ctx.lengths.sum()))
@@ -453,3 +453,47 @@ def test_drafts_the_policy_declines_to_verify_count_as_skipped_drafting():
     stats = out.stats
     assert stats.drafts_verified[0] >= stats.steps - 2, stats.drafts_verified  # one block tried, then none
     assert stats.skipped_steps >= stats.steps - 3, (stats.skipped_steps, stats.steps)
+
+
+# -- what a generator declares ---------------------------------------------------------------------
+def test_a_generator_declares_its_drafting_in_one_piece_and_the_earlier_hooks_still_count():
+    """``drafting()`` gives priors, the most drafts and stepwise at once; a plugin that still
+    defines ``acceptance_prior``, ``draft_cap`` or ``drafts_stepwise`` gets them honoured with a
+    DeprecationWarning, also below a built-in that defines ``drafting()``."""
+    from candidate_generators.draft_model import DraftModelGenerator
+    from candidate_generators.prompt_lookup import PromptLookupGenerator
+
+    assert declared_drafting(Random(), "random") == DraftingInfo((0.5,), 16, False)
+    assert declared_drafting(PromptLookupGenerator(schedule="fixed"), "pl").max_drafts is None
+    assert DraftingInfo(0.7).priors == (0.7,)
+
+    class Earlier(CandidateGenerator):
+        drafts_stepwise = True
+
+        def acceptance_prior(self):
+            return (0.6, 0.3)
+
+        def draft_cap(self):
+            return 5
+
+    class SureDraft(DraftModelGenerator):
+        def acceptance_prior(self):
+            return 0.95
+
+    with pytest.warns(DeprecationWarning, match="acceptance_prior"):
+        assert declared_drafting(Earlier(), "earlier") == DraftingInfo((0.6, 0.3), 5, True)
+    target, _ = tiny_random("llama", seed=3)
+    with pytest.warns(DeprecationWarning, match="acceptance_prior"):
+        assert declared_drafting(SureDraft(target), "sure") == DraftingInfo((0.95,), 16, True)
+
+    class Bad(CandidateGenerator):
+        def drafting(self):
+            return DraftingInfo(priors=(0.5, 1.0))
+
+        def propose(self, ctx, max_drafts):
+            return Proposal.empty(ctx.batch_size)
+
+    with pytest.raises(ValueError, match="bad_prior: the acceptance priors"):
+        declared_drafting(Bad(), "bad_prior")
+    with pytest.raises(ValueError, match="max_drafts"):
+        declared_drafting(type("Zero", (Bad,), {"drafting": lambda self: DraftingInfo(max_drafts=0)})(), "zero")

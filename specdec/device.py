@@ -1,0 +1,16 @@
+"""Waiting for a device: the one thing a timer needs before it reads the clock.
+
+Work on a CUDA device runs asynchronously, so a forward's time is only known once the device
+has finished it; elsewhere (a CPU) the call returns when the work is done and this is a no-op.
+Used by the run (the target's verification forward) and by the cost model's calibration.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def synchronize(device) -> None:
+    """Block until ``device`` has finished the work queued on it (CUDA only)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)

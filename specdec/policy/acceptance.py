@@ -1,0 +1,136 @@
+"""How often drafts are accepted: learnt per source of drafts, row and position while decoding.
+
+:class:`AcceptanceTracker` keeps, per source of drafts (a generator may name several: prompt
+lookup, then a draft model where lookup finds nothing), row and draft position, decayed counts
+of drafts offered and accepted, pulled towards the source's prior; its estimate is the
+conditional acceptance a_i of the policy's model (docs/draft_length.md). A source none of whose
+drafts has been verified yet is priced at :data:`UNTRIED` (or its prior if higher), so that a
+draft which pays only where it agrees is tried once and then judged on its record.
+:class:`ConfidenceCalibration` learns how acceptance varies with the drafter's own probability
+of a draft, pooled over rows.
+
+Invariants: estimates lie in [0, 1]; counts decay every step, also for a row that did not draft
+(more slowly), so a row that stopped drafting drifts back to the prior and probes again; a
+drafter's confidence changes nothing until it has been seen to mean something.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: acceptance at which a source of drafts is priced until one of its drafts has been verified (its
+#: prior, if higher): a draft whose worth is unknown is tried once where it would pay if it agreed
+#: with the target this often, and its record decides from then on
+UNTRIED = 0.8
+
+
+class AcceptanceTracker:
+    """Per source of drafts, row and draft position, decayed counts of drafts offered and accepted
+    (with a prior per source).
+
+    A generator with several sources (prompt lookup, then a draft model where lookup finds
+    nothing) names each row's source in ``Proposal.sources``; each source's acceptance is learnt
+    apart, so a source that is seldom right shortens its own blocks, not the other's.
+    A row that drafted from a source forgets that source at ``decay`` per step; otherwise it
+    forgets slowly (``idle_decay``), so after a run of rejections its estimate climbs back to the
+    prior over a few dozen steps and it probes again, rarely enough to cost little where drafting
+    never pays.
+
+    With ``untried`` (a run passes :data:`UNTRIED`), until a source's first drafts have been
+    verified (in any row) it is priced at ``untried`` (or its prior if higher) at every position:
+    the prior is what a source is worth on average, but a source that pays only on text it agrees
+    with would never be tried at it, and one verified block settles the question.
+    """
+
+    def __init__(self, batch: int, positions: int, *, prior: float | tuple[float, ...] = 0.5,
+                 prior_weight: float = 2.0, decay: float = 0.9, idle_decay: float = 0.97,
+                 untried: float | None = None):
+        self.priors = tuple(float(p) for p in (prior if isinstance(prior, (tuple, list)) else (prior,)))
+        self.offered = torch.zeros(len(self.priors), batch, positions, dtype=torch.float64)  # [S, B, K]
+        self.accepted = torch.zeros_like(self.offered)
+        self.prior_weight, self.decay, self.idle_decay = prior_weight, decay, idle_decay
+        # per source: the acceptance it is priced at before any of its drafts was verified (None: tried)
+        self.untried: list[float | None] = [max(p, untried) if untried is not None else None for p in self.priors]
+
+    def estimate(self, sources: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, K] conditional acceptance per position of row b's source ``sources[b]`` (default:
+        source 0). Position 1's prior is the source's prior; position i's is the estimate at
+        position i-1, so positions rarely reached borrow from the shallower ones (conditional
+        acceptance seldom falls with depth: a copy that held for i-1 tokens tends to hold on)."""
+        w = self.prior_weight
+        batch = self.offered.shape[1]
+        picks = [0] * batch if sources is None else sources.cpu().tolist()
+        rows = []
+        for b, s in enumerate(picks):  # plain floats: B x K is small
+            if self.untried[s] is not None:
+                rows.append([self.untried[s]] * self.offered.shape[2])
+                continue
+            rate, row = self.priors[s], []
+            for a, o in zip(self.accepted[s, b].tolist(), self.offered[s, b].tolist()):
+                rate = (a + rate * w) / (o + w)
+                row.append(rate)
+            rows.append(row)
+        return torch.tensor(rows, dtype=torch.float64).reshape(self.offered.shape[1:])
+
+    def update(self, offered: torch.Tensor, accepted: torch.Tensor, sources: torch.Tensor | None = None) -> None:
+        """offered [B], accepted [B] drafts of this step, drafted by ``sources [B]`` (default:
+        source 0); position i is tried if offered > i and every earlier draft was accepted."""
+        positions = torch.arange(self.offered.shape[2])[None, None, :]  # [1, 1, K]
+        offered, accepted = offered.cpu()[None, :, None], accepted.cpu()[None, :, None]  # [1, B, 1]
+        picks = torch.zeros(offered.shape[1], dtype=torch.long) if sources is None else sources.cpu().long()
+        mine = (torch.arange(len(self.priors))[:, None] == picks[None, :])[..., None]  # [S, B, 1]
+        drafted = mine & (offered > 0)
+        tried = drafted & (positions < offered) & (positions <= accepted)  # [S, B, K]
+        hit = drafted & (positions < accepted)
+        keep = torch.where(drafted, self.decay, self.idle_decay).double()  # [S, B, 1]
+        self.offered.mul_(keep).add_(tried.double())
+        self.accepted.mul_(keep).add_(hit.double())
+        for s in drafted.flatten(1).any(1).nonzero().flatten().tolist():  # sources verified this step
+            self.untried[s] = None
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        rows = rows.cpu()
+        self.offered, self.accepted = self.offered[:, rows], self.accepted[:, rows]
+
+
+class ConfidenceCalibration:
+    """Per source of drafts, how a draft's acceptance varies with the drafter's own probability of
+    it (``Proposal.confidence``): decayed counts of drafts reached and accepted in ``bins``
+    equal-width bins of confidence, pooled over rows (it describes the drafter, not the row's
+    text). :meth:`factor` is a bin's acceptance over the source's overall acceptance, each bin
+    starting at the overall rate (factor 1): a drafter's confidence changes nothing until it has
+    been seen to mean something. Why: a drafter that is unsure of a token is the one likely to
+    disagree with the target (docs/draft_length.md, "The drafter's own probability")."""
+
+    def __init__(self, priors: tuple[float, ...], bins: int = 10, prior_weight: float = 4.0, decay: float = 0.99):
+        self.priors = tuple(float(p) for p in priors)
+        self.offered = [[0.0] * bins for _ in self.priors]  # [S][bins]
+        self.accepted = [[0.0] * bins for _ in self.priors]
+        self.bins, self.prior_weight, self.decay = bins, prior_weight, decay
+
+    def _bin(self, confidence: float) -> int:
+        return min(max(int(confidence * self.bins), 0), self.bins - 1)
+
+    def factor(self, confidence: float, source: int = 0) -> float:
+        """A draft given ``confidence`` is accepted this many times as often as the source's drafts overall."""
+        w = self.prior_weight
+        overall = (sum(self.accepted[source]) + self.priors[source] * w) / (sum(self.offered[source]) + w)
+        b = self._bin(confidence)
+        return (self.accepted[source][b] + overall * w) / (self.offered[source][b] + w) / overall
+
+    def update(self, confidence: torch.Tensor, offered: torch.Tensor, accepted: torch.Tensor,
+               sources: torch.Tensor | None = None) -> None:
+        """confidence [B, K] (NaN where a draft has none), offered [B], accepted [B] of one step:
+        row b's draft i was reached (verified with every earlier one accepted) if i <= accepted[b]
+        and i < offered[b]."""
+        picks = [0] * confidence.shape[0] if sources is None else sources.cpu().tolist()
+        for s in set(picks):
+            self.offered[s] = [x * self.decay for x in self.offered[s]]
+            self.accepted[s] = [x * self.decay for x in self.accepted[s]]
+        for conf, off, acc, s in zip(confidence.cpu().tolist(), offered.cpu().tolist(), accepted.cpu().tolist(),
+                                     picks):
+            for i, c in enumerate(conf[: min(off, acc + 1)]):
+                if c == c:  # not NaN
+                    b = self._bin(c)
+                    self.offered[s][b] += 1.0
+                    self.accepted[s][b] += float(i < acc)

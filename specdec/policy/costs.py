@@ -1,0 +1,240 @@
+"""What a target forward costs: a table of measured seconds by tokens fed and context.
+
+:class:`CostModel` gives the seconds of one forward of a model as a function of the tokens it
+feeds (width x batch) and of the tokens it attends to (its context). One is kept per (model,
+device, dtype, cache kind, fast output layer or not) for the process: :func:`calibrate` times a
+short series of forwards the first time (on throwaway caches: the user's model is only read),
+then every forward the loop runs corrects it, by a load factor that moves every width at once
+(a busier machine makes a draft no cheaper) and, more slowly, by a shape correction of the
+widths and contexts near the one observed.
+
+Invariants: a wider forward is never predicted cheaper than a narrower one at the same context;
+one observation moves the table by at most a clipped factor, so a forward slowed by another
+process does little harm; a model with ``rate=0`` (the fixed curve used under sampling) never
+moves. Why each piece is there, and how the numbers look on one machine: docs/draft_length.md.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+import weakref
+
+import torch
+
+from ..device import synchronize
+from ..kv import CacheSettings, make_kv
+from ..modelinfo import cache_argument
+
+#: token counts at which a forward's cost is tracked
+COST_GRID = (1, 2, 4, 8, 16, 32, 64)
+#: the counts timed by the first calibration (the others are interpolated until observed); the
+#: small ones matter most: the first drafts' cost decides whether drafting pays at all
+CALIBRATED = (1, 2, 3, 4, 8, 16, 64)
+#: context lengths (tokens already cached) at which costs are tracked: on a CPU a forward of
+#: several tokens costs more over a long context (docs/draft_length.md, "Its inputs")
+CONTEXT_GRID = (32, 512, 2048)
+#: extra cost of each further token fed, in one-token forwards, by device kind: the fixed curve
+#: used where decisions must not depend on timings (sampling, so that a seeded call reproduces);
+#: chosen from the curves measured on each kind (docs/draft_length.md, "Sampling")
+FIXED_SLOPE = {"cpu": 1 / 8, "cuda": 0.28 / 31}
+#: how far one observed forward moves the cost model: the machine's load (one factor for the whole
+#: curve, so a slower machine makes every width slower) and the curve's shape near that point
+LOAD_RATE, SHAPE_RATE = 0.05, 0.05
+
+
+def _bracket(grid: list[float], x: float) -> tuple[int, int, float]:
+    """(lo, hi, weight of hi) of ``x`` in the ascending ``grid``: clamped below its first point,
+    the last segment past its last point (weight above 1)."""
+    if len(grid) == 1:
+        return 0, 0, 0.0
+    x = max(x, grid[0])
+    hi = min(max(bisect.bisect_left(grid, x), 1), len(grid) - 1)
+    return hi - 1, hi, (x - grid[hi - 1]) / (grid[hi] - grid[hi - 1])
+
+
+class CostModel:
+    """Seconds of one forward of a model as a function of the tokens it feeds (width x batch) and
+    of its context (tokens already cached).
+
+    ``seconds [C, G]``: one curve per ``contexts`` point (one row: the same at every context),
+    piecewise linear through ``COST_GRID`` (linear past its last point), linear between contexts
+    (constant past the ends). Each observed forward moves the whole model by a load factor and the
+    points around it (one token excepted) by a shape correction: the model follows the machine's
+    load at every width, also widths the loop seldom runs, and learns its shape relative to the
+    one-token step over time. Plain Python numbers inside: the loop asks it twice per step.
+    """
+
+    _shared: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, CostModel]]" = weakref.WeakKeyDictionary()
+    _lock = threading.Lock()
+
+    def __init__(self, seconds: list, rate: float = SHAPE_RATE, contexts: tuple[int, ...] = (0,)):
+        table = torch.tensor(seconds, dtype=torch.float64)
+        table = table[None, :] if table.dim() == 1 else table
+        if table.shape != (len(contexts), len(COST_GRID)):
+            raise ValueError(f"seconds must be [{len(contexts)}, {len(COST_GRID)}], got {list(table.shape)}")
+        self.table: list[list[float]] = table.tolist()  # [C][G]
+        self.grid = [float(x) for x in COST_GRID]
+        self.contexts = [float(c) for c in contexts]
+        self.load = 1.0  # the machine's load relative to the table
+        self.rate = rate  # 0: a fixed model that observations do not move
+
+    @property
+    def seconds(self) -> torch.Tensor:
+        """[C, G] the table (without the load factor)."""
+        return torch.tensor(self.table, dtype=torch.float64)
+
+    @classmethod
+    def fixed(cls, device_type: str) -> "CostModel":
+        """The timing-free curve of ``FIXED_SLOPE`` (unit: one one-token forward)."""
+        slope = FIXED_SLOPE.get(device_type, FIXED_SLOPE["cpu"])
+        return cls([1.0 + (x - 1) * slope for x in COST_GRID], rate=0.0)
+
+    @classmethod
+    def for_model(cls, model, calibrate_with: torch.Tensor, cache: CacheSettings | None = None,
+                  slots: int = 0) -> tuple["CostModel", float]:
+        """The process-wide cost model of ``model`` on its device and dtype, with this cache kind
+        (static or dynamic, compiled or not); calibrated on first use with the tokens
+        ``calibrate_with [L]`` on a cache of at least ``slots`` slots (the call's: a static
+        cache's length is part of a compiled graph). Returns (model, seconds spent calibrating now)."""
+        cache = cache or CacheSettings()
+        key = _cost_key(model, cache)
+        with cls._lock:
+            found = cls._shared.get(model, {}).get(key)
+        if found is not None:
+            return found, 0.0
+        started = time.perf_counter()
+        made = calibrate(model, calibrate_with, cache, slots)
+        spent = time.perf_counter() - started
+        with cls._lock:
+            return cls._shared.setdefault(model, {}).setdefault(key, made), spent
+
+    def predict(self, tokens: torch.Tensor | float, context: float = 0.0) -> torch.Tensor:
+        """Seconds for forwards feeding ``tokens`` (any shape) after ``context`` cached tokens."""
+        curve = self._curve(float(context))
+        x = torch.as_tensor(tokens, dtype=torch.float64)
+        out = []
+        for t in x.reshape(-1).tolist():
+            lo, hi, w = _bracket(self.grid, t)
+            out.append(curve[lo] + (curve[hi] - curve[lo]) * w)  # linear past the last point too
+        return torch.tensor(out, dtype=torch.float64).reshape(x.shape)
+
+    def _curve(self, context: float) -> list[float]:
+        """Seconds at each ``COST_GRID`` count after ``context`` cached tokens, never cheaper for more."""
+        lo, hi, w = _bracket(self.contexts, context)
+        w = min(w, 1.0)  # constant past the last context
+        curve, top = [], 0.0
+        for a, b in zip(self.table[lo], self.table[hi]):
+            top = max(top, (a * (1 - w) + b * w) * self.load)
+            curve.append(top)
+        return curve
+
+    @classmethod
+    def pin(cls, model, costs: "CostModel", cache: CacheSettings | None = None) -> None:
+        """Use ``costs`` for ``model`` (on its device and dtype, with this cache kind) from now on,
+        e.g. a curve measured offline, or a known one in a test."""
+        with cls._lock:
+            cls._shared.setdefault(model, {})[_cost_key(model, cache or CacheSettings())] = costs
+
+    def observe(self, tokens: int, seconds: float, context: float = 0.0) -> None:
+        """One forward that fed ``tokens`` after ``context`` cached tokens took ``seconds`` (counts
+        past the grid are ignored)."""
+        x = float(max(tokens, 1))
+        if x > COST_GRID[-1] or self.rate == 0.0 or seconds <= 0.0:
+            return
+        predicted = float(self.predict(x, context))
+        # one forward slowed by another process must not move the model far: the ratio is clipped to 1.5x
+        ratio = min(max(seconds / predicted, 1 / 1.5), 1.5)
+        self.load *= ratio ** LOAD_RATE
+        c_lo, c_hi, c_w = _bracket(self.contexts, float(context))
+        c_w = min(c_w, 1.0)
+        g_lo, g_hi, g_w = _bracket(self.grid, x)
+        for c, cw in ((c_lo, 1 - c_w), (c_hi, c_w)):
+            for g, gw in ((g_lo, 1 - g_w), (g_hi, g_w)):
+                if g > 0:  # one token is the anchor: the load alone moves it, the shape is relative to it
+                    self.table[c][g] *= ratio ** (self.rate * cw * gw)
+
+
+def _cost_key(model, cache: CacheSettings) -> tuple:
+    param = next(model.parameters())
+    return (str(param.device), str(param.dtype), *cache.key)
+
+
+def calibrate(model, tokens: torch.Tensor, cache: CacheSettings | None = None, slots: int = 0,
+              reps: int = 3) -> CostModel:
+    """A :class:`CostModel` from timed forwards: the median of ``reps`` forwards at each
+    ``CALIBRATED`` count after a cached context of 32 tokens and after one of 512 where the model's
+    positions (and a static cache of ``slots`` slots) allow, the contexts taken in turn;
+    interpolated in between, extrapolated to the longer ``CONTEXT_GRID`` contexts. Runs on
+    throwaway caches of the call's kind (compiled forwards compile here if not warmed up); the
+    user's model is only read. It calls
+    ``model.forward`` itself, so forward hooks that watch decoding do not see these forwards
+    (their time is reported apart, as ``AcceptanceStats.calibration_seconds``)."""
+    cache = cache or CacheSettings()
+    device = next(model.parameters()).device
+    tokens = tokens.reshape(-1).to(device)
+    if tokens.numel() == 0:
+        tokens = torch.zeros(1, dtype=torch.long, device=device)
+    room = int(getattr(model.config.get_text_config(), "max_position_embeddings", 0) or 0) or CONTEXT_GRID[1] * 4
+    if cache.static:
+        room = min(room, slots)  # a static cache's length is part of its compiled graphs
+    contexts = [c for c in CONTEXT_GRID[:2] if c == CONTEXT_GRID[0] or c + CALIBRATED[-1] + 1 <= room]
+    cache_kwarg = cache_argument(model)
+    kvs = [make_kv(model, 1, max(slots, length + CALIBRATED[-1] + 1), cache) for length in contexts]
+    try:
+        with torch.no_grad():
+            prefixes = [tokens.repeat(n // tokens.numel() + 1)[:n] for n in contexts]
+            curves = _time_widths(model, kvs, cache_kwarg, prefixes, reps)
+    finally:
+        for kv in kvs:
+            kv.release()
+    calibrated = [float(c) for c in CALIBRATED]
+    rows = []  # [contexts][COST_GRID], interpolated between the calibrated counts
+    for curve in curves:
+        points = [_bracket(calibrated, float(x)) for x in COST_GRID]
+        rows.append([curve[lo] + (curve[hi] - curve[lo]) * w for lo, hi, w in points])
+    if len(contexts) == 1:
+        return CostModel(rows[0])
+    span = contexts[1] - contexts[0]
+    growth = [max(b - a, 0.0) / span for a, b in zip(*rows)]  # seconds per further cached token
+    table = [[a + g * (c - contexts[0]) for a, g in zip(rows[0], growth)] for c in CONTEXT_GRID]
+    return CostModel(table, contexts=CONTEXT_GRID)
+
+
+def _time_widths(model, kvs: list, cache_kwarg: str, contexts: list[torch.Tensor], reps: int) -> list[list[float]]:
+    """Median seconds of a forward of each ``CALIBRATED`` count after each ``contexts[i] [L_i]``
+    is cached in ``kvs[i]``: [contexts][CALIBRATED]. Every round times each count after each
+    context in turn, so a change of the machine's load skews no count or context alone (timed
+    context by context, a load change between them skewed the context's effect: see
+    docs/draft_length.md, "Its inputs")."""
+
+    def forward(kv, ids: torch.Tensor, first_slot: int) -> None:
+        device = ids.device
+        width = ids.shape[1]
+        fed = kv.padded_width(width, first_slot == 0)
+        ids = torch.cat([ids, ids.new_zeros(1, fed - width)], dim=1)
+        kwargs = {"input_ids": ids, "position_ids": first_slot + torch.arange(fed, device=device)[None, :],
+                  cache_kwarg: kv.cache, "use_cache": True, "logits_to_keep": 1 if first_slot == 0 else width}
+        mask = lambda slots: (torch.arange(slots, device=device) < first_slot + width).long()[None, :]  # noqa: E731
+        kv.forward(model, kwargs, first_slot=first_slot, width=width, first=first_slot == 0, mask=mask,
+                   needs_mask=False, direct=True)
+
+    for kv, context in zip(kvs, contexts):
+        length = context.numel()
+        forward(kv, context[None, :], 0)
+        forward(kv, context[:1][None, :], length)  # warms up the step path
+        kv.crop(length + 1, length)
+    times = [{count: [] for count in CALIBRATED} for _ in contexts]
+    for _ in range(reps):
+        for count in CALIBRATED:
+            for kv, context, timed in zip(kvs, contexts, times):
+                length = context.numel()
+                ids = context.repeat(count // length + 1)[:count][None, :]  # [1, count]
+                synchronize(context.device)
+                start = time.perf_counter()
+                forward(kv, ids, length)
+                synchronize(context.device)
+                timed[count].append(time.perf_counter() - start)
+                kv.crop(length + count, length)
+    return [[sorted(t)[(reps - 1) // 2] for t in timed.values()] for timed in times]

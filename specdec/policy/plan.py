@@ -1,0 +1,304 @@
+"""How many drafts to verify: each step's plan, from measured costs and learnt acceptance.
+
+The model (Leviathan et al. 2023, with measured costs in place of a constant ratio). If the
+drafts at positions 1..K are accepted with conditional probabilities a_1..a_K (a_i: accepted at
+i given 1..i-1 were), one verification commits on average
+
+    E(K) = 1 + sum_{i=1..K} prod_{j<=i} a_j        tokens (the target's own token included)
+
+and costs ``T(K) = draft(K) + verify(K + pending)`` seconds. The policy picks the K that maximises
+committed tokens per second, ``E(K) / T(K)``; K = 0 is plain decoding (E = 1, no drafting). A
+batch shares one forward, whose cost follows its widest row, so the batch picks one width W and
+row b verifies ``min(W, available_b)`` drafts.
+
+Its inputs: ``verify`` from the target's :class:`~.costs.CostModel`; ``draft`` per proposed
+token, measured from the generator's ``propose`` (before the first measurement, the bytes the
+attached assistants' steps read relative to the target's, times a one-token target forward:
+decoding is bound by reading weights, so a draft model too slow to pay is not even
+prefilled); a_i from the :class:`~.acceptance.AcceptanceTracker` of the row's source, scaled by
+the :class:`~.acceptance.ConfidenceCalibration` where the drafter gave its probability.
+
+One call's :class:`DraftPolicy` meets the run at three points of a step:
+
+1. :meth:`DraftPolicy.plan` before the proposal: the drafts to ask each row for, drafting's cost
+   included. While the generator proposes it may ask :meth:`~DraftPolicy.step_rate` and
+   :meth:`~DraftPolicy.step_keep` about that step (``ctx.draft_rate``, ``ctx.keep_drafting``);
+2. :meth:`DraftPolicy.admit` once the drafts are made: how many to verify (drafting is paid);
+3. :meth:`DraftPolicy.observe` after the commit, with the step's
+   :class:`~specdec.generators.StepRecord`: what each forward and proposal cost, what was
+   accepted.
+
+Nothing outside this package reads or writes the policy's members.
+
+:func:`choose_width` is a pure function (tested with hypothesis): never above what rows can
+offer, zero when no width pays, and never a wider block when acceptance falls.
+
+Under sampling, decisions must not depend on timings: a seeded call must reproduce exactly, and
+the random numbers the verifier draws depend on how many drafts each step verifies. There the
+policy uses a fixed cost curve per device kind (``FIXED_SLOPE``) and a drafting cost equal to
+the bytes of weights the attached assistants' steps read relative to the target's, so its
+choices follow from the committed tokens alone. See docs/draft_length.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..kv import CacheSettings
+from ..modelinfo import step_bytes
+from .acceptance import UNTRIED, AcceptanceTracker, ConfidenceCalibration
+from .costs import CostModel
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..generators import DraftingInfo, StepRecord
+
+
+def expected_tokens(accept: torch.Tensor) -> torch.Tensor:
+    """accept [B, K] conditional acceptance per position -> [B, K+1]: E(k) for k = 0..K."""
+    rows = [_expected(rates) for rates in accept.double().tolist()]
+    return torch.tensor(rows, dtype=torch.float64).reshape(accept.shape[0], accept.shape[1] + 1)
+
+
+def _expected(rates: list[float]) -> list[float]:
+    """E(k) for k = 0..K of one row (plain floats: the loop asks every step, and B x K is small)."""
+    out, reach = [1.0], 1.0
+    for a in rates:
+        reach *= a  # P(drafts 1..i all accepted)
+        out.append(out[-1] + reach)
+    return out
+
+
+def choose_width(accept: torch.Tensor, available: torch.Tensor, step_seconds: torch.Tensor) -> int:
+    """The number of drafts W that maximises the batch's committed tokens per second.
+
+    accept [B, K] conditional acceptance per row and position; available [B] drafts each row can
+    offer (at most K); step_seconds [K+1] the cost of a step that verifies w drafts (w = 0..K),
+    drafting included. Row b verifies ``min(W, available[b])``. Ties go to the smaller W.
+    """
+    k = accept.shape[1]
+    total = [0.0] * (k + 1)  # committed tokens of the batch for w = 0..K
+    for rates, offer in zip(accept.double().tolist(), available.long().clamp(0, k).tolist()):
+        expected = _expected(rates)
+        for w in range(k + 1):
+            total[w] += expected[min(w, offer)]
+    widest = int(available.max()) if available.numel() else 0
+    rate = [t / max(c, 1e-12) for t, c in zip(total, step_seconds.double().tolist())][: widest + 1]
+    best = max(rate)
+    return next(w for w, r in enumerate(rate) if r >= best * (1 - 1e-9))  # the smallest of the best
+
+
+@dataclass
+class DraftPolicy:
+    """One call's draft-length policy: chooses the drafts to ask for and to verify each step."""
+
+    costs: CostModel
+    acceptance: AcceptanceTracker
+    max_drafts: int
+    #: propose time per proposed token: a prior until the first measurement, then a decayed mean
+    draft_seconds_per_token: float = 0.0
+    measured: bool = True  # False: fixed costs and a fixed drafting cost, decisions free of timings
+    step_overhead: float = 0.0  # seconds of a step outside the target forward and drafting (decayed mean)
+    drafting_measured: bool = False  # whether draft_seconds_per_token is a measurement yet
+    #: acceptance given the drafter's own probability, for generators that give one
+    calibration: ConfidenceCalibration | None = None
+    #: the generator drafts one token at a time and its own probabilities end each block
+    stepwise: bool = False
+    #: per attached assistant (in the run's order): the bytes its step reads relative to the target's
+    weights: tuple[float, ...] = ()
+    #: (pending, context) of the step planned last: what admit, step_rate and step_keep price
+    shape: tuple[int, int] = (0, 0)
+    plugin: str = ""  # the generator's name, for errors
+    priced: bool = True  # False until price() (during the generator's setup): step_rate answers None
+
+    def __post_init__(self):
+        if self.calibration is None:
+            self.calibration = ConfidenceCalibration(self.acceptance.priors)
+
+    # -- one call's policy: built before the generator's setup, priced after it -----------------
+    @classmethod
+    def for_call(cls, info: "DraftingInfo", batch: int, do_sample: bool, device_type: str,
+                 plugin: str = "") -> "DraftPolicy | None":
+        """The policy of one call for a generator that declares ``info``, or None when it sets its
+        own draft lengths (``info.max_drafts`` None). Timing-free under sampling. Drafting is
+        priced by :meth:`price` once the generator's setup has attached its assistants."""
+        if info.max_drafts is None:
+            return None
+        acceptance = AcceptanceTracker(batch, info.max_drafts, prior=info.priors, untried=UNTRIED)
+        return cls(CostModel.fixed(device_type), acceptance, info.max_drafts, measured=not do_sample,
+                   stepwise=info.stepwise, plugin=plugin, priced=False)
+
+    def price(self, target, assistants: list, rows: torch.Tensor, lengths: torch.Tensor,
+              cache: CacheSettings, slots: int) -> float:
+        """Price the call's forwards and drafts, the ``assistants`` (models, in the run's order)
+        attached: each assistant's step at the bytes it reads relative to the target's (no
+        assistant, e.g. prompt lookup: about nothing). Under greedy decoding the target's
+        process-wide measured :class:`CostModel` (calibrated on the first prompt row ``rows[0,
+        :lengths[0]]`` on first use, on a cache of ``slots`` slots); under sampling the fixed
+        curve. Returns the seconds spent calibrating now."""
+        self.weights = tuple(step_bytes(model) / step_bytes(target) for model in assistants)
+        ratio, self.priced = sum(self.weights), True
+        if not self.measured:
+            self.draft_seconds_per_token = ratio  # in one-token forwards of the fixed curve
+            return 0.0
+        self.costs, spent = CostModel.for_model(target, rows[0, : int(lengths[0])], cache, slots=slots)
+        # the drafting cost's prior until propose() is first timed (the first proposal also prefills)
+        self.draft_seconds_per_token = ratio * float(self.costs.predict(rows.shape[0], float(lengths.max())))
+        return spent
+
+    # -- the run's three calls a step -------------------------------------------------------------
+    def plan(self, remaining: torch.Tensor, pending: int, context: int, prefills: list[int]) -> torch.Tensor:
+        """[B] drafts to ask each row for before proposing. ``remaining [B]``: drafts each row may
+        still take; ``pending``: tokens the target feeds besides the drafts; ``context``: cache
+        slots the verification attends to besides its own tokens; ``prefills``: per assistant (in
+        :meth:`price`'s order) the tokens it has yet to prefill (0: none owed)."""
+        self.shape = (pending, context)
+        # an assistant's prefill still to come is paid once, so it is spread over the steps left;
+        # and drafting starts only where a later step (one token pending) would draft too
+        setup = self._setup_seconds(prefills) / max(int(remaining.max()), 1)
+        ask = self.budget(remaining, pending, context, setup)
+        if setup > 0:
+            steady = self.budget(remaining, 1, context + pending, setup)
+            ask = torch.where(steady > 0, ask, torch.zeros_like(ask))
+        if self.stepwise:  # where drafting pays, the drafter's own probabilities end the block
+            ask = torch.where(ask > 0, remaining.clamp(0, self.max_drafts), ask)
+        return ask
+
+    def admit(self, offered: torch.Tensor, sources: torch.Tensor | None,
+              confidence: torch.Tensor | None) -> torch.Tensor:
+        """[B] drafts to verify of the ``offered [B]`` ones, for the step planned last (:meth:`trim`)."""
+        return self.trim(offered, *self.shape, sources, confidence)
+
+    def observe(self, record: "StepRecord") -> None:
+        """Learn from one step: the drafting cost (unless an assistant prefilled or caught up in
+        the proposal: a cost of resuming, not of a draft), the forward's cost (not the prefill's),
+        each source's acceptance, what the drafter's confidence meant, the step's other costs."""
+        sources = record.sources
+        if not record.first:
+            made = record.made.cpu() if sources is None else record.made.cpu()[sources == 0]  # drafts that cost time
+            if not record.catching_up and made.numel():
+                self.observe_drafting(record.drafting, int(made.max()))
+            self.costs.observe(record.fed, record.forward, record.context)
+        self.acceptance.update(record.offered, record.accepted, sources)
+        if record.confidence is not None:
+            self.calibration.update(record.confidence, record.offered, record.accepted, sources)
+        if not record.first:
+            self.observe_overhead(record.overhead())
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (finished rows left the batch)."""
+        self.acceptance.select_rows(rows)
+
+    # -- what a generator may ask while it proposes (DecodeContext.draft_rate / keep_drafting) ---
+    def step_rate(self, counts: torch.Tensor, source: int) -> torch.Tensor | None:
+        """:meth:`rates` for the step planned last; None before :meth:`price`."""
+        if not self.priced:
+            return None
+        if not 0 <= int(source) < len(self.acceptance.priors):
+            raise ValueError(f"{self.plugin}: draft_rate(source={source}) needs a source in "
+                             f"[0, {len(self.acceptance.priors)}) (one per DraftingInfo.priors)")
+        return self.rates(counts, *self.shape, int(source)).to(counts.device)
+
+    def step_keep(self, confidence: torch.Tensor, max_drafts: torch.Tensor) -> bool:
+        """:meth:`keep_drafting` for the step planned last; True before :meth:`price`."""
+        return True if not self.priced else self.keep_drafting(confidence, max_drafts, *self.shape)
+
+    def _setup_seconds(self, prefills: list[int]) -> float:
+        """Seconds the assistants that have not yet run would spend prefilling before their first
+        draft (a cost drafting pays once), each priced like a target forward over as many tokens,
+        scaled by its weight."""
+        return sum((w * float(self.costs.predict(t)) for w, t in zip(self.weights, prefills) if t), 0.0)
+
+    # -- the plan's pieces -----------------------------------------------------------------------
+
+    def budget(self, remaining: torch.Tensor, pending: int, context: int = 0, setup: float = 0.0) -> torch.Tensor:
+        """Drafts to ask each row for before proposing (drafting cost included), priced with
+        source 0's acceptance and drafting cost (a generator's main, costlier source: another
+        source that drafts for free offers up to as many). remaining [B]; ``context``: the cache
+        slots the verification attends to besides the tokens it feeds; ``setup``: seconds any
+        drafting this step pays once (assistants that still have to prefill)."""
+        return self._cap(remaining, pending, context, self.draft_seconds_per_token, setup=setup)
+
+    def trim(self, offered: torch.Tensor, pending: int, context: int = 0,
+             sources: torch.Tensor | None = None, confidence: torch.Tensor | None = None) -> torch.Tensor:
+        """Drafts to verify once proposed (drafting is paid): offered [B] -> [B], each row valued
+        with the acceptance of its source (``sources [B]``, default 0), and where the drafter gave
+        its probability of a draft (``confidence [B, K]``), with the acceptance seen at that probability."""
+        return self._cap(offered, pending, context, 0.0, sources, confidence=confidence)
+
+    def keep_drafting(self, confidence: torch.Tensor, available: torch.Tensor, pending: int, context: int = 0) -> bool:
+        """Whether drafting one more token still pays, with ``confidence [B, i]`` the drafter's
+        probabilities of the i drafts made so far and ``available [B]`` the most drafts a row may
+        offer: the step is planned again as :meth:`budget` plans it, valued with these drafts' own
+        acceptance, and the best block is longer than i. (The drafts made stay in the step's cost:
+        a block is worth extending if its tokens per second, over the whole step, grow, which is
+        what keeps the long-run rate highest; leaving the paid drafts out would compare each
+        further draft with a step made to look cheap, and end blocks of drafts that all pay.)"""
+        made = confidence.shape[1]
+        counts = available.cpu().clamp(0, self.max_drafts)
+        seconds = self._step_seconds(counts.shape[0], pending, context, self.draft_seconds_per_token)
+        return choose_width(self._estimate(None, confidence), counts, seconds) > made
+
+    def _estimate(self, sources: torch.Tensor | None, confidence: torch.Tensor | None) -> torch.Tensor:
+        """[B, K] conditional acceptance per position: the tracker's, scaled where a draft came with
+        the drafter's probability by how acceptance at that probability compares with the source's
+        overall (:meth:`ConfidenceCalibration.factor`)."""
+        estimate = self.acceptance.estimate(sources)
+        if confidence is None or confidence.numel() == 0:
+            return estimate
+        picks = [0] * estimate.shape[0] if sources is None else sources.cpu().tolist()
+        width = min(confidence.shape[1], estimate.shape[1])
+        for b, (row, s) in enumerate(zip(confidence[:, :width].cpu().tolist(), picks)):
+            for i, c in enumerate(row):
+                if c == c:  # not NaN
+                    estimate[b, i] = min(float(estimate[b, i]) * self.calibration.factor(c, s), 1.0)
+        return estimate
+
+    def _cap(self, counts: torch.Tensor, pending: int, context: int, per_draft: float,
+             sources: torch.Tensor | None = None, setup: float = 0.0,
+             confidence: torch.Tensor | None = None) -> torch.Tensor:
+        """counts [B] capped at the width that maximises committed tokens per second, where each
+        draft costs ``per_draft`` seconds to make on top of verifying it, and drafting at all
+        ``setup`` seconds."""
+        available = counts.cpu().clamp(0, self.max_drafts)  # [B]
+        seconds = self._step_seconds(available.shape[0], pending, context, per_draft, setup)
+        width = choose_width(self._estimate(sources, confidence), available, seconds)
+        return available.clamp(max=width).to(counts.device)
+
+    def _step_seconds(self, batch: int, pending: int, context: int, per_draft: float,
+                      setup: float = 0.0) -> torch.Tensor:
+        """[max_drafts + 1] seconds of a step of ``batch`` rows that verifies w = 0.. drafts a row."""
+        widths = torch.arange(self.max_drafts + 1, dtype=torch.float64)
+        return (self.costs.predict((widths + pending) * batch, context) + per_draft * widths
+                + setup * (widths > 0) + self.step_overhead)
+
+    def rates(self, counts: torch.Tensor, pending: int, context: int, source: int = 0) -> torch.Tensor:
+        """[B] committed tokens per second row b is expected to reach this step if it verifies the
+        best number, up to ``counts[b]``, of drafts from ``source`` (zero drafts included: plain
+        decoding). Source 0's drafts cost the measured drafting time; other sources' are free."""
+        per_draft = self.draft_seconds_per_token if source == 0 else 0.0
+        available = counts.cpu().clamp(0, self.max_drafts).tolist()
+        seconds = self._step_seconds(len(available), pending, context, per_draft).tolist()
+        estimate = self.acceptance.estimate(torch.full((len(available),), source, dtype=torch.long))
+        out = []
+        for accept, offer in zip(estimate.tolist(), available):
+            expected = _expected(accept)
+            out.append(max(expected[w] / max(seconds[w], 1e-12) for w in range(offer + 1)))
+        return torch.tensor(out, dtype=torch.float64)
+
+    def observe_overhead(self, seconds: float) -> None:
+        """A step spent ``seconds`` outside the target forward and drafting (verification, commit,
+        syncing, bookkeeping): a cost every step pays, whatever K, which favours longer blocks."""
+        if self.measured:
+            self.step_overhead = 0.8 * self.step_overhead + 0.2 * max(seconds, 0.0)
+
+    def observe_drafting(self, seconds: float, proposed: int) -> None:
+        """``propose`` took ``seconds`` for a block of ``proposed`` drafts (the widest row of
+        source 0)."""
+        if proposed > 0 and self.measured:
+            per_token = seconds / proposed
+            self.draft_seconds_per_token = (0.8 * self.draft_seconds_per_token + 0.2 * per_token
+                                            if self.drafting_measured else per_token)
+            self.drafting_measured = True
