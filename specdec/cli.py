@@ -349,33 +349,30 @@ def cmd_bench(argv: list[str]) -> int:
     return bench_main(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "bench":
-        return cmd_bench(argv[1:])
+# -- the parser ---------------------------------------------------------------------------------------
+def _common_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of every command that runs models: what runs, and where and how."""
     from .models import DTYPES
 
-    parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding for transformers.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    p.add_argument("--target", default="smollm2-135m", help="model name (see `specdec list`) or a local folder")
+    p.add_argument("--draft", default="prompt_lookup", help="generator name, draft model name, or 'none'")
+    p.add_argument("--option", action="append", metavar="KEY=VALUE", help="generator option, repeatable")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    p.add_argument("--threads", type=_threads, default="auto",
+                   help="intra-op threads: a number, or 'auto' (default): the cores idle right now")
+    p.add_argument("--device", type=_device, default="cpu",
+                   help="where the models run: cpu (default), cuda, cuda:N, or auto (cuda when there is one)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                   help="the models' weights (default float32)")
+    p.add_argument("--cache-implementation", choices=["dynamic", "static"], default="dynamic",
+                   help="key/value caches: dynamic (default) or static (allocated once; needed by --compile)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the forwards (with --cache-implementation static), before timing anything")
 
-    def common(p):
-        p.add_argument("--target", default="smollm2-135m", help="model name (see `specdec list`) or a local folder")
-        p.add_argument("--draft", default="prompt_lookup", help="generator name, draft model name, or 'none'")
-        p.add_argument("--option", action="append", metavar="KEY=VALUE", help="generator option, repeatable")
-        p.add_argument("--max-new-tokens", type=_positive_int, default=128)
-        p.add_argument("--threads", type=_threads, default="auto",
-                       help="intra-op threads: a number, or 'auto' (default): the cores idle right now")
-        p.add_argument("--device", type=_device, default="cpu",
-                       help="where the models run: cpu (default), cuda, cuda:N, or auto (cuda when there is one)")
-        p.add_argument("--dtype", choices=list(DTYPES), default="float32",
-                       help="the models' weights (default float32)")
-        p.add_argument("--cache-implementation", choices=["dynamic", "static"], default="dynamic",
-                       help="key/value caches: dynamic (default) or static (allocated once; needed by --compile)")
-        p.add_argument("--compile", action="store_true",
-                       help="torch.compile the forwards (with --cache-implementation static), before timing anything")
 
+def _generate_parser(sub) -> None:
     g = sub.add_parser("generate", help="generate text for one prompt")
-    common(g)
+    _common_arguments(g)
     g.add_argument("prompt")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
@@ -385,8 +382,29 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed", type=int, default=0)
     g.set_defaults(func=cmd_generate)
 
+
+def _run(args) -> int:
+    """``args.func(args)``; a usage error (a bad name, value or file) is one line and exit status 2."""
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, KeyError, FileNotFoundError, RuntimeError) as exc:
+        if type(exc).__name__ in ("UsageError", "ModelNotAvailableError", "UnknownGeneratorError", "ValueError",
+                                  "FileNotFoundError"):
+            print(f"specdec: error: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        return cmd_bench(argv[1:])
+    parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding for transformers.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+
     d = sub.add_parser("demo", help="speedup over plain decoding on a few Spec-Bench prompts")
-    common(d)
+    _common_arguments(d)
     d.add_argument("--per-category", type=_positive_int, default=2)
     d.add_argument("--categories", default=None,
                    help=f"comma-separated Spec-Bench categories (default: {','.join(DEMO_CATEGORIES)})")
@@ -400,14 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         from .prompts import DEFAULT_SPEC_BENCH
 
         args.dataset = DEFAULT_SPEC_BENCH
-    try:
-        return args.func(args)
-    except (ValueError, TypeError, KeyError, FileNotFoundError, RuntimeError) as exc:
-        if type(exc).__name__ in ("UsageError", "ModelNotAvailableError", "UnknownGeneratorError", "ValueError",
-                                  "FileNotFoundError"):
-            print(f"specdec: error: {exc}", file=sys.stderr)
-            return 2
-        raise
+    return _run(args)
 
 
 if __name__ == "__main__":  # pragma: no cover
