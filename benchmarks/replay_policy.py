@@ -33,6 +33,7 @@ from transformers import AutoTokenizer
 from specdec.bench.config import load_config
 from specdec.bench.results import default_out_dir
 from specdec.bench.runner import build_messages, load_selected_questions
+from specdec.generators import StepRecord
 from specdec.metrics import AcceptanceStats
 from specdec.models import packaged_location
 from specdec.policy import COST_GRID, UNTRIED, AcceptanceTracker, CostModel, DraftPolicy
@@ -61,20 +62,20 @@ def replay(prompt: list[int], output: list[int], policy: DraftPolicy | None, fix
     seconds, stats, k_now = 0.0, AcceptanceStats(), (fixed[1] if fixed else 0)
     while committed < end:
         remaining = torch.tensor([end - committed - 1])
-        ask = policy.budget(remaining, 1) if policy else torch.minimum(torch.tensor([k_now]), remaining)
+        ask = policy.plan(remaining, 1, 0, []) if policy else torch.minimum(torch.tensor([k_now]), remaining)
         match = lookup_match(sequence[:committed], *ngrams, int(ask[0])) if int(ask[0]) > 0 else NO_MATCH
         found, source = match.drafts, torch.tensor([ngram_source(ngrams[0], match.n, match.contested)])
-        offered = torch.tensor([found.numel()])
-        if policy:
-            offered = policy.trim(offered, 1, sources=source)
+        made = torch.tensor([found.numel()])
+        offered = policy.admit(made, source, None) if policy else made
         k = int(offered[0])
         truth = sequence[committed: committed + k]
         accepted = int((found[:k] == truth).long().cumprod(0).sum()) if k else 0
         seconds += float(costs.predict(1 + k)) + overhead
         stats.record_step([k], [accepted], [accepted + 1])
         stats.skipped_steps += int(bool(policy) and (ask[0] == 0 or (found.numel() > 0 and k == 0)) and remaining[0] > 0)
-        if policy:
-            policy.acceptance.update(torch.tensor([k]), torch.tensor([accepted]), source)
+        if policy:  # timing-free (measured=False, a fixed curve): it learns the acceptance only
+            policy.observe(StepRecord(offered, torch.tensor([accepted]), asked=ask, made=made, candidates=made,
+                                      kept=torch.tensor([accepted + 1]), room=remaining, sources=source))
         elif fixed[0] == "adaptive" and k > 0:
             k_now = min(k_now + 2, 10) if accepted == k else max(k_now - 1, 1)
         committed += accepted + 1
@@ -109,8 +110,8 @@ def main() -> None:
             previous = [answers[(q.question_id, t)] for t in range(1, r["turn"])]
             prompt = encode_chat(tokenizer, build_messages(q.turns[: r["turn"]], previous))[0].tolist()
             policy = None if fixed else DraftPolicy(
-                costs, AcceptanceTracker(1, 10, prior=default.acceptance_prior(), untried=UNTRIED), 10,
-                step_overhead=overhead)
+                costs, AcceptanceTracker(1, 10, prior=default.drafting().priors, untried=UNTRIED), 10,
+                step_overhead=overhead, measured=False)
             spent, stats = replay(prompt, r["output_ids"], policy, fixed, ngrams, costs, overhead)
             plain = len(r["output_ids"]) * (float(costs.predict(1)) + overhead)
             by_subtask.setdefault(r["subtask"], [0.0, 0.0])

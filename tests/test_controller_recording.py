@@ -15,7 +15,8 @@ With the per-step verdicts (offered / accepted drafts, heard through the generat
 * the assistant drafts exactly the tokens the target then verifies;
 * only the first forward of each model receives ``marker``; neither model's ``generate()`` runs.
 
-Then ``AcceptanceStats`` (item 10): every field present and consistent with the verdicts.
+Then ``AcceptanceStats`` (item 10): every field present and consistent with the verdicts; and the
+one :class:`~specdec.generators.StepRecord` a step builds, which the generator hears as its feedback.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from transformers import LlamaForCausalLM
 
 from candidate_generators.draft_model import DraftModelGenerator
 from specdec import AcceptanceStats, SpecDecoder
+from specdec.generators import StepRecord
 from specdec.multimodal import declared_inputs
 from specdec.models import tiny_random
 
@@ -231,3 +233,32 @@ def test_the_target_drafting_for_itself_accepts_everything(pair):
     stats = out.stats
     assert stats.acceptance_rate == 1.0 and stats.steps == 4  # 4 blocks of 3 drafts + 1 bonus
     assert stats.mean_accepted_length == 4.0 and stats.per_position_acceptance == [1.0, 1.0, 1.0]
+
+
+def test_each_step_builds_one_record_that_the_generator_hears(pair, monkeypatch):
+    """The generator's ``observe`` gets the step's :class:`StepRecord`: its counts nest (verified
+    <= worth verifying <= made <= asked), a row keeps at most its accepted drafts and the target's
+    token, only the first step is the prefill, and the records add up to the output and stats."""
+    target, draft, tokenizer = pair
+    records: list[StepRecord] = []
+    observe = DraftModelGenerator.observe
+
+    def recording_observe(self, ctx, feedback):
+        records.append(feedback)
+        observe(self, ctx, feedback)
+
+    monkeypatch.setattr(DraftModelGenerator, "observe", recording_observe)
+    rows = [repetitive_prompt(n, seed=n)[0] for n in (6, 12)]
+    ids, mask = left_pad(rows, tokenizer.pad_token_id)
+    out = SpecDecoder(target, DraftModelGenerator(draft, num_tokens=3, schedule="fixed")).generate(
+        ids, mask, max_new_tokens=24)
+    assert sum(r.offered.shape[0] for r in records) == out.stats.steps  # row-steps
+    for i, r in enumerate(records):
+        assert isinstance(r, StepRecord) and r.first == (i == 0) and not r.waiting
+        assert bool((r.offered <= r.candidates).all() and (r.candidates <= r.made).all() and (r.made <= r.asked).all())
+        assert bool((r.accepted <= r.offered).all() and (r.kept <= r.accepted + 1).all() and (r.kept >= 0).all())
+        assert r.drafting >= 0 and r.forward > 0 and r.verifying >= r.forward
+        if not r.first:  # each row fed its pending tokens (at least the newest) and the widest block of drafts
+            assert r.fed % len(r.offered) == 0 and r.fed >= (1 + int(r.offered.max())) * len(r.offered)
+    assert sum(int(r.kept.sum()) for r in records) == out.stats.committed_tokens
+    assert sum(int(r.offered.sum()) for r in records) == out.stats.drafted_tokens > 0
