@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -252,79 +252,44 @@ def cmd_generate(args) -> int:
     return 0
 
 
-#: Spec-Bench categories whose answers restate their input (extraction from a given text, answers
-#: grounded in retrieved documents, summaries, translations): where prompt lookup pays on any
-#: machine. Open-ended text gains less (docs/benchmarks.md).
-DEMO_CATEGORIES = ("extraction", "rag", "summarization", "translation")
-
-
 def cmd_demo(args) -> int:
-    """Plain decoding (target.generate) vs speculative decoding on a few Spec-Bench prompts, side by side.
+    """Plain decoding (target.generate) vs speculative decoding on a few Spec-Bench prompts: the packaged
+    bench config ``specdec/bench/configs/demo.yaml`` with these flags, run by the bench runner.
 
-    The table goes to stdout; what it is doing (loading, each prompt and method) to stderr."""
-    from .bench.runner import hf_cache_kwargs, hf_warmup
-    from .prompts import encode_chat, load_questions
-
+    The table goes to stdout; what it is doing (loading, each prompt and method) to stderr. Results go
+    to a temporary directory removed at the end, or to ``--out DIR`` (kept, with report.md)."""
     check_target(args.target)
     if args.draft is None or args.draft == "none":
         raise UsageError("the demo compares a draft with plain decoding: give a --draft other than 'none'")
     placement = check_placement(args)
-    plan = plan_draft(args.draft, _parse_options(args.option))
+    options = _parse_options(args.option)
+    plan = plan_draft(args.draft, options)
+    if not Path(args.dataset).is_file():
+        raise UsageError(f"Spec-Bench question file not found: {args.dataset} (set SPECDEC_SPEC_BENCH or pass --dataset)")
+    method = {"name": args.draft, "generator": args.draft, "options": options}
+    if plan.model is not None:  # a bench method names its generator: a draft model drafts with draft_model
+        method.update(generator="draft_model", draft=plan.model)
+    from .bench.config import ConfigError  # the bench, once every flag has passed its checks
+    from .bench.demo import DemoSettings, demo_config, run_demo
+    from .bench.runner import ResultsMismatchError
+
+    settings = DemoSettings(method, target=args.target, dataset=str(args.dataset), max_new_tokens=args.max_new_tokens,
+                            categories=args.categories.split(",") if args.categories else None,
+                            per_category=args.per_category, threads=configure_threads(args.threads),
+                            device=args.device, dtype=args.dtype, cache_implementation=placement.cache_implementation,
+                            compile=placement.compile)
     try:
-        questions = load_questions(args.dataset)
-    except FileNotFoundError as exc:
-        raise UsageError(f"{exc} (set SPECDEC_SPEC_BENCH or pass --dataset)") from None
-    picked = []
-    categories = args.categories.split(",") if args.categories else DEMO_CATEGORIES
-    for category in categories:
-        picked += [q for q in questions if q.get("category") == category][: args.per_category]
-    if not picked:
-        raise UsageError(f"{args.dataset} has no question in the categories {', '.join(categories)}")
+        identical = run_demo(demo_config(settings), out=args.out, status=_status)
+    except (ConfigError, ResultsMismatchError) as exc:
+        raise UsageError(str(exc)) from None
+    return 0 if identical else 1
 
-    configure_threads(args.threads)
-    _status(f"loading {args.target} ...")
-    target, tokenizer = placement.load(args.target)
-    if plan.model is not None:
-        _status(f"loading the draft {plan.model} ...")
-    spec = build_decoder(target, tokenizer, plan, placement)
-    cache = hf_cache_kwargs(placement.cache_implementation, placement.compile)
-    prompts = [encode_chat(tokenizer, [{"role": "user", "content": q["turns"][0]}]).to(placement.device)
-               for q in picked]
 
-    def plain(ids):  # the baseline is transformers' own greedy decoding, with the same kind of cache
-        return target.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False, **cache)
+def _demo_defaults() -> dict:
+    """The packaged demo config's ``dataset`` section, read without importing the bench (for ``--help``)."""
+    import yaml
 
-    if placement.compile:
-        _status("compiling plain and speculative decoding ...")
-        longest = max(p.shape[1] for p in prompts) + args.max_new_tokens
-        _compiled_status(hf_warmup(target, cache, 1, longest) + spec.warmup(batch_size=1, max_length=longest))
-    _status("warming up ...")
-    warm = encode_chat(tokenizer, [{"role": "user", "content": "Hello"}]).to(placement.device)
-    target.generate(warm, max_new_tokens=4, do_sample=False, **cache), spec.generate(warm, max_new_tokens=4)
-    total_plain = total_spec = 0.0
-    all_same = True
-    print(f"{'question':>10} {'category':>14} {'plain tok/s':>12} {'spec tok/s':>11} {'speedup':>8} {'accepted len':>13} {'identical':>10}",
-          flush=True)
-    for i, (q, ids) in enumerate(zip(picked, prompts), 1):
-        where = f"[{i}/{len(picked)}] {q['category']} (question {q['question_id']})"
-        _status(f"{where}: plain decoding, up to {args.max_new_tokens} tokens ...")
-        t0 = time.perf_counter()
-        ref = plain(ids).cpu()  # on the host: the clock stops once the device is done
-        t1 = time.perf_counter()
-        _status(f"{where}: plain decoding took {t1 - t0:.1f}s; speculative decoding ({args.draft}) ...")
-        out = spec.generate(ids, max_new_tokens=args.max_new_tokens)
-        sequences = out.sequences.cpu()
-        t2 = time.perf_counter()
-        _status(f"{where}: speculative decoding took {t2 - t1:.1f}s")
-        same = torch.equal(ref, sequences)
-        all_same &= same
-        total_plain, total_spec = total_plain + (t1 - t0), total_spec + (t2 - t1)
-        n = sequences.shape[1] - ids.shape[1]
-        print(f"{q['question_id']:>10} {q['category']:>14} {n / (t1 - t0):>12.1f} {n / (t2 - t1):>11.1f} "
-              f"{(t1 - t0) / (t2 - t1):>7.2f}x {out.stats.mean_accepted_length:>13.2f} {str(same):>10}", flush=True)
-    print(f"\n{args.draft} on {args.target}: speedup {total_plain / total_spec:.2f}x over plain decoding "
-          f"({len(picked)} prompts, {args.max_new_tokens} new tokens each); outputs identical: {all_same}")
-    return 0 if all_same else 1
+    return yaml.safe_load((Path(__file__).parent / "bench" / "configs" / "demo.yaml").read_text())["dataset"]
 
 
 def cmd_list(args) -> int:
@@ -405,10 +370,16 @@ def main(argv: list[str] | None = None) -> int:
 
     d = sub.add_parser("demo", help="speedup over plain decoding on a few Spec-Bench prompts")
     _common_arguments(d)
-    d.add_argument("--per-category", type=_positive_int, default=2)
+    demo = _demo_defaults()
+    demo = _demo_defaults()
+    d.add_argument("--per-category", type=_positive_int, default=None,
+                   help=f"the first N questions of each category (default: {demo['first_per_category']})")
     d.add_argument("--categories", default=None,
-                   help=f"comma-separated Spec-Bench categories (default: {','.join(DEMO_CATEGORIES)})")
+                   help=f"comma-separated Spec-Bench categories (default: {','.join(demo['categories'])})")
     d.add_argument("--dataset", default=None, help="Spec-Bench question.jsonl (default: ../shared/spec_bench)")
+    d.add_argument("--out", default=None, metavar="DIR",
+                   help="keep the results and a full report.md in DIR (default: a temporary directory, removed "
+                        "at the end)")
     d.set_defaults(func=cmd_demo)
 
     sub.add_parser("list", help="list candidate generators and packaged models").set_defaults(func=cmd_list)

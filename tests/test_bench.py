@@ -21,12 +21,15 @@ import yaml
 
 from specdec.bench import cli
 from specdec.bench.config import ConfigError, load_config, method_kind, parse_config
-from specdec.bench.report import (PLOTS_NEED_MATPLOTLIB, batch_summaries, draft_cost_ratio, gain_ends, k_distribution,
-                                  load_run, mean_forward_ms, method_stats, summaries, summarize, write_report)
+from specdec.bench.methods import hf_cache_kwargs, warmup_batch_sizes
+from specdec.bench.questions import (build_messages, load_selected_questions, longest_call, question_seed,
+                                     select_questions, spread)
+from specdec.bench.report import PLOTS_NEED_MATPLOTLIB, gain_ends, k_distribution, load_run, write_report
 from specdec.bench.results import (RESULTS_FILE, RUN_FILE, Agreement, ResultStore, default_out_dir, first_difference,
                                    is_batched, reference_outputs, row_first_difference, row_key)
-from specdec.bench.runner import (ResultsMismatchError, build_messages, config_hash, hf_cache_kwargs, load_selected_questions,
-                                  longest_call, median_run, question_seed, run_benchmark, select_questions, spread, warmup_batch_sizes)
+from specdec.bench.runner import ResultsMismatchError, config_hash, run_benchmark
+from specdec.bench.summary import (batch_summaries, draft_cost_ratio, mean_forward_ms, median_run, method_stats,
+                                   summaries, summarize)
 from specdec.metrics import AcceptanceStats, theoretical_speedup
 from specdec.models import load_model, resolve_device
 
@@ -137,6 +140,10 @@ def test_committed_tiny_config_is_valid():
     ({"methods": TWO_METHODS, "reference": "pl3"}, "reference: 'pl3' is not a method with generator 'baseline'"),
     ({"methods": [{"generator": "baseline"}, {"generator": "none", "options": {"num_tokens": 3}}]},
      "methods[1].options: unknown option(s) ['num_tokens'] for 'none'; allowed: (none)"),
+    ({"dataset": {"first_per_category": 2}}, "dataset.first_per_category: needs categories"),
+    ({"dataset": {"categories": ["rag"], "first_per_category": 2, "per_subtask": 1}},
+     "dataset.first_per_category: give per_subtask or first_per_category, not both"),
+    ({"dataset": {"max_turns": 0}}, "dataset.max_turns: Input should be greater than or equal to 1"),
 ])
 def test_bad_config_one_clear_line_nothing_written(tmp_path, capsys, patch, expected):
     data = {"target": "tiny-random:llama", "methods": TWO_METHODS, **patch}
@@ -179,6 +186,41 @@ def test_selection_is_deterministic_and_spread():
     picked = select_questions(rows, ["qa", "mt_bench"], None, 2)
     assert [(q.question_id, q.subtask) for q in picked] == [(3, "qa"), (5, "qa"), (1, "mt_bench"), (2, "mt_bench")]
     assert [q.question_id for q in select_questions(rows, ["mt_bench"], ["coding"], None)] == [2]
+    # the demo's selection: the first ones by id of each category, in the order listed, first turns only
+    rows += [{"question_id": 6, "category": "writing", "turns": ["a", "b"]}, {"question_id": 0, "category": "qa",
+                                                                              "turns": ["c"]}]
+    picked = select_questions(rows, ["qa", "mt_bench"], ["writing", "qa"], None, first_per_category=2, max_turns=1)
+    assert [(q.question_id, q.subtask, q.turns) for q in picked] == [(1, "mt_bench", ("t",)), (6, "mt_bench", ("a",)),
+                                                                     (0, "qa", ("c",)), (3, "qa", ("t",))]
+
+
+def test_the_packaged_demo_config_asks_what_the_demo_always_asked(tmp_path):
+    """``specdec demo``'s questions: the first ``--per-category`` of each category in file order, first turns."""
+    from specdec.bench.demo import DEMO_CONFIG, DemoSettings, default_categories, demo_config
+
+    categories = ["extraction", "rag", "summarization", "translation"]
+    rows = [{"question_id": i, "category": c, "turns": [f"{c} {i}", "again"] if c == "extraction" else [f"{c} {i}"]}
+            for i, c in enumerate(["writing", "rag", "extraction", "translation", "rag", "summarization", "rag",
+                                   "extraction", "extraction", "summarization", "translation", "translation"])]
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert default_categories() == categories and DEMO_CONFIG.is_file()
+    method = {"name": "prompt_lookup", "generator": "prompt_lookup"}
+    for per_category in (None, 1, 3):
+        config = demo_config(DemoSettings(method, dataset=str(path), per_category=per_category))
+        n = per_category or 2
+        before = [r for c in categories for r in [r for r in rows if r["category"] == c][:n]]  # the old loop
+        asked = load_selected_questions(config, tmp_path)
+        assert [(q.question_id, q.turns) for q in asked] == [(r["question_id"], tuple(r["turns"][:1])) for r in before]
+    assert [m.generator for m in config.methods] == ["baseline", "prompt_lookup"] and config.reference is None
+    compiled = demo_config(DemoSettings(method, dataset=str(path), threads=1, device="auto", dtype="bfloat16",
+                                        cache_implementation="static", compile=True, max_new_tokens=7,
+                                        categories=["rag"], target="tiny-random:llama"))
+    assert all(m.cache_implementation == "static" and m.compile is True for m in compiled.methods)
+    assert (compiled.threads, compiled.device, compiled.dtype, compiled.generation.max_new_tokens,
+            compiled.dataset.categories, compiled.target) == (1, "auto", "bfloat16", 7, ["rag"], "tiny-random:llama")
+    with pytest.raises(ConfigError, match="unknown category"):
+        demo_config(DemoSettings(method, categories=["poetry"]))
 
 
 def test_messages_and_seeds():
@@ -392,6 +434,7 @@ def test_batch_sizes_default_and_old_field_keep_the_hash(tmp_path):
               "batch_size": 1}
     legacy["methods"] = [{k: v for k, v in m.items() if k not in ("cache_implementation", "compile", "fast_head")}
                          for m in legacy["methods"]]  # the schema before devices, compilation and the fast head
+    legacy["dataset"] = {k: v for k, v in legacy["dataset"].items() if k not in ("first_per_category", "max_turns")}
     payload = json.dumps({"config": legacy, "questions": [q.question_id for q in questions]}, sort_keys=True)
     assert config_hash(plain, questions) == hashlib.sha256(payload.encode()).hexdigest()[:16]
 
@@ -469,7 +512,7 @@ def test_batches_without_size_one_compare_with_the_batched_baseline(tmp_path):
 
 
 def test_gain_ends_sentences():
-    from specdec.bench.report import BatchSummary
+    from specdec.bench.summary import BatchSummary
     row = lambda m, b, s: BatchSummary(m, "baseline" if m == "base" else "x", b, 8, 80, 1.0, s, 2.0, 1.0)  # noqa: E731
     lines = gain_ends([row("base", 1, 1.0), row("pl", 1, 1.6), row("pl", 4, 1.2), row("pl", 8, 0.9),
                        row("dm", 1, 1.5), row("dm", 8, 1.1), row("hf", 1, 1.3), row("slow", 4, 0.8)])
@@ -535,7 +578,9 @@ def test_new_fields_hash_only_when_set(tmp_path):
     spelled = load_config(tiny_config(tmp_path, methods=[{**m, "cache_implementation": "dynamic", "compile": False}
                                                          for m in TWO_METHODS], device="cpu", dtype="float32"))
     assert config_hash(spelled, questions) == config_hash(plain, questions)  # defaults spelled out: same results
-    for changed in ({"dtype": "bfloat16"}, {"device": "auto"},
+    dataset = {"path": str(tmp_path / "questions.jsonl"), "subtasks": ["mt_bench", "translation", "rag"]}
+    for changed in ({"dtype": "bfloat16"}, {"device": "auto"}, {"dataset": {**dataset, "max_turns": 1}},
+                    {"dataset": {**dataset, "categories": ["rag"], "first_per_category": 1}},
                     {"methods": [TWO_METHODS[0], {**TWO_METHODS[1], "cache_implementation": "static"}]}):
         other = load_config(tiny_config(tmp_path, **{"methods": TWO_METHODS, **changed}))
         assert config_hash(other, questions) != config_hash(plain, questions), changed

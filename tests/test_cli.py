@@ -159,8 +159,13 @@ def write_questions(folder) -> str:
     return str(questions)
 
 
-def test_demo_reports_progress_per_prompt_and_method(tmp_path, capsys):
+def test_demo_reports_progress_per_prompt_and_method(tmp_path, capsys, monkeypatch):
+    import tempfile
+
     questions = write_questions(tmp_path)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where the demo's temporary results go
     code, out, err, _ = run_cli(["demo", "--target", "tiny-random:llama", "--dataset", str(questions),
                                  "--max-new-tokens", "6", "--threads", "1"], capsys)
     assert code == 0, err
@@ -169,6 +174,7 @@ def test_demo_reports_progress_per_prompt_and_method(tmp_path, capsys):
         assert f"[{i}/4] {category} (question {i - 1}): plain decoding" in err
         assert f"[{i}/4] {category} (question {i - 1}): speculative decoding took" in err
     assert "writing" not in out and "speedup" in out and "outputs identical: True" in out
+    assert not list(scratch.iterdir())  # its temporary results directory is removed at the end
 
 
 # -- progress bars -------------------------------------------------------------------------------------
@@ -279,15 +285,15 @@ def test_cached_smollm2_loads_identical_to_the_gguf(tmp_path, monkeypatch, capfd
 def quick_compile(monkeypatch):
     """``--compile`` compiles with aot_eager (seconds) instead of inductor (minutes on a CPU); the
     SpecDecoder warm-ups are recorded as (batch size, max length)."""
-    import specdec.bench.runner as runner
+    import specdec.bench.methods as bench_methods
     import specdec.kv as kv
     from specdec.decoder import SpecDecoder
 
-    real_forward, real_kwargs, real_warmup = kv.compiled_forward, runner.hf_cache_kwargs, SpecDecoder.warmup
+    real_forward, real_kwargs, real_warmup = kv.compiled_forward, bench_methods.hf_cache_kwargs, SpecDecoder.warmup
     calls = []
     monkeypatch.setattr(kv, "compiled_forward", lambda model, options, owned=False: real_forward(
         model, {"backend": "aot_eager", **options}, owned))
-    monkeypatch.setattr(runner, "hf_cache_kwargs", lambda implementation="dynamic", compile=False: real_kwargs(
+    monkeypatch.setattr(bench_methods, "hf_cache_kwargs", lambda implementation="dynamic", compile=False: real_kwargs(
         implementation, {"backend": "aot_eager"} if compile is True else compile))
 
     def watched(self, batch_size=1, max_length=1024):
@@ -318,9 +324,13 @@ def test_generate_compiles_before_timing(capsys, quick_compile):
 def test_demo_with_a_compiled_static_cache_stays_identical(tmp_path, capsys, quick_compile):
     code, out, err, _ = run_cli(["demo", "--target", "tiny-random:llama", "--dataset", write_questions(tmp_path),
                                  "--categories", "extraction,rag", "--max-new-tokens", "6", "--threads", "1",
-                                 "--cache-implementation", "static", "--compile"], capsys)
+                                 "--cache-implementation", "static", "--compile", "--out", str(tmp_path / "out")],
+                                capsys)
     assert code == 0, err
     longest = max(len(f"{c} {c} {c} again {c}") for c in ("extraction", "rag"))  # byte tokens, before the template
     assert len(quick_compile) == 1 and quick_compile[0][0] == 1 and quick_compile[0][1] >= longest + 6
     assert "compiled in " in err and err.index("compiled in ") < err.index("[1/2] extraction")
     assert "outputs identical: True" in out
+    kept = tmp_path / "out"  # --out keeps the results, the config the flags made and the full report
+    assert (kept / "report.md").is_file() and (kept / "demo.yaml").is_file()
+    assert len((kept / "results.jsonl").read_text().splitlines()) == 2 * 2  # 2 prompts x (plain, speculative)

@@ -1,11 +1,10 @@
 """YAML-configured benchmarks: ``specdec bench CONFIG.yaml`` and ``specdec bench report DIR``.
 
-* :mod:`.config`: the pydantic schema (unknown fields refused, one-line errors);
-* :mod:`.runner`: runs every method on the same prompts, interleaved per question, one JSON line
-  per (method, question, turn), resumable;
-* :mod:`.results`: the output directory (where it is, its files, row keys), shared by both below;
-* :mod:`.report`: Markdown tables and PNG plots rebuilt from the JSON lines (plots need matplotlib);
-* :mod:`.cli`: the command line.
+One job per module: :mod:`.config` the schema; :mod:`.questions` which questions and prompts;
+:mod:`.methods` the methods run (SpecDecoder and transformers' own ``generate``); :mod:`.runner`
+the run loop, its output directory and resume; :mod:`.results` the files and row keys;
+:mod:`.summary` the statistics; :mod:`.report` and :mod:`.plots` the Markdown and figures;
+:mod:`.cli` the command line; :mod:`.demo` ``specdec demo``, a packaged config run by the runner.
 """
 
 from .config import REFERENCE_METHODS, BenchConfig, ConfigError, load_config, parse_config

@@ -1,30 +1,13 @@
 """The benchmark YAML schema, validated with pydantic before any work is done.
 
-A config names a target (a :func:`specdec.models.load_model` name), the device and dtype its
-models are loaded with, a dataset (Spec-Bench JSONL, filtered by subtask and category, with a
-per-subtask count), generation settings, run settings (threads, warm-up, batch sizes) and a list
-of methods. A method is either a registered candidate generator with its options (and a
-``draft`` model name when the generator takes a model), or one of the reference methods that call
-``transformers`` directly; any method may keep its caches static and compile its forwards::
-
-    methods:
-      - {name: baseline, generator: baseline}                     # target.generate()
-      - {name: pl10, generator: prompt_lookup, options: {num_tokens: 10}}
-      - {name: pl_static, generator: prompt_lookup, cache_implementation: static, compile: true}
-      - {name: plain, generator: none}                             # SpecDecoder drafting nothing
-      - {name: dm, generator: draft_model, draft: tiny-random:llama}
-      - {name: hf_pl10, generator: hf_prompt_lookup, options: {num_tokens: 10}}
-      - {name: hf_dm, generator: hf_assisted, draft: tiny-random:llama}
-
-Speedups and identical outputs are measured against one ``baseline`` method, the *reference*:
-the only one, or the one ``reference:`` names when there are several (plain ``generate`` with a
-dynamic cache and with a compiled static one, say).
+A config names a target, where and how its models run, the questions, the generation and run
+settings, and the methods: registered candidate generators (with a ``draft`` model when one takes
+a model) and reference methods that call ``transformers`` itself; speedups are measured against
+one ``baseline`` method, the reference. The schema, field by field: docs/benchmarks.md, "Schema".
 
 Invariants: unknown fields are refused at every level; every error is one line naming the field
-(``methods[1].generator``) and the allowed values; names are checked against the registry and the
-reference methods; model names must be loadable (packaged, ``tiny-random:<arch>`` or a folder).
-Validation never loads a model and never writes a file, and checks the spelling of ``device`` only:
-a CUDA config validates on a machine without a GPU, and the run refuses it when it starts.
+(``methods[1].generator``) and the allowed values; validation never loads a model, never writes a
+file, and checks the spelling of ``device`` only (the run checks the device when it starts).
 """
 
 from __future__ import annotations
@@ -163,7 +146,10 @@ class DatasetConfig(_Strict):
     categories: list[str] | None = Field(None, description="keep only these raw categories (e.g. writing, qa)")
     per_subtask: int | None = Field(None, ge=1, description="questions per subtask, spread evenly by question_id; "
                                                             "default: all")
-
+    first_per_category: int | None = Field(None, ge=1, description="instead of per_subtask: the first N questions "
+                                           "(by question_id) of each of `categories`, in the order listed")
+    max_turns: int | None = Field(None, ge=1, description="turns asked per question (1: first turns only); "
+                                                          "default: all")
 
     @field_validator("categories")
     @classmethod
@@ -173,6 +159,14 @@ class DatasetConfig(_Strict):
         if unknown:
             raise ValueError(f"unknown categor{'y' if len(unknown) == 1 else 'ies'} {unknown}; allowed: {', '.join(allowed)}")
         return value
+
+    @model_validator(mode="after")
+    def _one_selection(self) -> "DatasetConfig":
+        if self.first_per_category is not None and not self.categories:
+            raise ValueError("first_per_category: needs categories (the categories to take questions from, in order)")
+        if self.first_per_category is not None and self.per_subtask is not None:
+            raise ValueError("first_per_category: give per_subtask or first_per_category, not both")
+        return self
 
 
 class GenerationSettings(_Strict):

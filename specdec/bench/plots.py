@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from .results import OVERALL
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .report import Summary
+    from .summary import Summary
 
 
 def plot_speedup(all_summaries: list[Summary], base_name: str, path: Path) -> bool:

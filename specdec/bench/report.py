@@ -1,69 +1,26 @@
 """Benchmark report: ``results.jsonl`` + ``run.json`` -> ``report.md`` and PNG plots.
 
-The same code runs at the end of ``specdec bench CONFIG`` and for ``specdec bench report DIR``,
-so a report can always be rebuilt from the JSON lines alone.
-
-Groups are method x subtask, and method x all ("overall"). In a group, over the rows present:
-
-* tokens/s = sum of new tokens / sum of wall seconds;
-* speedup = tokens/s of the method / tokens/s of the reference (the config's ``baseline`` method, or
-  the one ``reference`` names), both over the (question, turn) keys that both have (Spec-Bench's
-  definition; with identical outputs it equals the ratio of total reference time to total method
-  time);
-* mean accepted length, acceptance rate, per-position acceptance: the rows'
-  :class:`~specdec.metrics.AcceptanceStats` merged (SpecDecoder methods). Methods that
-  ``transformers`` runs expose no acceptance counts: their mean accepted length is
-  ``AcceptanceStats(steps=target forwards, committed_tokens=new tokens).mean_accepted_length``
-  (forwards counted by a hook; compiled forwards bypass hooks, so a compiled ``baseline`` gets
-  plain decoding's 1.0 and another compiled reference method n/a) and the acceptance rate is n/a;
-* K = drafted tokens / steps; c = :func:`draft_cost_ratio`; theoretical speedup =
-  :func:`specdec.metrics.theoretical_speedup` (a = acceptance rate, K, c); efficiency = speedup /
-  theoretical speedup;
-* exact match = share of keys whose new token ids equal the reference's; identical count and the
-  first position where the others differ (earliest, median) in "Identical to the reference"; all
-  from :class:`~specdec.bench.results.Agreement` (greedy only; n/a when sampling).
-
-"Warm-up (compile) seconds": per method that compiles, the seconds its compile warm-up took in
-each session (``run.json``), which no tokens/s includes.
-
-"Draft lengths chosen" shows, per drafting method over the same rows as the overall table, the
-merged stats' mean K (drafted tokens / steps, as in the tables), the K distribution
-(``AcceptanceStats.drafts_verified`` [k] / steps), the share of row-steps that skipped drafting
-(``AcceptanceStats.skipped_share``), and the seconds spent calibrating the cost model (summed over
-all the method's rows, batches included). ``forward_cost.png`` draws the measured cost curve: mean
-milliseconds per target forward against tokens fed (width x batch; ``AcceptanceStats.forward_costs``
-of all the method's rows, batches included, so batched runs extend the curve). Rows written before
-these counters existed carry none: the section and the plot leave them out.
-
-Batch sizes > 1 (rows with ``batch_size``) are kept out of the tables above and summarized in
-"throughput by batch size": per method and batch size, tokens/s = total real new tokens / total
-batch wall time; speedup over the batched ``baseline`` at the same batch size (same batches);
-mean accepted length from the merged ``AcceptanceStats`` (1.0 for ``baseline`` by definition);
-exact match per row against the batch-size-1 ``baseline`` output of the same question when that
-run has it (decoding the row alone), else against the batched ``baseline`` row. The batch-size-1
-column is computed from the first turns of the per-question rows, so every column covers the
-same prompts.
-
-Nothing here redefines a metric that ``specdec.metrics`` defines, and nothing tests a method's
-name: which method is the baseline, which run in batches and which are set side by side with
-transformers' come from :func:`specdec.bench.config.method_kind`. Plots need matplotlib (the
-``bench`` extra); without it report.md is written alone.
+The same code ends ``specdec bench CONFIG`` and runs alone as ``specdec bench report DIR``, so a
+report can always be rebuilt from the JSON lines. It formats what :mod:`.summary` computes and
+defines no figure of its own; without matplotlib (the ``bench`` extra) report.md is written
+alone. How to read one: docs/benchmarks.md, "What the columns mean".
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..metrics import AcceptanceStats, theoretical_speedup
+from ..metrics import AcceptanceStats
 from ..prompts import SUBTASKS
 from .config import MethodKind, method_kind, reference_name
 from .plots import plot_acceptance, plot_forward_cost, plot_speedup
-from .results import (OVERALL, ACCEPTANCE_PNG, FORWARD_COST_PNG, REPORT_FILE, RESULTS_FILE, RUN_FILE, SPEEDUP_PNG, Agreement,
-                      ResultStore, is_batched, planned_keys, reference_outputs, row_key)
+from .results import (OVERALL, ACCEPTANCE_PNG, FORWARD_COST_PNG, REPORT_FILE, RESULTS_FILE, RUN_FILE, SPEEDUP_PNG,
+                      ResultStore, is_batched, row_key)
+from .summary import (BatchSummary, Summary, batch_sizes_of, batch_summaries, identical_share, mean_forward_ms,
+                      method_stats, pair_comparisons, planned_rows, summaries)
 
 MAX_POSITIONS = 16  # per-position columns shown in the table
 NA = "n/a"
@@ -80,160 +37,6 @@ def plots_available() -> bool:
     return True
 
 
-def draft_cost_ratio(stats: AcceptanceStats) -> float | None:
-    """c = (draft seconds per drafted token) / (target verify seconds per step), or None if nothing was drafted.
-
-    Leviathan et al.'s c is the cost of one draft-model run relative to one target run; a drafted
-    token costs one draft run (or one n-gram lookup), a step costs one target forward.
-    """
-    if not stats.drafted_tokens or not stats.steps or stats.verify_seconds <= 0:
-        return None
-    return (stats.draft_seconds / stats.drafted_tokens) / (stats.verify_seconds / stats.steps)
-
-
-@dataclass
-class Summary:
-    """One method on one group of rows (a subtask, or ``overall``)."""
-
-    method: str
-    generator: str
-    subtask: str
-    turns: int
-    new_tokens: int
-    seconds: float
-    speedup: float | None
-    mean_accepted_length: float | None
-    forwards_only: bool  # mean accepted length from counted forwards, no acceptance counts
-    stats: AcceptanceStats | None
-    agreement: Agreement | None  # outputs against the reference's (None: the reference itself, or sampling)
-    reference: bool = False  # the method speedups are measured against
-
-    @property
-    def kind(self) -> MethodKind:
-        return method_kind(self.generator)
-
-    @property
-    def exact_match(self) -> float | None:
-        return self.agreement.share if self.agreement is not None else None
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.new_tokens / self.seconds if self.seconds else 0.0
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        return self.stats.acceptance_rate if self.stats is not None and self.stats.drafted_tokens else None
-
-    @property
-    def k_per_step(self) -> float | None:
-        return self.stats.drafted_tokens / self.stats.steps if self.stats is not None and self.stats.steps else None
-
-    @property
-    def cost_ratio(self) -> float | None:
-        return draft_cost_ratio(self.stats) if self.stats is not None else None
-
-    @property
-    def theoretical_speedup(self) -> float | None:
-        if self.stats is None or not self.stats.steps:
-            return None
-        c = self.cost_ratio
-        return theoretical_speedup(self.stats.acceptance_rate, self.k_per_step, c if c is not None else 0.0)
-
-    @property
-    def efficiency(self) -> float | None:
-        theory = self.theoretical_speedup
-        return self.speedup / theory if self.speedup is not None and theory else None
-
-
-# -- aggregation (pure) ------------------------------------------------------------------------
-def _throughput(rows: list[dict]) -> float:
-    seconds = sum(r["seconds"] for r in rows)
-    return sum(r["new_tokens"] for r in rows) / seconds if seconds else 0.0
-
-
-def summarize(method: str, generator: str, subtask: str, rows: list[dict], baseline: dict, greedy: bool,
-              is_reference: bool) -> Summary:
-    """``rows``: one method's rows in the group; ``baseline``: (question_id, turn) -> the reference's row."""
-    keyed = {(r["question_id"], r["turn"]): r for r in rows}
-    shared = [k for k in keyed if k in baseline]
-    speedup = None
-    if shared:
-        base = _throughput([baseline[k] for k in shared])
-        speedup = _throughput([keyed[k] for k in shared]) / base if base else None
-    measured = [r["stats"] for r in rows if r.get("stats") is not None]
-    stats = None
-    if measured and len(measured) == len(rows):
-        stats = AcceptanceStats()
-        for d in measured:
-            stats = stats.merge(AcceptanceStats.from_dict(d))
-        mean_len = stats.mean_accepted_length
-    else:  # transformers ran it: count target forwards
-        mean_len = _counted_mean_accepted_length(generator, rows)
-    agreement = None
-    if greedy and shared and not is_reference:
-        agreement = Agreement.of((keyed[k]["output_ids"], baseline[k]["output_ids"]) for k in shared)
-    return Summary(method, generator, subtask, len(rows), sum(r["new_tokens"] for r in rows),
-                   sum(r["seconds"] for r in rows), 1.0 if is_reference and shared else speedup, mean_len,
-                   stats is None, stats, agreement, is_reference)
-
-
-def _counted_mean_accepted_length(generator: str, rows: list[dict]) -> float | None:
-    """New tokens / counted target forwards, for methods that transformers runs. A compiled method's
-    forwards are not counted (``target_forwards`` null): plain decoding (``baseline``) commits one token
-    per forward by definition; for the others it is unknown."""
-    if any(r["target_forwards"] is None for r in rows):
-        return 1.0 if method_kind(generator).baseline else None
-    counted = AcceptanceStats(steps=sum(r["target_forwards"] for r in rows),
-                              committed_tokens=sum(r["new_tokens"] for r in rows))
-    return counted.mean_accepted_length if counted.steps else None
-
-
-def summaries(meta: dict, rows: list[dict]) -> list[Summary]:
-    """Every method (config order) x every subtask present (Spec-Bench order), then ``overall``."""
-    config = meta["config"]
-    rows = [r for r in rows if not is_batched(r)]
-    greedy = not config["generation"]["do_sample"]
-    methods = [(m["name"] or m["generator"], m["generator"]) for m in config["methods"]]
-    base_name = reference_name(config)
-    present = {r["subtask"] for r in rows}
-    groups = [s for s in SUBTASKS if s in present] + [OVERALL]
-    out = []
-    for name, generator in methods:
-        mine = [r for r in rows if r["method"] == name]
-        for group in groups:
-            in_group = lambda r: group == OVERALL or r["subtask"] == group  # noqa: E731
-            base = {(r["question_id"], r["turn"]): r for r in rows if r["method"] == base_name and in_group(r)}
-            picked = [r for r in mine if in_group(r)]
-            if picked:
-                out.append(summarize(name, generator, group, picked, base, greedy, name == base_name))
-    return out
-
-
-def pair_comparisons(meta: dict) -> dict[str, list[tuple[str, str]]]:
-    """Our generator -> (ours, transformers') method-name pairs: every reference method whose kind names
-    a generator to compare with (``MethodKind.compared_with``) against every method of that generator."""
-    methods = meta["config"]["methods"]
-    pairs: dict[str, list[tuple[str, str]]] = {}
-    for ref in methods:
-        ours_generator = method_kind(ref["generator"]).compared_with
-        for ours in methods:
-            if ours_generator is not None and ours["generator"] == ours_generator:
-                pairs.setdefault(ours_generator, []).append((ours["name"], ref["name"]))
-    return pairs
-
-
-def method_stats(meta: dict, rows: list[dict]) -> dict[str, AcceptanceStats]:
-    """Method name -> the stats of all its rows (every batch size) merged, in config order; methods
-    whose rows carry no stats (transformers ran them) are left out."""
-    out = {}
-    for m in meta["config"]["methods"]:
-        name = m["name"] or m["generator"]
-        measured = [r["stats"] for r in rows if r["method"] == name and r.get("stats") is not None]
-        if measured:
-            out[name] = sum((AcceptanceStats.from_dict(d) for d in measured), AcceptanceStats())
-    return out
-
-
 def k_distribution(stats: AcceptanceStats, shown: int = MAX_POSITIONS) -> str:
     """``"K: share, ..."``: every draft length verified at least once, as a share of row-steps
     (``drafts_verified[k] / steps``); lengths from ``shown`` up are folded into one entry."""
@@ -244,105 +47,6 @@ def k_distribution(stats: AcceptanceStats, shown: int = MAX_POSITIONS) -> str:
     if sum(counts[shown:]):
         parts.append(f"≥{shown}: {sum(counts[shown:]) / stats.steps:.0%}")
     return ", ".join(parts)
-
-
-def mean_forward_ms(stats: AcceptanceStats) -> dict[int, float]:
-    """Tokens fed -> mean milliseconds per target forward (``stats.forward_costs``), by tokens fed."""
-    return {t: 1000.0 * sec / n for t, (n, sec) in sorted(stats.forward_costs.items()) if n}
-
-
-# -- batch sizes -------------------------------------------------------------------------------
-def batch_sizes_of(config: dict) -> list[int]:
-    """The config's batch sizes (``batch_sizes``, or the older single ``batch_size``)."""
-    return list(config.get("batch_sizes") or [config.get("batch_size", 1)])
-
-
-@dataclass
-class BatchSummary:
-    """One method at one batch size, over all its batches (or, at size 1, all first turns)."""
-
-    method: str
-    generator: str
-    batch_size: int
-    prompts: int
-    new_tokens: int
-    seconds: float
-    speedup: float | None
-    mean_accepted_length: float | None
-    exact_match: float | None
-
-    @property
-    def kind(self) -> MethodKind:
-        return method_kind(self.generator)
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.new_tokens / self.seconds if self.seconds else 0.0
-
-
-def batch_summaries(meta: dict, rows: list[dict]) -> list[BatchSummary]:
-    """Every method (config order) x every batch size (config order) it ran at."""
-    config = meta["config"]
-    greedy = not config["generation"]["do_sample"]
-    methods = [(m["name"] or m["generator"], m["generator"]) for m in config["methods"]]
-    base_name = reference_name(config)
-    singles = [r for r in rows if not is_batched(r) and int(r["turn"]) == 1]
-    by_key = {row_key(r): r for r in rows}
-    out = []
-    for size in batch_sizes_of(config):
-        if size == 1:
-            out += _size_one_summaries(methods, singles, base_name, greedy)
-            continue
-        batched = [r for r in rows if is_batched(r) and int(r["batch_size"]) == size]
-        base = {r["batch_index"]: r for r in batched if r["method"] == base_name}
-        for name, generator in methods:
-            mine = {r["batch_index"]: r for r in batched if r["method"] == name}
-            if mine:
-                agreement = None if not greedy else Agreement.of(
-                    pair for r in mine.values() for pair in zip(r["output_ids"], reference_outputs(r, by_key, base_name)))
-                out.append(_batched_summary(name, generator, size, mine, base, agreement))
-    return out
-
-
-def _size_one_summaries(methods: list[tuple[str, str]], singles: list[dict], base_name: str,
-                        greedy: bool) -> list[BatchSummary]:
-    """The batch-size-1 column: each method over the first turns of its per-question rows."""
-    base = {(r["question_id"], 1): r for r in singles if r["method"] == base_name}
-    out = []
-    for name, generator in methods:
-        mine = [r for r in singles if r["method"] == name]
-        if mine:
-            s = summarize(name, generator, "first turns", mine, base, greedy, name == base_name)
-            out.append(BatchSummary(name, generator, 1, len(mine), s.new_tokens, s.seconds, s.speedup,
-                                    s.mean_accepted_length, s.exact_match))
-    return out
-
-
-def _batched_summary(name: str, generator: str, size: int, mine: dict[int, dict], base: dict[int, dict],
-                     agreement: Agreement | None) -> BatchSummary:
-    """One method at one batch size > 1. ``mine``, ``base``: batch index -> row of this method, of the
-    reference; ``agreement``: its outputs against :func:`~specdec.bench.results.reference_outputs`
-    (None when sampling: no exact match)."""
-    kind = method_kind(generator)
-    tokens = lambda rs: sum(sum(r["new_tokens"]) for r in rs)  # noqa: E731
-    seconds = lambda rs: sum(r["seconds"] for r in rs)  # noqa: E731
-    shared = [i for i in mine if i in base]
-    speedup = None
-    if shared and seconds([base[i] for i in shared]) and tokens([base[i] for i in shared]):
-        speedup = ((tokens([mine[i] for i in shared]) / seconds([mine[i] for i in shared]))
-                   / (tokens([base[i] for i in shared]) / seconds([base[i] for i in shared])))
-    measured = [r["stats"] for r in mine.values() if r.get("stats") is not None]
-    mean_len = None
-    if kind.baseline:
-        mean_len = 1.0  # plain decoding commits one token per row per forward
-    elif measured and len(measured) == len(mine):
-        stats = AcceptanceStats()
-        for d in measured:
-            stats = stats.merge(AcceptanceStats.from_dict(d))
-        mean_len = stats.mean_accepted_length
-    return BatchSummary(name, generator, size, sum(len(r["question_ids"]) for r in mine.values()),
-                        tokens(mine.values()), seconds(mine.values()), speedup, mean_len,
-                        agreement.share if agreement is not None else None)
 
 
 def gain_ends(batch: list[BatchSummary]) -> list[str]:
@@ -365,13 +69,6 @@ def gain_ends(batch: list[BatchSummary]) -> list[str]:
             what = f"the gain ends between batch size {last} and {ends}"
         lines.append(f"- `{method}`: {what} (speedup by batch size: {shown}).")
     return lines
-
-
-def planned_rows(meta: dict) -> int:
-    """Rows a complete run of this config writes."""
-    config = meta["config"]
-    return len(planned_keys([(m["name"], method_kind(m["generator"]).batched) for m in config["methods"]],
-                            [(q["question_id"], q["turns"]) for q in meta["questions"]], batch_sizes_of(config)))
 
 
 # -- rendering ---------------------------------------------------------------------------------
@@ -575,7 +272,7 @@ def _pairs_section(meta: dict, rows: list[dict], all_summaries: list[Summary], s
                 a, b = by.get((ours, g)), by.get((hf, g))
                 ok = a is not None and b is not None and b.tokens_per_second
                 cells.append(_f(a.tokens_per_second / b.tokens_per_second if ok else None, ".2f", "x"))
-            body.append([f"`{ours}` / `{hf}`"] + cells + [_f(_identical_share(rows, ours, hf), ".0%")])
+            body.append([f"`{ours}` / `{hf}`"] + cells + [_f(identical_share(rows, ours, hf), ".0%")])
         out += _table(["ours / transformers"] + subtasks + [OVERALL, "identical"], body)
     return out
 
@@ -620,12 +317,6 @@ def render_markdown(meta: dict, rows: list[dict], all_summaries: list[Summary], 
            + _draft_lengths_section(meta, rows, all_summaries, figures) + _batch_section(meta, rows)
            + _pairs_section(meta, single, all_summaries, subtasks) + _notes(meta, figures, plots_skipped))
     return "\n".join(out) + "\n"
-
-
-def _identical_share(rows: list[dict], a: str, b: str) -> float | None:
-    pick = lambda name: {(r["question_id"], r["turn"]): r["output_ids"] for r in rows if r["method"] == name}  # noqa: E731
-    ours, theirs = pick(a), pick(b)
-    return Agreement.of((ours[k], theirs[k]) for k in ours if k in theirs).share
 
 
 # -- entry point -------------------------------------------------------------------------------

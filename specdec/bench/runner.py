@@ -1,60 +1,10 @@
 """Run a benchmark config: every method on the same prompts, interleaved per question, resumable.
 
-Plan. Questions are selected deterministically (per subtask, evenly spaced by question_id). For
-each question, turn by turn, every method runs, the reference method first (so that every other
-row can record where its output first differs from the reference's) and the others in config
-order; an MT-Bench question's second turn is built from the first turn, that method's *own* first
-answer and the second turn, through the chat template (plain text for a model without one).
-Interleaving methods per question keeps a shared, noisy machine from favouring whichever method
-ran during a quiet minute. With ``repeats: N`` each turn runs N times, every method once per
-repeat, and a row keeps the run of median wall time (:func:`median_run`; every run's seconds in
-``seconds_runs``, and ``runs_identical``): a burst of load then moves a ratio far less.
-
-Rows. One row is one (method, question_id, turn): a JSON line in ``results.jsonl``, appended,
-flushed and fsynced as soon as it is produced (after its repeats), so an interrupted run loses at
-most the turn in flight. ``run.json`` holds the validated config, the selected question ids, a hash of both, and
-the machine it ran on.
-
-Batches. ``batch_sizes`` lists the passes: size 1 is the per-question run above (its rows have no
-``batch_size`` field, as before batches existed). For each size B > 1, in config order, the first
-turns of the selected questions are grouped in order into batches of B (the last may be smaller),
-left-padded (:func:`specdec.prompts.left_pad`) and run per batch, every method in config order:
-``baseline`` = batched ``target.generate(input_ids, attention_mask=...)``, SpecDecoder methods =
-``generate(input_ids, attention_mask, ...)``; ``hf_prompt_lookup`` and ``hf_assisted`` are skipped
-(transformers refuses assisted generation for more than one sequence). MT-Bench second turns run
-at batch size 1 only. One row is one (method, batch_size, batch_index): per-row question ids,
-prompt lengths and new token ids (each cut after its first EOS: the rest is padding), the batch's
-wall time, target forwards and ``AcceptanceStats``.
-
-Resume. A rerun whose hash matches skips rows already present (a torn last line is cut off
-first). A different hash is refused unless ``fresh=True``, which discards this directory's files.
-A config whose ``batch_sizes`` is ``[1]`` hashes as it did before the field existed.
-
-Measurement, the same for every method: wall time (``time.perf_counter``) around one
-``generate()`` call, the new tokens back on the host before the clock stops (a CUDA call returns
-before its kernels finish); new tokens = tokens after the prompt; target forwards counted by a
-forward hook on the target (public ``nn.Module`` API), so methods that ``transformers`` runs
-(``baseline``, ``hf_*``) get an honest mean accepted length (new tokens / target forwards).
-Compiled forwards bypass module hooks, so a compiled method's rows have ``target_forwards: null``.
-SpecDecoder methods also record their :class:`~specdec.metrics.AcceptanceStats`. Under greedy
-decoding every row but the reference's own records ``first_difference``
-(:func:`~specdec.bench.results.row_first_difference`: null when identical to the reference).
-
-Devices and compilation. The target and the drafts are loaded with the config's ``dtype`` onto its
-``device`` (a CUDA device this machine lacks is a :class:`ConfigError` when the run starts). A
-method with ``compile`` is compiled before anything is timed: ``SpecDecoder.warmup`` for every
-batch size it can decode (a batch shrinks as its rows finish) and a cache that holds the run's
-longest call (:func:`longest_call`); ``transformers``' compiled ``generate`` by one untimed call of
-that length per batch size. The seconds go to ``run.json`` (per session: a resumed run compiles
-again) and the report, never into a row.
-
-Where: ``--out`` (``out_dir``) when given, else :func:`~specdec.bench.results.default_out_dir`
-(``results/<config stem>/`` beside the config, or beside its ``configs/`` folder); the run logs
-the directory before it starts.
-
-Before anything is written: the config is valid, the dataset exists and yields questions, the
-device exists, every model loads, every method is built, compiled (if it compiles) and warmed up
-once. So a bad config or a mismatched draft leaves no half-written directory.
+Invariants: nothing is written before the config, the dataset, the device and every method have
+been checked (models loaded, compiled, warmed up once); each row is appended and synced as soon as
+it exists, so an interruption loses at most the call in flight; a rerun with the same config hash
+resumes, a different hash is refused unless ``fresh``; every method is timed alike, around one
+``generate()`` call with its new tokens back on the host. How a run goes: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -68,97 +18,28 @@ import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from functools import partial
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 
-from ..decoder import SpecDecoder
-from ..metrics import AcceptanceStats
 from ..modelinfo import ForwardTimer, eos_token_ids, pad_token_id
 from ..models import load_model, resolve_device
-from ..prompts import encode_chat, left_pad, load_questions, subtask_of
-from .config import (HF_ASSISTED, HF_PROMPT_LOOKUP, REFERENCE_OPTIONS, BenchConfig, ConfigError, GenerationSettings,
-                     MethodConfig, generator_class)
+from ..prompts import encode_chat, left_pad
+from .config import BenchConfig, ConfigError, DatasetConfig, GenerationSettings, MethodConfig
+from .methods import MethodRunner, build_methods, compile_methods, load_drafts, warm_up, warmup_batch_sizes
+from .questions import Question, batch_seed, build_messages, load_selected_questions, longest_call, question_seed
 from .report import PLOTS_NEED_MATPLOTLIB, plots_available, write_report
 from .results import (OWN_FILES, RESULTS_FILE, RUN_FILE, ResultStore, batch_groups, default_out_dir, planned_keys,
                       row_first_difference, row_key, shown_path)
-
-WARMUP_PROMPT = "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox"
+from .summary import median_run, new_tokens
 
 
 class ResultsMismatchError(RuntimeError):
     """The output directory holds results of a different config."""
 
 
-# -- questions ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Question:
-    question_id: int
-    category: str
-    subtask: str
-    turns: tuple[str, ...]
-
-
-def spread(items: list, count: int | None) -> list:
-    """``count`` items evenly spaced over ``items`` (all when None or too few): index floor(i n / count)."""
-    if count is None or count >= len(items):
-        return list(items)
-    return [items[i * len(items) // count] for i in range(count)]
-
-
-def select_questions(rows: list[dict], subtasks: list[str], categories: list[str] | None,
-                     per_subtask: int | None) -> list[Question]:
-    """Spec-Bench rows -> questions, grouped by subtask in the given order, each sorted by id."""
-    out = []
-    for subtask in subtasks:
-        pool = sorted((r for r in rows if subtask_of(r["category"]) == subtask
-                       and (categories is None or r["category"] in categories)), key=lambda r: r["question_id"])
-        for r in spread(pool, per_subtask):
-            out.append(Question(int(r["question_id"]), r["category"], subtask, tuple(r["turns"])))
-    return out
-
-
-def load_selected_questions(config: BenchConfig, config_dir: Path) -> list[Question]:
-    """The config's questions, or a :class:`ConfigError` naming ``dataset`` (missing, malformed, empty)."""
-    dataset = config.dataset_path(config_dir)
-    if not dataset.is_file():
-        raise ConfigError(f"dataset.path: file not found: {dataset}")
-    try:
-        questions = select_questions(load_questions(dataset), config.dataset.subtasks, config.dataset.categories,
-                                     config.dataset.per_subtask)
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-        raise ConfigError(f"dataset.path: {dataset} is not Spec-Bench JSONL (one object per line with "
-                          f"question_id, category, turns): {type(exc).__name__}: {exc}") from None
-    if not questions:
-        raise ConfigError(f"dataset: no question in {dataset} matches subtasks {config.dataset.subtasks}"
-                          + (f" and categories {config.dataset.categories}" if config.dataset.categories else ""))
-    return questions
-
-
-def build_messages(turns: tuple[str, ...] | list[str], answers: list[str]) -> list[dict]:
-    """Chat messages for turn ``len(turns)``: user turns interleaved with the method's own answers."""
-    messages = []
-    for i, turn in enumerate(turns):
-        messages.append({"role": "user", "content": turn})
-        if i < len(turns) - 1:
-            messages.append({"role": "assistant", "content": answers[i]})
-    return messages
-
-
-def question_seed(seed: int, question_id: int, turn: int) -> int:
-    """Sampling seed of one (question, turn), the same for every method, stable across reruns."""
-    digest = hashlib.sha256(f"{seed}:{question_id}:{turn}".encode()).digest()
-    return int.from_bytes(digest[:7], "little")
-
-
-def batch_seed(seed: int, batch_size: int, batch_index: int) -> int:
-    """Sampling seed of one batch, the same for every method, stable across reruns."""
-    digest = hashlib.sha256(f"{seed}:batch{batch_size}:{batch_index}".encode()).digest()
-    return int.from_bytes(digest[:7], "little")
-
-
+# -- what the results depend on ------------------------------------------------------------------
 def config_hash(config: BenchConfig, questions: list[Question]) -> str:
     """Identifies what the results depend on: the config (its free-text description aside) and the questions.
 
@@ -176,6 +57,7 @@ def config_hash(config: BenchConfig, questions: list[Question]) -> str:
 #: fields added after results were first written: hashed only when set to something other than their
 #: default, so those results still resume
 _LATER_FIELDS = {"config": ("device", "dtype", "reference", "repeats"),
+                 "dataset": ("first_per_category", "max_turns"),
                  "method": ("cache_implementation", "compile", "fast_head")}
 
 
@@ -185,6 +67,7 @@ def _without_later_defaults(dumped: dict) -> dict:
         return {k: v for k, v in data.items() if not (k in names and v == model.model_fields[k].default)}
 
     out = strip(dumped, BenchConfig, _LATER_FIELDS["config"])
+    out["dataset"] = strip(dumped["dataset"], DatasetConfig, _LATER_FIELDS["dataset"])
     out["methods"] = [strip(m, MethodConfig, _LATER_FIELDS["method"]) for m in dumped["methods"]]
     return out
 
@@ -204,172 +87,7 @@ def environment(device: torch.device | None = None) -> dict:
     return env
 
 
-# -- methods -----------------------------------------------------------------------------------
-def hf_generation_kwargs(gen: GenerationSettings, target, max_new_tokens: int | None = None) -> dict:
-    """``generate()`` settings for transformers, neutral processors spelled out so that the model's
-    own generation_config cannot add any (top_k would default to 50, for one). ``max_new_tokens``
-    overrides the settings' (the warm-up's shorter calls)."""
-    kwargs = dict(max_new_tokens=max_new_tokens or gen.max_new_tokens, do_sample=gen.do_sample,
-                  pad_token_id=pad_token_id(target), repetition_penalty=1.0, no_repeat_ngram_size=0, min_new_tokens=0)
-    if gen.do_sample:
-        kwargs.update(temperature=gen.temperature, top_k=gen.top_k or 0, top_p=1.0 if gen.top_p is None else gen.top_p)
-    return kwargs
-
-
-def hf_cache_kwargs(cache_implementation: str = "dynamic", compile: bool | dict = False) -> dict:
-    """``generate()`` arguments that make ``transformers`` keep its cache and compile as asked, and no
-    more: nothing for the default dynamic cache (today's calls stay as they were);
-    ``cache_implementation="static"`` and ``disable_compile=True`` for a static cache without
-    ``compile`` (on CUDA transformers would otherwise compile on its own, untimed warm-up or not); with
-    ``compile``, a ``CompileConfig`` (``compile``'s mapping are its fields) marked to compile on every
-    device (transformers compiles only on accelerators by default). Given per call, so they apply to a
-    copy of the generation config: the model's own is never changed."""
-    if cache_implementation == "dynamic":
-        return {}
-    if compile is False:
-        return {"cache_implementation": cache_implementation, "disable_compile": True}
-    from transformers import CompileConfig
-
-    options = dict(compile) if isinstance(compile, dict) else {}
-    if options.get("backend", "inductor") != "inductor":
-        options.setdefault("mode", None)  # CompileConfig's "reduce-overhead" is an inductor mode
-    config = CompileConfig(**options)
-    config._compile_all_devices = True
-    return {"cache_implementation": cache_implementation, "compile_config": config}
-
-
-#: decoding steps of :func:`hf_warmup`: a compiled step, then a few more (CUDA graphs are recorded on a later run)
-HF_WARMUP_NEW_TOKENS = 16
-
-
-def hf_warmup(target, cache: dict, batch_size: int, max_length: int, new_tokens: int = HF_WARMUP_NEW_TOKENS) -> float:
-    """One untimed ``target.generate`` with ``cache`` (:func:`hf_cache_kwargs`) that compiles its decoding
-    forward for ``batch_size`` rows: ``max_length - new_tokens`` prompt tokens, so the static cache, which
-    transformers sizes to the longest call so far, holds every later call up to ``max_length``;
-    ``min_new_tokens`` keeps an EOS from ending it before the compiled steps ran. Returns the seconds."""
-    started = time.perf_counter()
-    vocab = min(int(target.get_input_embeddings().weight.shape[0]), 256)
-    ids = torch.arange(max(max_length - new_tokens, 1)).remainder(vocab)[None, :].repeat(batch_size, 1)
-    ids = ids.to(target.device)
-    with torch.no_grad():
-        target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                        min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_token_id(target), **cache)
-    return time.perf_counter() - started
-
-
-@dataclass
-class MethodRunner:
-    """One method, ready to run: ``run(input_ids [1, L], seed, max_new_tokens=None) -> (new token ids,
-    stats or None)``; ``run_batch(input_ids [B, P], attention_mask [B, P], seed, max_new_tokens=None)
-    -> ([B, N] new ids, stats or None)`` (None for the methods transformers runs only at batch size 1);
-    ``warmup(batch_size, max_length) -> seconds`` compiles what the method will run (None when it
-    does not compile). ``max_new_tokens`` overrides the config's (the warm-up's short calls)."""
-
-    config: MethodConfig
-    run: Callable[..., tuple[list[int], AcceptanceStats | None]]
-    run_batch: Callable[..., tuple[torch.Tensor, AcceptanceStats | None]] | None = None
-    warmup: Callable[[int, int], float] | None = None
-
-
-def _hf_runner(target, gen: GenerationSettings, extra: Callable[[], dict], cache: dict):
-    def run(input_ids, seed, max_new_tokens=None):
-        if seed is not None:
-            torch.manual_seed(seed)
-        out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                              **hf_generation_kwargs(gen, target, max_new_tokens), **cache, **extra())
-        return out[0, input_ids.shape[1]:].tolist(), None
-    return run
-
-
-def _hf_batch_runner(target, gen: GenerationSettings, cache: dict):
-    """Plain batched ``target.generate`` on a left-padded batch (the ``baseline`` of a batched pass)."""
-    def run_batch(input_ids, attention_mask, seed, max_new_tokens=None):
-        if seed is not None:
-            torch.manual_seed(seed)
-        out = target.generate(input_ids, attention_mask=attention_mask,
-                              **hf_generation_kwargs(gen, target, max_new_tokens), **cache)
-        return out[:, input_ids.shape[1]:], None
-    return run_batch
-
-
-def _config_vocab_size(model) -> int:
-    """The config's vocabulary size: what transformers compares to decide whether an assistant needs
-    tokenizers (not :func:`specdec.modelinfo.vocab_size`, the logits width, which may be padded)."""
-    return model.config.get_text_config().vocab_size
-
-
-def _hf_extra(method: MethodConfig, target, tokenizer, draft) -> Callable[[], dict]:
-    """Per-call keyword arguments of a reference method (built once, called before every generate)."""
-    options = REFERENCE_OPTIONS[method.generator].model_validate(method.options)
-    if method.generator == HF_PROMPT_LOOKUP:
-        return lambda: {"prompt_lookup_num_tokens": options.num_tokens, "max_matching_ngram_size": options.max_ngram}
-    if method.generator == HF_ASSISTED:
-        model, draft_tokenizer = draft
-        same_vocab = _config_vocab_size(model) == _config_vocab_size(target)  # transformers' test for a universal assistant
-
-        def extra():
-            # transformers reads these from the assistant's generation_config and, under "heuristic",
-            # writes the adapted value back between calls: reset before every call so each question
-            # starts alike. The assistant is this run's own copy, never the user's.
-            model.generation_config.num_assistant_tokens = options.num_tokens
-            model.generation_config.num_assistant_tokens_schedule = options.schedule
-            model.generation_config.assistant_confidence_threshold = options.confidence_threshold
-            kw = {"assistant_model": model}
-            if not same_vocab:
-                kw.update(tokenizer=tokenizer, assistant_tokenizer=draft_tokenizer)
-            return kw
-        return extra
-    return dict  # baseline: nothing extra
-
-
-def _spec_runner(method: MethodConfig, target, tokenizer, draft, gen: GenerationSettings) -> MethodRunner:
-    cls = generator_class(method.generator)
-    draft_model, draft_tokenizer = draft if draft is not None else (None, None)
-    try:
-        instance = cls(draft_model, **method.options) if draft_model is not None else cls(**method.options)
-        decoder = SpecDecoder(target, instance, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer,
-                              cache_implementation=method.cache_implementation, compile=method.compile,
-                              fast_head=method.fast_head)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"methods: {method.name!r}: bad options for {method.generator!r}: {exc}") from None
-
-    def call(input_ids, attention_mask, seed, max_new_tokens):
-        generator = None
-        if seed is not None:
-            torch.manual_seed(seed)
-            generator = torch.Generator(device=target.device).manual_seed(seed)
-        return decoder.generate(input_ids, attention_mask, max_new_tokens=max_new_tokens or gen.max_new_tokens,
-                                do_sample=gen.do_sample, temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p,
-                                generator=generator)
-
-    def run(input_ids, seed, max_new_tokens=None):
-        out = call(input_ids, None, seed, max_new_tokens)
-        return out.sequences[0, input_ids.shape[1]:].tolist(), out.stats
-
-    def run_batch(input_ids, attention_mask, seed, max_new_tokens=None):
-        out = call(input_ids, attention_mask, seed, max_new_tokens)
-        return out.sequences[:, input_ids.shape[1]:], out.stats
-    # every SpecDecoder method warms up: a generator may compile its own draft (self_draft) even
-    # where the method's target does not; warmup() returns 0.0 when nothing compiles
-    return MethodRunner(method, run, run_batch, decoder.warmup)
-
-
-def _reference_runner(method: MethodConfig, target, tokenizer, draft, gen: GenerationSettings) -> MethodRunner:
-    cache = hf_cache_kwargs(method.cache_implementation, method.compile)
-    run = _hf_runner(target, gen, _hf_extra(method, target, tokenizer, draft), cache)
-    run_batch = _hf_batch_runner(target, gen, cache) if method.kind.baseline else None
-    warmup = partial(hf_warmup, target, cache) if method.compiles else None
-    return MethodRunner(method, run, run_batch, warmup)
-
-
-def build_methods(config: BenchConfig, target, tokenizer, drafts: dict) -> list[MethodRunner]:
-    """Every method of the config, in config order, ready to run on ``target``."""
-    build = lambda m: _reference_runner if m.is_reference else _spec_runner  # noqa: E731
-    return [build(m)(m, target, tokenizer, drafts.get(m.draft) if m.draft else None, config.generation)
-            for m in config.methods]
-
-
-# -- the run -----------------------------------------------------------------------------------
+# -- the output directory --------------------------------------------------------------------------
 @dataclass
 class RunResult:
     out_dir: Path
@@ -428,81 +146,6 @@ def run_device(config: BenchConfig) -> torch.device:
         raise ConfigError(f"device: {exc}") from None
 
 
-def _load_drafts(config: BenchConfig, device: torch.device) -> dict:
-    """Each distinct draft name loaded once, separately from the target (hooks count the target only)."""
-    return {name: load_model(name, dtype=config.torch_dtype, device=device)
-            for name in dict.fromkeys(m.draft for m in config.methods if m.draft)}
-
-
-#: tokens added per earlier answer in :func:`longest_call` (re-encoding text may split it differently)
-ANSWER_MARGIN = 8
-
-
-def longest_call(questions: list[Question], tokenizer, max_new_tokens: int, every_turn: bool = True) -> int:
-    """An upper bound of prompt + new tokens over the run's ``generate()`` calls: the length a compiled
-    method's caches are warmed up to. A question's last turn carries the method's earlier answers, each
-    counted as ``max_new_tokens`` plus :data:`ANSWER_MARGIN` (its text is encoded again, which may
-    split it differently); ``every_turn=False``: first turns only (the batched passes)."""
-    longest = 0
-    for q in questions:
-        turns = q.turns if every_turn else q.turns[:1]
-        prompt = encode_chat(tokenizer, build_messages(turns, [""] * (len(turns) - 1))).shape[1]
-        longest = max(longest, prompt + len(turns) * max_new_tokens + (len(turns) - 1) * ANSWER_MARGIN)
-    return longest
-
-
-def warmup_batch_sizes(batch_sizes: list[int], questions: int) -> list[int]:
-    """Every batch size a compiled method can decode: 1 for the per-question pass, and up to B for a
-    pass at B (a batch shrinks as its rows finish; the last batch may be smaller)."""
-    largest = max(min(b, questions) for b in batch_sizes)
-    return list(range(1, largest + 1)) if largest > 1 else [1]
-
-
-def _compile(runners: list[MethodRunner], batch_sizes: list[int], max_length: int,
-             log: Callable[[str], None]) -> dict[str, float]:
-    """Compile every method that compiles, before anything is timed: method name -> seconds."""
-    seconds = {}
-    for r in runners:
-        if r.warmup is None:
-            continue
-        if r.config.compiles:
-            log(f"compiling {r.config.name} (batch sizes {', '.join(map(str, batch_sizes))}, up to {max_length} "
-                "tokens) ...")
-        try:
-            spent = sum(r.warmup(b, max_length) for b in batch_sizes)
-        except (ValueError, TypeError) as exc:
-            raise ConfigError(f"method {r.config.name!r} ({r.config.generator}) cannot compile: {exc}") from None
-        if spent > 0:
-            seconds[r.config.name] = spent
-    return seconds
-
-
-def _warm_up(runners: list[MethodRunner], tokenizer, new_tokens: int, device: torch.device, batched: bool = False,
-             pad_id: int = 0) -> None:
-    """Run every method once (``new_tokens`` each), unrecorded: first-call costs (allocations, lazy inits)
-    leave the timings, and a method that cannot run at all (a mismatched draft) fails here, before
-    anything is written. With ``batched``, each method that runs batches also decodes one left-padded
-    batch of two prompts."""
-    ids = encode_chat(tokenizer, [{"role": "user", "content": WARMUP_PROMPT}])
-    for r in runners:
-        try:
-            r.run(ids.to(device), None, new_tokens)
-        except (ValueError, TypeError) as exc:
-            raise ConfigError(f"method {r.config.name!r} ({r.config.generator}) cannot run: {exc}") from None
-    if not batched:
-        return
-    short = encode_chat(tokenizer, [{"role": "user", "content": WARMUP_PROMPT.split(".")[0]}])
-    batch_ids, batch_mask = left_pad([ids[0], short[0]], pad_id)
-    for r in runners:
-        if r.run_batch is None:
-            continue
-        try:
-            r.run_batch(batch_ids.to(device), batch_mask.to(device), None, new_tokens)
-        except (ValueError, TypeError) as exc:
-            raise ConfigError(f"batch_sizes: method {r.config.name!r} ({r.config.generator}) cannot run a batch: "
-                              f"{exc}") from None
-
-
 def real_new_tokens(new: torch.Tensor, eos: set[int]) -> list[list[int]]:
     """[B, N] generated ids -> per row, the ids up to and including the first EOS (the rest is padding)."""
     rows = []
@@ -531,15 +174,15 @@ def _load_and_warm_up(config: BenchConfig, questions: list[Question], log: Calla
     device = run_device(config)
     log(f"loading {config.target} ({config.dtype} on {device}) ...")
     target, tokenizer = load_model(config.target, dtype=config.torch_dtype, device=device)
-    runners = build_methods(config, target, tokenizer, _load_drafts(config, device))
+    runners = build_methods(config, target, tokenizer, load_drafts(config, device, log))
     reference = config.reference_method.name
     runners.sort(key=lambda r: r.config.name != reference)  # stable: the others stay in config order
     sizes = warmup_batch_sizes(config.batch_sizes, len(questions))
     longest = longest_call(questions, tokenizer, config.generation.max_new_tokens, every_turn=1 in config.batch_sizes)
-    compiled = _compile(runners, sizes, longest, log)
+    compiled = compile_methods(runners, sizes, longest, log)
     pad_id = pad_token_id(target)
-    _warm_up(runners, tokenizer, config.warmup_new_tokens, device, batched=any(b > 1 for b in config.batch_sizes),
-             pad_id=pad_id)
+    warm_up(runners, tokenizer, config.warmup_new_tokens, device, batched=any(b > 1 for b in config.batch_sizes),
+            pad_id=pad_id)
     return _Models(target, tokenizer, runners, pad_id, set(eos_token_ids(target)), device, compiled)
 
 
@@ -578,7 +221,7 @@ class _Recorder:
         self.done[row_key(row)] = row
         self.result.rows_new += 1
         self.bar.update(1)
-        self.bar.set_postfix_str(f"{row['method']} {label} {_total_tokens(row) / max(row['seconds'], 1e-9):.1f} tok/s")
+        self.bar.set_postfix_str(f"{row['method']} {label} {new_tokens([row]) / max(row['seconds'], 1e-9):.1f} tok/s")
         if self.on_row is not None:
             self.on_row(row)
 
@@ -598,17 +241,6 @@ def _open_results(out_dir: Path, config: BenchConfig, config_file: str, digest: 
     if result.rows_done_before:
         log(f"resuming: {result.rows_done_before}/{result.rows_total} rows already in {store.path}")
     return store, done, result
-
-
-def median_run(runs: list[dict]) -> dict:
-    """The row of one call run ``len(runs)`` times: the run of median wall time (the lower of the two
-    middle ones for an even count), with every run's ``seconds_runs`` and whether every run gave the
-    same new tokens (``runs_identical``). One run is returned as it is."""
-    if len(runs) == 1:
-        return runs[0]
-    chosen = sorted(runs, key=lambda r: r["seconds"])[(len(runs) - 1) // 2]
-    return {**chosen, "seconds_runs": [r["seconds"] for r in runs],
-            "runs_identical": all(r["output_ids"] == chosen["output_ids"] for r in runs)}
 
 
 def _run_per_question(models: _Models, questions: list[Question], gen: GenerationSettings, done: dict,
@@ -657,7 +289,9 @@ def _run_batches(models: _Models, questions: list[Question], batch_size: int, ge
 def run_benchmark(config: BenchConfig, *, config_file: str | Path, out_dir: str | Path | None = None,
                   fresh: bool = False, progress: bool = True, on_row: Callable[[dict], None] | None = None,
                   log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr)) -> RunResult:
-    """Run (or resume) ``config``; return where the results are. See the module docstring."""
+    """Run (or resume) ``config``; return where the results are (docs/benchmarks.md, "How a run goes").
+
+    ``on_row(row)`` is called once per row, after the row is on disk."""
     from tqdm.auto import tqdm
 
     config_file = str(config_file)
@@ -712,10 +346,6 @@ def _forward_counter(target, method: MethodConfig):
 
 def _calls(forwards: ForwardTimer | None) -> int | None:
     return forwards.calls if forwards is not None else None
-
-
-def _total_tokens(row: dict) -> int:
-    return sum(row["new_tokens"]) if isinstance(row["new_tokens"], list) else row["new_tokens"]
 
 
 def _run_batch(runner: MethodRunner, group: list[Question], prompts: list[torch.Tensor], batch_size: int,
