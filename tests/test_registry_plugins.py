@@ -396,3 +396,38 @@ def test_docs_assistant_example_is_exact_and_owned_by_the_controller(tmp_path, m
     other_vocab, _ = tiny_random("llama", seed=3, vocab_size=400)
     with pytest.raises(ValueError, match="vocabulary"):
         SpecDecoder(target, "small_assistant", assistant=other_vocab).generate(ids, max_new_tokens=4)
+
+
+def test_docs_hook_examples_run_as_printed_and_stay_exact(llama):
+    """Every ``# hook:`` block of docs/plugins.md runs as printed, in the page's order; each
+    generator it defines decodes exactly (one prompt and a left-padded batch), and what the
+    examples claim holds (report reaches stats.generator, setup refuses, session shares)."""
+    text = (ROOT / "docs" / "plugins.md").read_text()
+    blocks = re.findall(r"```python\n(# hook: .*?)```", text, flags=re.S)
+    namespace: dict = {"__name__": "docs_hooks"}
+    for block in blocks:
+        exec(compile(block, "docs/plugins.md (hooks)", "exec"), namespace)
+    hooks = {block.splitlines()[0].removeprefix("# hook: ") for block in blocks}
+    assert hooks == {"propose", "drafting", "setup", "observe, report", "select_rows", "session", "ctx.draft_rate",
+                     "ctx.keep_drafting"}
+    generators = [v for v in namespace.values() if isinstance(v, type) and issubclass(v, CandidateGenerator)
+                  and v is not CandidateGenerator]
+    assert len(generators) == len(blocks)
+    target, tokenizer = llama
+    ids = repetitive_prompt(10, seed=3)
+    reference = target.generate(ids, max_new_tokens=16, do_sample=False)
+    rows = [repetitive_prompt(n, seed=n)[0] for n in (4, 11)]
+    batch, mask = left_pad(rows, tokenizer.pad_token_id)
+    for cls in generators:
+        decoder = SpecDecoder(target, cls(), tokenizer=tokenizer)
+        assert torch.equal(decoder.generate(ids, max_new_tokens=16).sequences, reference), cls.__name__
+        out = decoder.generate(batch, mask, max_new_tokens=12)
+        for i, row in enumerate(rows):
+            ref = target.generate(row[None], max_new_tokens=12, do_sample=False)[0, row.numel():]
+            assert out.sequences[i, batch.shape[1]: batch.shape[1] + ref.numel()].tolist() == ref.tolist(), cls
+    counted = SpecDecoder(target, namespace["Counting"]()).generate(ids, max_new_tokens=16)
+    assert counted.stats.generator == {"steps": counted.stats.steps, "accepted": counted.stats.accepted_tokens}
+    with pytest.raises(ValueError, match="needs_tokenizer"):
+        SpecDecoder(target, namespace["NeedsTokenizer"]()).generate(ids, max_new_tokens=4)
+    shared = namespace["SharedTable"]()
+    assert shared.session().table is shared.table
