@@ -348,6 +348,21 @@ def _generate_parser(sub) -> None:
     g.set_defaults(func=cmd_generate)
 
 
+def _demo_parser(sub) -> None:
+    d = sub.add_parser("demo", help="speedup over plain decoding on a few Spec-Bench prompts")
+    _common_arguments(d)
+    demo = _demo_defaults()
+    d.add_argument("--per-category", type=_positive_int, default=None,
+                   help=f"the first N questions of each category (default: {demo['first_per_category']})")
+    d.add_argument("--categories", default=None,
+                   help=f"comma-separated Spec-Bench categories (default: {','.join(demo['categories'])})")
+    d.add_argument("--dataset", default=None, help="Spec-Bench question.jsonl (default: ../shared/spec_bench)")
+    d.add_argument("--out", default=None, metavar="DIR",
+                   help="keep the results and a full report.md in DIR (default: a temporary directory, removed "
+                        "at the end)")
+    d.set_defaults(func=cmd_demo)
+
+
 def _run(args) -> int:
     """``args.func(args)``; a usage error (a bad name, value or file) is one line and exit status 2."""
     try:
@@ -367,21 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding for transformers.")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
-
-    d = sub.add_parser("demo", help="speedup over plain decoding on a few Spec-Bench prompts")
-    _common_arguments(d)
-    demo = _demo_defaults()
-    demo = _demo_defaults()
-    d.add_argument("--per-category", type=_positive_int, default=None,
-                   help=f"the first N questions of each category (default: {demo['first_per_category']})")
-    d.add_argument("--categories", default=None,
-                   help=f"comma-separated Spec-Bench categories (default: {','.join(demo['categories'])})")
-    d.add_argument("--dataset", default=None, help="Spec-Bench question.jsonl (default: ../shared/spec_bench)")
-    d.add_argument("--out", default=None, metavar="DIR",
-                   help="keep the results and a full report.md in DIR (default: a temporary directory, removed "
-                        "at the end)")
-    d.set_defaults(func=cmd_demo)
-
+    _demo_parser(sub)
     sub.add_parser("list", help="list candidate generators and packaged models").set_defaults(func=cmd_list)
     sub.add_parser("bench", help="run a YAML benchmark config: specdec bench CONFIG.yaml | specdec bench report DIR")
     args = parser.parse_args(argv)
