@@ -4,8 +4,10 @@ One ``generate()`` call:
 
 1. validate every argument before the first forward (one clear error, no work done);
 2. make a :class:`~specdec.run.DecodeRun`: the target's state, the generator's per-call session
-   (whose ``setup`` may attach assistants, still before any forward), stopper, statistics;
-3. ``while run.step()``: propose, verify, commit, stop, sync (the data path is in ``run.py``);
+   (whose ``setup`` may attach assistants, still before any forward), the draft-length policy,
+   stopper, statistics;
+3. ``while run.step()``: plan, propose, admit, forward, verify, commit, observe (the data path
+   is in ``run.py``);
 4. return ``SpecOutput(sequences, stats)`` shaped like ``transformers``' output.
 
 The decoder holds only configuration (models, tokenizers, the generator as the user built it),
