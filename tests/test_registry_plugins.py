@@ -23,7 +23,7 @@ import torch
 
 import specdec.registry as registry
 from specdec import SpecDecoder
-from specdec.generators import CandidateGenerator, Proposal
+from specdec.generators import CandidateGenerator, DraftingInfo, Proposal
 from specdec.models import tiny_random
 from specdec.registry import (ENTRY_POINT_GROUP, UnknownGeneratorError, available_generators,
                               get_candidate_generator, register_candidate_generator,
@@ -382,8 +382,8 @@ def test_docs_assistant_example_is_exact_and_owned_by_the_controller(tmp_path, m
     target, tokenizer = llama
     # the cost-aware policy runs a draft only where it can pay: half the target's bytes, and agreeing often
     assistant = perturbed_copy(target, 0.2, seed=5).to(torch.bfloat16)
-    monkeypatch.setattr(sys.modules["greedy_assistant"].SmallAssistantGenerator, "acceptance_prior", lambda self: 0.9,
-                        raising=False)
+    monkeypatch.setattr(sys.modules["greedy_assistant"].SmallAssistantGenerator, "drafting",
+                        lambda self: DraftingInfo(priors=0.9))
     recorder = ForwardRecorder(assistant)
     monkeypatch.setattr(assistant, "generate", lambda *a, **k: pytest.fail("the assistant ran generate()"))
     ids = repetitive_prompt(12, seed=6)
