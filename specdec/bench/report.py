@@ -28,6 +28,15 @@ INSTALL_PLOTS = 'pip install "specdec[bench]"'
 PLOTS_NEED_MATPLOTLIB = f"matplotlib is not installed: report.md is written without plots (plots need {INSTALL_PLOTS})"
 
 
+def machine_line(env: dict) -> str:
+    """The CPU a run's figures come from, as its ``run.json`` recorded it (runs before the CPU was
+    recorded name the processor architecture only)."""
+    if "cpu_model" not in env:
+        return f"{env.get('processor', '?')} (CPU model not recorded)"
+    flags = [f for f in env.get("cpu_flags", []) if f.startswith("amx")]
+    return f"{env['cpu_model']} ({env.get('cpu_capability', '?')}{'; ' + ', '.join(flags) if flags else ''})"
+
+
 def plots_available() -> bool:
     """Whether matplotlib imports (the ``bench`` extra); without it the report has no plots."""
     try:
@@ -121,7 +130,7 @@ def _header(meta: dict, rows: list[dict]) -> list[str]:
         f"- Target: `{config['target']}` ({placed}). Dataset: {len(meta['questions'])} questions "
         f"({', '.join(f'{k} {v}' for k, v in per_subtask.items())}), {sum(q['turns'] for q in meta['questions'])} turns; "
         f"{mode}, max_new_tokens {gen['max_new_tokens']}.",
-        f"- Machine: {env.get('platform', '?')}, {env.get('processor', '?')}, {env.get('cpu_count', '?')} CPUs "
+        f"- Machine: {machine_line(env)}, {env.get('platform', '?')}, {env.get('cpu_count', '?')} CPUs "
         f"({env.get('device', 'cpu')}{', ' + env['gpu'] if env.get('gpu') else ''}), torch {env.get('torch', '?')} "
         f"with {config['threads']} threads, "
         f"transformers {env.get('transformers', '?')}, specdec {env.get('specdec', '?')}. Started {meta.get('created', '?')}.",

@@ -76,12 +76,13 @@ def environment(device: torch.device | None = None) -> dict:
     """The machine a session ran on; ``device`` is where its models ran (default: the CPU)."""
     import transformers
 
-    from .. import __version__
+    from .. import __version__, machine
 
     device = device or torch.device("cpu")
     env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
            "specdec": __version__, "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-           "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": str(device)}
+           "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": str(device),
+           "cpu_model": machine.cpu_model(), "cpu_capability": machine.cpu_capability(), "cpu_flags": machine.cpu_flags()}
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
     return env

@@ -1,0 +1,48 @@
+"""The CPU a figure was measured on: its model name and the instruction-set level torch's kernels use.
+
+Decoding speed on a CPU depends on both (an int8 product that is cheap with AMX can cost more than
+the fp32 one on a CPU with AVX2 only), so every benchmark result records them beside its figures.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux), else what ``platform`` knows."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_capability() -> str:
+    """torch's CPU kernel level (``torch.backends.cpu.get_cpu_capability()``: e.g. AVX2, AVX512,
+    or AMX-capable ones), which ``ATEN_CPU_CAPABILITY`` can lower."""
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def cpu_flags(names: tuple[str, ...] = ("avx2", "avx512f", "avx512_vnni", "amx_int8", "amx_bf16")) -> list[str]:
+    """Which of ``names`` the CPU reports (``/proc/cpuinfo`` flags on Linux; empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return [n for n in names if n in have]
+    except OSError:
+        pass
+    return []
+
+
+def describe() -> str:
+    """One line naming the CPU, e.g. ``Intel(R) Xeon(R) Processor (AVX512; amx_int8)``."""
+    flags = [f for f in cpu_flags() if f.startswith("amx")]
+    return f"{cpu_model()} ({cpu_capability()}{'; ' + ', '.join(flags) if flags else ''})"
