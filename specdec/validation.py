@@ -156,7 +156,7 @@ def check_proposal(proposal, plugin: str, batch: int, vocab: int, do_sample: boo
                                 or tuple(sources.shape) != (batch,)
                                 or bool(((sources < 0) | (sources >= n_sources)).any())):
         raise ValueError(f"{where}: Proposal.sources must be None or an integer tensor [batch={batch}] of source "
-                         f"indexes in [0, {n_sources}) (one per acceptance_prior()), got {_describe(sources)}")
+                         f"indexes in [0, {n_sources}) (one per prior in drafting().priors), got {_describe(sources)}")
     confidence = proposal.confidence
     if confidence is not None and (not isinstance(confidence, torch.Tensor) or not confidence.is_floating_point()
                                    or confidence.dim() != 2 or confidence.shape[0] != batch or confidence.shape[1] < k):
