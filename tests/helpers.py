@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import copy
+import weakref
 
 import torch
 
+from specdec.kv import CacheSettings
 from specdec.models import tiny_random
+from specdec.policy import COST_GRID, CostModel
 from specdec.prompts import left_pad  # noqa: F401  (re-exported for the tests)
 
 
@@ -50,14 +53,46 @@ def assert_batch_is_exact(decoder, target, new_tokens: int = 24) -> None:
     padded, mask = left_pad(rows, pad_id=257)
     out = decoder.generate(padded, mask, max_new_tokens=new_tokens)
     for b, row in enumerate(rows):
-        want = target.generate(row[None, :], max_new_tokens=new_tokens, do_sample=False)[0, row.numel():]
+        want = reference(target, row[None, :], new_tokens)[0, row.numel():]
         assert torch.equal(out.sequences[b, padded.shape[1]: padded.shape[1] + want.numel()], want), b
 
 
 def tiny_pair(arch: str, seed: int = 1, noise: float = 0.3, **overrides):
-    """(target, perturbed draft, tokenizer) of one tiny architecture."""
+    """(target, perturbed draft, tokenizer) of one tiny architecture, the target's costs pinned."""
     target, tokenizer = tiny_random(arch, seed=seed, **overrides)
-    return target, perturbed_copy(target, noise, seed=seed + 100), tokenizer
+    return pin_costs(target), perturbed_copy(target, noise, seed=seed + 100), tokenizer
+
+
+#: seconds of a tiny model's forward by tokens fed (``COST_GRID``): about a millisecond and nearly
+#: flat, the shape the policy's calibration measures for the tiny models on a CPU
+TINY_COSTS = tuple(1e-3 * (1 + (x - 1) / 32) for x in COST_GRID)
+
+
+def pin_costs(model):
+    """Pin ``TINY_COSTS`` as ``model``'s cost curve for every cache kind, so that its first greedy
+    call skips the policy's timed calibration forwards (the curve still follows the timings the
+    loop observes). For tiny test models; returns ``model``."""
+    for implementation, compile in (("dynamic", False), ("static", False), ("static", True)):
+        for fast_head in (True, False):
+            CostModel.pin(model, CostModel(list(TINY_COSTS)),
+                          CacheSettings.make(implementation, compile, fast_head=fast_head))
+    return model
+
+
+_REFERENCES: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def reference(model, ids: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:
+    """``model.generate(ids [B, P], max_new_tokens=..., do_sample=False, **kwargs)`` [B, P+N],
+    computed once per model, prompt, settings and generation config (greedy output is a function
+    of those) and kept while the model lives. A test that changes a model's weights in place
+    calls ``generate`` itself."""
+    key = (tuple(ids.shape), tuple(ids.flatten().tolist()), max_new_tokens, repr(sorted(kwargs.items())),
+           model.generation_config.to_json_string())
+    known = _REFERENCES.setdefault(model, {})
+    if key not in known:
+        known[key] = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
+    return known[key].clone()
 
 
 class ForwardRecorder:

@@ -1,4 +1,10 @@
-"""Greedy speculative output equals target.generate(do_sample=False), token for token."""
+"""Greedy speculative output equals target.generate(do_sample=False), token for token.
+
+Every tiny architecture with every kind of draft and schedule, and left-padded batches. One
+(target, draft) pair per architecture serves the whole module, and each reference
+``target.generate`` is computed once per model and prompt (``helpers.reference``): greedy output
+depends on nothing else, so the seven decoders of an architecture compare with the same two.
+"""
 
 import pytest
 import torch
@@ -6,14 +12,27 @@ import torch
 from specdec import SpecDecoder
 from specdec.models import TINY_ARCHS
 
-from helpers import left_pad, repetitive_prompt, tiny_pair
+from helpers import left_pad, reference, repetitive_prompt, tiny_pair
 
 ARCHS = list(TINY_ARCHS)  # llama, mistral (sliding), qwen2, gemma2 & gemma3 (sliding), gpt2, opt, phi3
 
 
+@pytest.fixture(scope="module")
+def pairs():
+    """arch -> (target, draft, tokenizer), each built on first use and kept for the module."""
+    built = {}
+
+    def get(arch: str):
+        if arch not in built:
+            built[arch] = tiny_pair(arch)
+        return built[arch]
+
+    return get
+
+
 @pytest.fixture(scope="module", params=ARCHS)
-def pair(request):
-    return tiny_pair(request.param)
+def pair(request, pairs):
+    return pairs(request.param)
 
 
 @pytest.mark.parametrize("draft_kind,schedule", [
@@ -23,7 +42,7 @@ def test_greedy_matches_generate(pair, draft_kind, schedule):
     target, draft, _ = pair
     for seed in (0, 1):
         ids = repetitive_prompt(24, seed=seed)
-        ref = target.generate(ids, max_new_tokens=40, do_sample=False)
+        ref = reference(target, ids, 40)
         if draft_kind == "none":
             decoder = SpecDecoder(target)
         else:
@@ -38,20 +57,20 @@ def test_greedy_matches_generate(pair, draft_kind, schedule):
 @pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3_text", "gpt2"])
 @pytest.mark.parametrize("draft_kind", ["prompt_lookup", "draft_model"])
 @pytest.mark.parametrize("refeed_limit", [16, 0])
-def test_batched_rows_match_single_row_generate(arch, draft_kind, refeed_limit, monkeypatch):
+def test_batched_rows_match_single_row_generate(pairs, arch, draft_kind, refeed_limit, monkeypatch):
     """Left-padded rows of very different lengths, each equal to decoding that row alone.
 
     refeed_limit=0 forces the cache to shift lagging rows at every step."""
     from specdec.state import ModelState
 
     monkeypatch.setattr(ModelState, "REFEED_LIMIT", refeed_limit)
-    target, draft, tokenizer = tiny_pair(arch)
+    target, draft, tokenizer = pairs(arch)
     rows = [repetitive_prompt(n, seed=n)[0] for n in (3, 40, 11, 25)]
     ids, mask = left_pad(rows, tokenizer.pad_token_id)
     drafter = "prompt_lookup" if draft_kind == "prompt_lookup" else draft
     out = SpecDecoder(target, drafter, num_tokens=4).generate(ids, mask, max_new_tokens=30)
     for i, row in enumerate(rows):
-        ref = target.generate(row[None], max_new_tokens=30, do_sample=False)[0, row.numel():]
+        ref = reference(target, row[None], 30)[0, row.numel():]
         got = out.sequences[i, ids.shape[1]:]
         assert torch.equal(got[: ref.numel()], ref), f"row {i}"
         assert bool((got[ref.numel():] == tokenizer.pad_token_id).all())

@@ -1,6 +1,6 @@
 """Speculative sampling is lossless: committed tokens are distributed as the target's own samples.
 
-Two levels, each with at least 20,000 samples on a small vocabulary:
+Two levels, each with at least 20,000 samples on a small vocabulary, and a coupling:
 
 * **Verifier level.** A Markov-chain "target" ``P[prev] -> next`` and "draft" ``Q[prev]`` on
   V = 6 tokens. 20,000 rows are decoded in lockstep with ``speculative_sample`` (random K per
@@ -10,9 +10,15 @@ Two levels, each with at least 20,000 samples on a small vocabulary:
   exact ``P[x0, a] P[a, b] P[b, c]``. Temperature, top-k and top-p are applied through
   :class:`SamplingParams` to both tables, exactly as the decoder does.
 * **End to end.** ``SpecDecoder.generate`` on a tiny Llama with an 8-token vocabulary, a batch of
-  20,000 copies of one prompt, with ``prompt_lookup`` and ``draft_model``; the joint distribution
-  of the 3 generated tokens (512 cells) must match the target's exact distribution, computed
-  by forward passes over every 1- and 2-token continuation.
+  20,000 copies of one prompt, with ``prompt_lookup``, ``draft_model`` (also as a w8a8 copy),
+  ``self_draft`` and the lookup-then-copy hybrid; the joint distribution of the 3 generated
+  tokens (512 cells) must match the target's exact distribution, computed by forward passes over
+  every 1- and 2-token continuation.
+* **Static cache, by coupling.** With the same seeded generator, the static cache commits exactly
+  the tokens of the dynamic cache, row for row (2,000 rows per drafter), through the same accepted
+  and rejected drafts. Equal samples have equal distributions, so the end-to-end check covers the
+  static path too, and any difference in any row fails, which a second chi-square would only
+  notice as a bias large enough to show in the counts.
 
 **Threshold.** Pearson's chi-square goodness of fit, cells with expected count < 5 pooled into
 one bin (the usual validity condition for the chi-square approximation), rejecting at
@@ -23,8 +29,10 @@ resampling a rejected position from the target instead of the residual shifts te
 probability between cells, i.e. a chi-square in the thousands at n = 20,000;
 :func:`test_the_chi_square_check_catches_a_biased_sampler` shows the check rejecting exactly that
 bug with p < 1e-10. Cells with target probability 0 (cut by top-k/top-p) must stay empty. The
-total-variation distance is asserted too, below 0.05 (its expected value for a correct sampler
-at n = 20,000 over <= 512 cells is about 0.03 at most, and the biased sampler's is >= 0.1).
+total-variation distance is asserted too, below 0.05, against a gross shift (the biased
+sampler's is >= 0.1); over the 512 cells of the end-to-end joint a correct sampler's expected
+distance at n = 20,000 is close to that bound, so there the chi-square is the test and the fixed
+seeds keep the bound deterministic.
 """
 
 from __future__ import annotations
@@ -45,6 +53,8 @@ from helpers import chi_square_pooled
 ALPHA = 1e-3
 MAX_TV = 0.05
 N = 20_000
+#: rows of each static-cache run compared with the dynamic cache's (a coupling: equal or not)
+N_COUPLED = 2_000
 
 
 def assert_same_distribution(observed: torch.Tensor, expected_probs: torch.Tensor) -> None:
@@ -201,15 +211,17 @@ def exact_three_token_joint(model, prompt: torch.Tensor, params: SamplingParams)
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
-@pytest.mark.parametrize("drafter,params", [
+DRAFTERS = [
     ("prompt_lookup", SamplingParams(True, 0.8, top_k=6)),
     ("draft_model", SamplingParams(True, 1.2, top_p=0.9)),
     ("draft_model_w8a8", SamplingParams(True, 0.8, top_k=6)),  # the draft as a w8a8 copy (weights=)
     ("self_draft", SamplingParams(True, 0.8, top_k=6)),
     ("self_draft_lookup", SamplingParams(True, 1.0, top_k=6)),  # the hybrid: lookup first, then the copy
-])
-def test_generate_samples_the_target_distribution(tiny_models, drafter, params, cache):
+]
+
+
+def sample(tiny_models, drafter: str, params: SamplingParams, cache: str, rows: int):
+    """``SpecDecoder.generate`` of 3 tokens for ``rows`` copies of ``PROMPT``, seeded."""
     target, draft = tiny_models
     options = {}
     if drafter.startswith("self_draft"):
@@ -217,10 +229,15 @@ def test_generate_samples_the_target_distribution(tiny_models, drafter, params, 
     if drafter == "draft_model_w8a8":
         options = {"weights": "w8a8", "compile_draft": False}
     generator = {"draft_model": draft, "draft_model_w8a8": draft, "self_draft_lookup": "self_draft"}.get(drafter, drafter)
-    decoder = SpecDecoder(target, generator, num_tokens=3, schedule="fixed",
-                          cache_implementation=cache, **options)
-    out = decoder.generate(PROMPT.repeat(N, 1), max_new_tokens=3, do_sample=True, temperature=params.temperature,
-                           top_k=params.top_k, top_p=params.top_p, generator=torch.Generator().manual_seed(0))
+    decoder = SpecDecoder(target, generator, num_tokens=3, schedule="fixed", cache_implementation=cache, **options)
+    return decoder.generate(PROMPT.repeat(rows, 1), max_new_tokens=3, do_sample=True, temperature=params.temperature,
+                            top_k=params.top_k, top_p=params.top_p, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("drafter,params", DRAFTERS)
+def test_generate_samples_the_target_distribution(tiny_models, drafter, params):
+    target, _ = tiny_models
+    out = sample(tiny_models, drafter, params, "dynamic", N)
     new = out.sequences[:, PROMPT.shape[1]:]
     assert new.shape == (N, 3)
     stats = out.stats
@@ -228,6 +245,19 @@ def test_generate_samples_the_target_distribution(tiny_models, drafter, params, 
     # copy starts from the target's prefill), some accepted and some rejected
     assert stats.drafted_tokens >= N and 0 < stats.accepted_tokens < stats.drafted_tokens
     assert_same_distribution(joint_counts(new, TINY_VOCAB), exact_three_token_joint(target, PROMPT, params))
+
+
+@pytest.mark.parametrize("drafter,params", DRAFTERS)
+def test_the_static_cache_samples_what_the_dynamic_cache_samples(tiny_models, drafter, params):
+    """With the same generator the static cache commits the very tokens the dynamic cache does,
+    row for row, through the same accepted and rejected drafts: its distribution is then the one
+    test_generate_samples_the_target_distribution checks (a coupling, stronger than a second
+    chi-square: any difference in any row fails)."""
+    dynamic, static = (sample(tiny_models, drafter, params, cache, N_COUPLED) for cache in ("dynamic", "static"))
+    assert torch.equal(static.sequences, dynamic.sequences)
+    assert (static.stats.drafted_tokens, static.stats.accepted_tokens) == \
+        (dynamic.stats.drafted_tokens, dynamic.stats.accepted_tokens)
+    assert static.stats.drafted_tokens >= N_COUPLED and 0 < static.stats.accepted_tokens < static.stats.drafted_tokens
 
 
 @pytest.mark.parametrize("drafter", ["prompt_lookup", "draft_model"])
