@@ -20,6 +20,7 @@ knows nothing of caches.
 
 from __future__ import annotations
 
+import inspect
 import threading
 import types
 import weakref
@@ -37,6 +38,21 @@ _CHECKED: "weakref.WeakKeyDictionary[torch.nn.Module, set]" = weakref.WeakKeyDic
 _MISCOMPILED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 #: inductor options that drop the generated code's checks of its kernels' outputs (owned models)
 NO_ASSERTS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
+
+
+def compile_option_names() -> tuple[str, ...]:
+    """The keyword options ``torch.compile`` takes (read from its signature: they vary by version)."""
+    params = inspect.signature(torch.compile).parameters.values()
+    return tuple(sorted(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY))
+
+
+def check_compile_options(options: dict, argument: str) -> None:
+    """Refuse a dict of compile options (the argument ``argument``) that ``torch.compile`` does not take."""
+    allowed = compile_option_names()
+    unknown = sorted(str(k) for k in options if k not in allowed)
+    if unknown:
+        raise ValueError(f"{argument}: torch.compile takes no option {', '.join(map(repr, unknown))}; "
+                         f"the options it takes are {', '.join(allowed)}")
 
 
 def compiled_forward(model, options: dict, owned: bool = False):

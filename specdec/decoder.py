@@ -32,7 +32,8 @@ from .run import CallSettings, DecodeRun, Prompt
 from .sampling import SamplingParams
 from .state import ModelState, cache_problem
 from .stopping import Stopper
-from .validation import check_generation_config, check_ids_in_vocab, check_max_new_tokens, check_prompt
+from .validation import (check_generation_config, check_ids_in_vocab, check_max_new_tokens, check_positive_int,
+                         check_prompt)
 
 
 @dataclass
@@ -91,7 +92,7 @@ class SpecDecoder:
         if streamer is not None and batch > 1:
             raise ValueError("a streamer needs batch size 1 (as in transformers)")
         eos = eos_token_ids(self.target, eos_token_id)
-        check_generation_config(self.target, prompt.input_ids.shape[1], eos)
+        check_generation_config(self.target, prompt.input_ids, eos)
         settings = CallSettings(
             max_new_tokens=check_max_new_tokens(max_new_tokens), sampling=sampling, generator=generator,
             pad=pad_token_id(self.target, eos), streamer=streamer, cache=self.cache,
@@ -118,6 +119,8 @@ class SpecDecoder:
         nothing new (a batch whose rows finish at different times runs smaller batches too: warm
         those up as well). Returns the seconds spent (report them apart from decoding time); 0.0
         when nothing compiles."""
+        batch_size = check_positive_int(batch_size, "batch_size")
+        max_length = check_positive_int(max_length, "max_length")
         started = time.perf_counter()
         vocab = min(int(self.target.get_input_embeddings().weight.shape[0]), 256)
         ids = torch.arange(8).remainder(vocab)[None, :].repeat(batch_size, 1)
@@ -153,7 +156,7 @@ class SpecDecoder:
         if self.cache.static:
             raise ValueError("prefill() needs the dynamic cache (cache_implementation='dynamic')")
         prompt = self._prompt(input_ids, attention_mask, model_inputs, None)
-        check_generation_config(self.target, prompt.input_ids.shape[1], eos_token_ids(self.target))
+        check_generation_config(self.target, prompt.input_ids, eos_token_ids(self.target))
         prefill, positions = prompt.spec.for_model(self.target)
         state = ModelState(self.target, prompt.rows, prompt.lengths, pad_token_id=pad_token_id(self.target),
                            prefill_inputs=prefill, positions=positions)

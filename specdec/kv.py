@@ -4,7 +4,7 @@
 tensors and runs the forward. Both backends hold ``transformers`` caches:
 
 * :class:`DynamicKV`: a ``DynamicCache`` of plain full-length layers. Rolling back is a crop.
-* :class:`StaticKV`: a ``StaticCache`` of ``StaticLayer`` s, allocated once for the call. The
+* :class:`StaticKV`: a ``StaticCache`` of ``StaticLayer`` s, taken from the pool for the call. The
   slot the next forward writes at is each layer's ``cumulative_length``, set before every forward,
   so rolling back is moving that position: rejected slots stay in memory, masked out, and are
   overwritten by the next forward. Sliding-window layers get full-length ``StaticLayer`` s too
@@ -14,29 +14,38 @@ tensors and runs the forward. Both backends hold ``transformers`` caches:
 With ``compile`` the static backend runs ``torch.compile`` d forwards. Widths are padded to
 :data:`WIDTHS` (padded columns feed the pad token at slots past every row's end, masked out,
 their logits dropped), the mask always spans the whole cache, and caches are reused across calls
-from a per-model pool, so each (width, batch, cache length) compiles once per process. A first
-forward (the prefill) and any forward wider than the widest bucket run eagerly, as in
+from a pool bounded in bytes (``specdec.cache_pool``), so each (width, batch, cache length)
+compiles once per process. A first forward (the prefill) and any forward wider than the widest bucket run eagerly, as in
 ``transformers``. Compiled forwards bypass ``nn.Module`` hooks. The first compiled forward of
 each width is checked against an eager one: a model whose compiled graph disagrees (seen with
 torchao's int8-activation layers under inductor on CPU) runs eagerly from then on, with a warning.
 Which compiled function a model gets, and that check, live in :mod:`specdec.compiled`; this
 module keeps the caches and decides when to call it.
+
+Cache lengths. A static cache holds what its call can reach (``reach``: the prompt, the new tokens
+that ``max_new_tokens`` and the model's positions allow, and the call margin), but is not
+allocated for all of it up front: it starts at the shortest length that holds the prompt and a
+little headroom, and grows (copying what it holds) when a forward needs more. Lengths are taken
+from a ladder, so that few distinct lengths exist (each is a compiled graph, and the pool reuses
+a cache only at its exact length): a length ``SpecDecoder.warmup`` compiled if one holds the
+slots, else the shortest doubling of ``LENGTH_STEP`` that does, never past ``reach`` (rounded up
+to ``LENGTH_STEP``). Growth at least doubles the length (up to ``reach``), so a call copies its
+cache O(log n) times and O(n) slots in all.
 """
 
 from __future__ import annotations
 
 import copy
-import threading
 import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import DynamicCache, StaticCache
-from transformers.cache_utils import StaticLayer
+from transformers import DynamicCache
 
-from .compiled import agrees, checked, compiled_forward, miscompiled, run_compiled
+from .cache_pool import POOL, new_static_cache  # noqa: F401  (new_static_cache: re-exported)
+from .compiled import agrees, check_compile_options, checked, compiled_forward, miscompiled, run_compiled
 from .forwards.head import model_logits
 
 #: forward widths the compiled path pads to by default (each compiles once per batch size and
@@ -52,8 +61,8 @@ class CacheSettings:
     """How every model of a call keeps its cache: ``implementation`` "dynamic" or "static";
     ``compile`` False, True, or a dict of ``torch.compile`` options (static only). A static
     cache takes the shortest of ``lengths`` its call fits in (the lengths ``SpecDecoder.warmup``
-    compiled: a call that fits one runs the graphs compiled for it), else the call's length
-    rounded up to ``LENGTH_STEP``. Attention reads every slot of a static cache, so a short call
+    compiled: a call that fits one runs the graphs compiled for it), else a rung of the length
+    ladder (see the module doc). Attention reads every slot of a static cache, so a short call
     runs faster on a short cache."""
 
     implementation: str = "dynamic"
@@ -71,6 +80,10 @@ class CacheSettings:
             raise ValueError(f"cache_implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
         if not isinstance(compile, (bool, dict)):
             raise TypeError(f"compile must be True, False or a dict of torch.compile options, got {compile!r}")
+        if isinstance(compile, dict):
+            check_compile_options(compile, "compile")
+        if not isinstance(fast_head, bool):
+            raise TypeError(f"fast_head must be True or False, got {fast_head!r}")
         if compile is not False and implementation != "static":
             raise ValueError("compile=True needs cache_implementation='static' (a dynamic cache changes shape "
                              "every step, so compiled forwards would recompile)")
@@ -146,10 +159,11 @@ class DynamicKV:
     def adopt(self, cache, slots: int, dtype: torch.dtype, start: int = 0) -> None:
         """Hold another model's first ``slots`` slots, in ``dtype``: those from ``start`` are copied
         (the ones below are the same already)."""
-        if start == 0:
-            self.cache = DynamicCache()
-        else:
-            self.cache.crop(start)
+        held = self.cache.get_seq_length() if start else 0
+        if start == 0 or held < start:  # nothing to keep (or less than assumed): copy everything
+            self.cache, start = DynamicCache(), 0
+        elif held > start:
+            self.cache.crop(start - held)  # transformers' crop takes the (negative) count to remove
         for i, layer in enumerate(cache.layers):
             self.cache.update(layer.keys[:, :, start:slots].to(dtype, copy=True),
                               layer.values[:, :, start:slots].to(dtype, copy=True), i)
@@ -161,11 +175,12 @@ class DynamicKV:
 class StaticKV:
     """A ``StaticCache`` of full-length ``StaticLayer`` s, written in place (see the module doc)."""
 
-    def __init__(self, model, batch: int, capacity: int, settings: CacheSettings):
+    def __init__(self, model, batch: int, capacity: int, settings: CacheSettings, reach: int | None = None):
         self.model_ref = weakref.ref(model)
         self.settings = settings
+        self.reach = max(reach or capacity, capacity)  # slots the call can reach: lengths stop there
         self.length = self._length_for(capacity)
-        self.cache = _POOL.acquire(model, batch, self.length)
+        self.cache = POOL.acquire(model, batch, self.length)
         compiles = settings.compile and not miscompiled(model)
         # looked up in this module's namespace, so tests may patch ``specdec.kv.compiled_forward``
         self.compiled = compiled_forward(model, settings.options, owned=settings.owned) if compiles else None
@@ -212,23 +227,31 @@ class StaticKV:
         return next((w for w in self.settings.widths if w >= width), width)
 
     def _length_for(self, slots: int) -> int:
-        """The shortest warmed-up length that holds ``slots``, else ``slots`` rounded up."""
-        return next((n for n in sorted(self.settings.lengths) if n >= slots), _round_up(slots, LENGTH_STEP))
+        """The length of a cache for ``slots``: the shortest warmed-up length that holds them, else the
+        shortest rung of ``length_ladder`` that does, capped at the call's reach (see the module doc)."""
+        warmed = next((n for n in sorted(self.settings.lengths) if n >= slots), None)
+        if warmed is not None:
+            return warmed
+        rung = LENGTH_STEP
+        while rung < slots:
+            rung *= 2
+        return max(min(rung, _round_up(self.reach, LENGTH_STEP)), _round_up(slots, LENGTH_STEP))
 
     def _reserve(self, model, slots: int) -> None:
-        """Grow the cache (copying what it holds) if ``slots`` do not fit."""
+        """Grow the cache (copying what it holds) if ``slots`` do not fit: to at least twice its
+        length (up to the call's reach), so growing costs O(1) copies per slot."""
         if slots <= self.length:
             return
         old, old_length = self.cache, self.length
         batch = _batch_of(old)
-        self.length = self._length_for(max(slots, 2 * old_length))
-        self.cache = _POOL.acquire(model, batch, self.length)
+        self.length = self._length_for(max(slots, min(2 * old_length, self.reach)))
+        self.cache = POOL.acquire(model, batch, self.length)
         for new_layer, old_layer in zip(self.cache.layers, old.layers):
             if old_layer.is_initialized:
                 _ensure_initialized(new_layer, old_layer, batch)
                 new_layer.keys[:, :, :old_length].copy_(old_layer.keys)
                 new_layer.values[:, :, :old_length].copy_(old_layer.values)
-        _POOL.release(model, old)
+        POOL.release(model, old)
 
     def crop(self, old_slots: int, new_slots: int) -> None:
         pass  # the write position is set before every forward; stale slots are masked, then overwritten
@@ -244,13 +267,13 @@ class StaticKV:
     def select_rows(self, rows: torch.Tensor, cached_slots: int) -> None:
         model = self.model_ref()
         old = self.cache
-        self.cache = _POOL.acquire(model, rows.numel(), self.length)
+        self.cache = POOL.acquire(model, rows.numel(), self.length)
         for new_layer, old_layer in zip(self.cache.layers, old.layers):
             if old_layer.is_initialized:
                 _ensure_initialized(new_layer, old_layer, rows.numel())
                 new_layer.keys.copy_(old_layer.keys[rows])
                 new_layer.values.copy_(old_layer.values[rows])
-        _POOL.release(model, old)
+        POOL.release(model, old)
 
     def adopt(self, cache, slots: int, dtype: torch.dtype, start: int = 0) -> None:
         """Hold another model's first ``slots`` slots, in ``dtype``: those from ``start`` are copied
@@ -269,46 +292,8 @@ class StaticKV:
         """Return the cache to the pool (the next call of this model may reuse it)."""
         model = self.model_ref()
         if model is not None and self.cache is not None:
-            _POOL.release(model, self.cache)
+            POOL.release(model, self.cache)
         self.cache = None
-
-
-# -- static caches: full-length layers, pooled per model ----------------------------------------
-def new_static_cache(model, batch: int, length: int) -> StaticCache:
-    cache = StaticCache(config=model.config, max_cache_len=length)
-    cache.layers = [layer if type(layer) is StaticLayer else StaticLayer(max_cache_len=length)
-                    for layer in cache.layers]
-    return cache
-
-
-class _CachePool:
-    """Free static caches per model, by (batch, length): reusing one keeps tensor addresses (and so
-    compiled graphs and CUDA graphs) stable across calls. A cache is owned by one call at a time."""
-
-    def __init__(self):
-        self._free: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
-        self._lock = threading.Lock()
-
-    def acquire(self, model, batch: int, length: int) -> StaticCache:
-        """A free cache of exactly this batch size and length, or a new one."""
-        with self._lock:
-            free = self._free.setdefault(model, {}).get((batch, length))
-            if free:
-                return free.pop()
-        return new_static_cache(model, batch, length)
-
-    def release(self, model, cache) -> None:
-        if model is None or cache is None:
-            return
-        layer = cache.layers[0] if cache.layers else None
-        if layer is None or not layer.is_initialized:
-            return  # never written: nothing worth keeping
-        key = (int(layer.keys.shape[0]), int(layer.keys.shape[2]))
-        with self._lock:
-            self._free.setdefault(model, {}).setdefault(key, []).append(cache)
-
-
-_POOL = _CachePool()
 
 
 def _round_up(n: int, step: int) -> int:
@@ -354,6 +339,10 @@ def _shift_rows(cache, shifts: torch.Tensor) -> None:
                 tensor[b, :, :n] = 0
 
 
-def make_kv(model, batch: int, capacity: int, settings: CacheSettings | None):
+def make_kv(model, batch: int, capacity: int, settings: CacheSettings | None, reach: int | None = None):
+    """A cache backend for ``batch`` rows: a static one starts with room for ``capacity`` slots and
+    grows up to ``reach`` (see the module doc); a dynamic one holds what it is given."""
     settings = settings or CacheSettings()
-    return (StaticKV if settings.static else DynamicKV)(model, batch, capacity, settings)
+    if settings.static:
+        return StaticKV(model, batch, capacity, settings, reach)
+    return DynamicKV(model, batch, capacity, settings)

@@ -166,6 +166,7 @@ class DecodeRun:
         """Plan, propose, admit, forward, verify, commit, observe; return whether any row is still decoding."""
         started, target = time.perf_counter(), self.target
         room = self.settings.max_new_tokens - (target.lengths - self.prompt_lengths) - 1  # [B] drafts a row may take
+        room = torch.minimum(room, target.position_room())  # and no draft past learned positions
         pending, context = target.pending_width(), target.cached_slots  # context: slots attended besides those fed
         first, catching_up = target.is_first_iteration, self._catching_up()
         asked = self._plan(room, pending, context)  # [B]

@@ -25,7 +25,11 @@ a ``StaticCache`` written in place, optionally with compiled forwards.
 
 Position ids come from ``positions``, a pure function of (row, token index) chosen per model by
 ``specdec.multimodal`` (the token index itself for text models; 3-D mRoPE positions for
-Qwen2-VL and kin), so re-feeding or shifting rows never changes a token's position.
+Qwen2-VL and kin), so re-feeding or shifting rows never changes a token's position. A model with
+learned absolute positions (``position_limit``: GPT-2, OPT) takes no prompt row longer than its
+table and feeds no token past it (``position_room`` bounds the drafts; a row that would need a
+further position stops the run with a ValueError where ``generate()`` raises an IndexError);
+padded columns get a position inside the table.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from transformers.cache_utils import DynamicLayer
 from .kv import CacheSettings, make_kv
 from .modelinfo import cache_argument
 from .multimodal import PrefillInputs, TokenPositions
+from .validation import check_prompt_positions, position_limit
 
 
 def cache_problem(model, batch_size: int) -> str | None:
@@ -74,7 +79,7 @@ class ModelState:
     #: rows whose cached ends differ by at most this many slots re-feed instead of shifting
     REFEED_LIMIT = 16
 
-    #: token columns allocated beyond the prompt at first; the buffer doubles as it fills
+    #: token columns (and static cache slots) allocated beyond the prompt at first; both grow as they fill
     HEADROOM = 64
 
     @classmethod
@@ -88,10 +93,11 @@ class ModelState:
         batch = tokens.shape[0]
         self.model = model
         self.device = tokens.device
+        check_prompt_positions(model, lengths)
+        self.position_limit = position_limit(model)  # learned absolute positions: none at or past it
         capacity = tokens.shape[1] + self.HEADROOM if capacity is None else max(capacity, tokens.shape[1])
-        # a static cache is sized for the call: prompt, new tokens, one block and the re-feed margin
-        slots = tokens.shape[1] + min(max_new_tokens or self.HEADROOM, 1 << 16) + self.margin()
-        self.kv = make_kv(model, batch, slots, kv)
+        first, reach = self.cache_slots(tokens.shape[1], max_new_tokens)
+        self.kv = make_kv(model, batch, first, kv, reach=reach)
         self.tokens = torch.full((batch, capacity), pad_token_id, dtype=torch.long, device=self.device)
         self.tokens[:, : tokens.shape[1]] = tokens
         self.lengths = lengths.clone().long()  # [B]
@@ -110,6 +116,25 @@ class ModelState:
     @property
     def batch_size(self) -> int:
         return self.tokens.shape[0]
+
+    def cache_slots(self, width: int, max_new_tokens: int | None) -> tuple[int, int]:
+        """(slots a static cache starts with, slots the call can reach) for a prompt ``width`` wide:
+        the prompt, the new tokens ``max_new_tokens`` and the model's positions allow (a row holds at
+        most ``position_limit + 1`` tokens), one block and the re-feed margin; it starts with room for
+        ``HEADROOM`` new tokens and grows when needed (``specdec.kv``), so memory follows what is
+        generated rather than ``max_new_tokens``."""
+        new = max_new_tokens or self.HEADROOM
+        if self.position_limit is not None:
+            new = min(new, self.position_limit + 1)
+        reach = width + new + self.margin()
+        return min(reach, width + self.HEADROOM + self.margin()), reach
+
+    def position_room(self) -> torch.Tensor:
+        """[B] tokens each row may still feed after its last one before the model's learned positions
+        end (a number beyond any call where positions are unlimited)."""
+        if self.position_limit is None:
+            return torch.full_like(self.lengths, 1 << 62)
+        return self.position_limit - self.lengths
 
     def grow(self, needed: int) -> None:
         """Make room for ``needed`` tokens per row; capacity at least doubles (amortised O(1) per token),
@@ -239,7 +264,11 @@ class ModelState:
         # ids a smaller (padded) embedding lacks can only come from the target's tokens: the
         # model sees padding there, which can only change what an assistant proposes
         ids = ids.masked_fill(~real | (ids >= self.vocab_limit), self.pad_token_id)  # [B, F]
-        positions = self.positions(index)  # [B, F], or [3, B, F] for mRoPE
+        at = index
+        if self.position_limit is not None:  # learned positions: refuse a token past them, keep padding inside
+            self._check_positions()
+            at = index.clamp(max=self.position_limit - 1)  # only padded columns move (real ones are below)
+        positions = self.positions(at)  # [B, F], or [3, B, F] for mRoPE
 
         first_needed = self.offsets + start - first_slot  # [B] chunk column of the first logits needed
         if bool((first_needed < 0).any()):
@@ -273,6 +302,18 @@ class ModelState:
         cols = first_needed[:, None] - (width - keep) + torch.arange(count, device=self.device)[None, :]
         cols = cols.clamp(max=keep - 1)  # [B, M]
         return logits.gather(1, cols[..., None].expand(-1, -1, logits.shape[-1]))
+
+    def _check_positions(self) -> None:
+        """Before a forward: no row may feed a token at or past the learned positions. ``generate()``
+        fails there with an ``IndexError`` inside the forward; the run stops before it, saying why."""
+        longest = int(self.lengths.max())
+        if longest > self.position_limit:
+            limit = self.position_limit
+            raise ValueError(f"{type(self.model).__name__} learned {limit} positions (config.max_position_embeddings"
+                             f"={limit}) and a row now holds {longest} tokens without having stopped: its next "
+                             f"forward would need position {longest - 1}. transformers' generate() fails at this "
+                             f"token too (an IndexError inside the forward); ask for fewer new tokens (a row's prompt "
+                             f"and max_new_tokens together at most {limit + 1})")
 
     # -- cache maintenance --------------------------------------------------------------------
     def _realign(self, valid_ends: torch.Tensor) -> None:

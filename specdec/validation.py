@@ -74,57 +74,128 @@ def check_ids_in_vocab(input_ids: torch.Tensor, model) -> None:
         raise ValueError(f"input_ids hold ids outside the target's vocabulary [0, {vocab})")
 
 
+def check_positive_int(value, name: str) -> int:
+    """``value`` as an int if it is a positive integer (not a bool); else a ValueError naming ``name``."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
 def check_max_new_tokens(max_new_tokens) -> int:
-    if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    return int(max_new_tokens)
+    return check_positive_int(max_new_tokens, "max_new_tokens")
+
+
+def check_flag(value, name: str) -> bool:
+    """A True/False argument: anything else (``"no"``, 1) is refused rather than read for its truth."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+# -- positions ------------------------------------------------------------------------------------
+def position_limit(model) -> int | None:
+    """How many positions ``model`` has if they are learned absolute embeddings (GPT-2, OPT, ...:
+    a table of ``max_position_embeddings`` rows, an ``IndexError`` past it), else None (rotary,
+    ALiBi, sinusoidal positions take any index). Found as an embedding table other than the
+    token embeddings with ``max_position_embeddings`` rows (OPT's has 2 more: its offset)."""
+    config = model.config.get_text_config(decoder=True)
+    limit = getattr(config, "max_position_embeddings", None)
+    if not isinstance(limit, int) or limit <= 0:
+        return None
+    tokens = model.get_input_embeddings()
+    for module in model.modules():
+        if (isinstance(module, torch.nn.Embedding) and module is not tokens
+                and limit <= module.num_embeddings <= limit + 2):
+            return limit
+    return None
+
+
+def check_prompt_positions(model, lengths: torch.Tensor) -> None:
+    """Refuse a prompt row longer than a learned-position model has positions (``generate()``
+    fails with an ``IndexError`` inside its first forward)."""
+    limit = position_limit(model)
+    longest = int(lengths.max()) if lengths.numel() else 0
+    if limit is not None and longest > limit:
+        raise ValueError(f"the prompt has {longest} tokens, more than the {limit} positions "
+                         f"{type(model).__name__} learned (config.max_position_embeddings={limit}); "
+                         f"shorten it to at most {limit} tokens")
 
 
 # -- the target's generation config ---------------------------------------------------------------
-def _greedy_effects(model, config, prompt_length: int, eos: list[int]) -> list[str]:
-    """What ``generate()`` would do beyond plain greedy decoding with ``config``: an unsupported
-    generation mode and the logits processors ``transformers`` builds (by class name)."""
+#: settings that make ``generate()`` return or stop differently without a logits processor or a
+#: generation mode of their own: (name, whether a value is set, what generate() would do)
+OTHER_EFFECTS = (
+    ("stop_strings", lambda v: bool(v), "generate(tokenizer=...) stops at these strings; pass them to "
+                                         "SpecDecoder.generate(stop_strings=...) with a tokenizer instead"),
+    ("token_healing", lambda v: bool(v), "generate() re-tokenizes the prompt's last token"),
+    ("num_return_sequences", lambda v: v is not None and v != 1, "generate() returns several sequences per "
+                                                                  "prompt; specdec returns one"),
+)
+
+
+def _prompt_ids(prompt) -> torch.Tensor:
+    """The prompt ``[B, P]`` as generate() passes it to its processors as ``encoder_input_ids`` (for
+    a decoder-only model, the input ids themselves); a length stands for a prompt of that many ids."""
+    if isinstance(prompt, torch.Tensor):
+        return prompt if prompt.dim() == 2 else prompt.reshape(1, -1)
+    return torch.zeros(1, int(prompt), dtype=torch.long)
+
+
+def _greedy_effects(model, config, prompt, eos: list[int]) -> list[str]:
+    """What ``generate()`` would do beyond plain greedy decoding with ``config`` for ``prompt`` (ids
+    ``[B, P]`` or a length): an unsupported generation mode and the logits processors
+    ``transformers`` builds (by class name)."""
     config = copy.deepcopy(config)
     config.do_sample = False  # sampling warpers come from generate()'s own arguments
     config.eos_token_id = eos or None  # this call's EOS ids (min_new_tokens and kin depend on them)
     mode = config.get_generation_mode()
     effects = [mode.value] if mode not in SUPPORTED_MODES else []
+    ids = _prompt_ids(prompt)
     try:
         model._prepare_special_tokens(config, kwargs_has_attention_mask=True, device=model.device)
-        processors = model._get_logits_processor(generation_config=config, input_ids_seq_length=prompt_length,
+        processors = model._get_logits_processor(generation_config=config, input_ids_seq_length=ids.shape[1],
+                                                 encoder_input_ids=ids.to(model.device),
                                                  device=str(model.device), model_kwargs={})
     except Exception as exc:  # a setting transformers itself cannot build a processor for
         return effects + [f"an unbuildable logits processor ({exc})"]
     return effects + [type(p).__name__ for p in processors]
 
 
-def unsupported_generation_settings(model, prompt_length: int, eos: list[int]) -> list[str]:
-    """The settings of ``model.generation_config`` that would make ``model.generate()`` differ.
+def unsupported_generation_settings(model, prompt, eos: list[int]) -> list[str]:
+    """The settings of ``model.generation_config`` that would make ``model.generate()`` differ, for
+    ``prompt`` (the input ids ``[B, P]``, or only their length).
 
     Asks ``transformers`` itself rather than a hand list: the generation mode the config selects
     (beam search, contrastive search, DoLa, ... are not reproduced) and the logits processors
-    ``generate`` would build for a greedy call of this prompt length (repetition penalty, forced
-    BOS, watermarking, ...). specdec applies none of them, so any of them changes the output. Each
-    is traced back to the setting(s) whose default value makes it disappear."""
+    ``generate`` would build for a greedy call of this prompt (repetition penalties, forced BOS,
+    watermarking, ...; the prompt is passed as ``encoder_input_ids``, as ``generate`` does for a
+    decoder-only model). specdec applies none of them, so any of them changes the output. Each
+    is traced back to the setting(s) whose default value makes it disappear. Settings that act
+    otherwise (``OTHER_EFFECTS``: stop strings, token healing, several sequences) are named
+    directly."""
     config = model.generation_config
-    effects = _greedy_effects(model, config, prompt_length, eos)
+    found = [f"{name}={getattr(config, name)!r} ({why})" for name, is_set, why in OTHER_EFFECTS
+             if is_set(getattr(config, name, None))]
+    effects = _greedy_effects(model, config, prompt, eos)
     if not effects:
-        return []
+        return found
     defaults = GenerationConfig()
-    found = []
+    traced = []
     for name, value in config.to_diff_dict().items():
         if not hasattr(defaults, name) or name == "transformers_version":
             continue
         trial = copy.deepcopy(config)
         setattr(trial, name, getattr(defaults, name))
-        removed = [e for e in effects if e not in _greedy_effects(model, trial, prompt_length, eos)]
+        removed = [e for e in effects if e not in _greedy_effects(model, trial, prompt, eos)]
         if removed:
-            found.append(f"{name}={value!r} ({', '.join(removed)})")
-    return found or effects
+            traced.append(f"{name}={value!r} ({', '.join(removed)})")
+    return found + (traced or effects)
 
 
-def check_generation_config(model, prompt_length: int, eos: list[int]) -> None:
-    unsupported = unsupported_generation_settings(model, prompt_length, eos)
+def check_generation_config(model, prompt, eos: list[int]) -> None:
+    """Refuse a target whose generation config ``generate()`` would apply and specdec does not
+    (``prompt``: the input ids ``[B, P]``, or their length)."""
+    unsupported = unsupported_generation_settings(model, prompt, eos)
     if unsupported:
         raise ValueError(f"target.generation_config sets {'; '.join(unsupported)}: target.generate() would apply "
                          "this and specdec does not, so its output would differ; unset those settings (e.g. on a "
