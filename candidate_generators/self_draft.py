@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import torch
 
+from specdec.forwards.lowbit import check_weights
 from specdec.generators import DecodeContext, DraftingInfo, Feedback, Proposal
 from specdec.modelinfo import tensor_bytes
 from specdec.registry import register_candidate_generator
+from specdec.validation import check_flag
 
 from .draft_model import DraftModelGenerator
 from .prompt_lookup import PromptLookupGenerator
@@ -39,6 +41,8 @@ COPY_PRIOR = 0.85
 class SelfDraftGenerator(DraftModelGenerator):
     def __init__(self, *, weights: str = "auto", num_tokens: int = 5, schedule: str = "auto",
                  max_tokens: int = 16, compile_draft: bool | dict = True, lookup: bool = False):
+        check_weights(weights, "self_draft")  # None would draft with the target itself, at the target's cost
+        check_flag(lookup, "self_draft: lookup")
         # no draft yet: setup() builds it from the call's target (once per decoder, see forwards.lowbit.Copies)
         super().__init__(torch.nn.Module(), num_tokens=num_tokens, schedule=schedule, max_tokens=max_tokens,
                          weights=weights, compile_draft=compile_draft)

@@ -358,6 +358,8 @@ class DraftLengthSchedule:
             raise ValueError(f"schedule must be one of {self.KINDS}, got {kind!r}")
         if num_tokens < 1:
             raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
         self.kind, self.max_tokens = kind, max(int(max_tokens), int(num_tokens))
         self.initial = self.max_tokens if kind == "auto" else int(num_tokens)
         self.current = torch.empty(0, dtype=torch.long)

@@ -35,6 +35,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ..compiled import check_compile_options
 from .int8 import quantize_linears
 from .rotation import rotatable, rotate_residual
 
@@ -149,6 +150,8 @@ class LowPrecisionDraft:
         if compile_draft is not None and not isinstance(compile_draft, (bool, dict)):
             raise TypeError(f"compile_draft must be True, False or a dict of torch.compile options, "
                             f"got {compile_draft!r}")
+        if isinstance(compile_draft, dict):
+            check_compile_options(compile_draft, "compile_draft")
         self.weights = weights
         self.compile_draft = (weights is not None) if compile_draft is None else compile_draft
         self._copies = Copies()
