@@ -1,5 +1,6 @@
 """specdec: lossless speculative decoding for Hugging Face transformers causal LMs."""
 
+from .cache_pool import cache_pool_limit, pooled_bytes, release_caches, set_cache_pool_limit
 from .decoder import SpecDecoder, SpecOutput
 from .generators import CandidateGenerator, DecodeContext, DraftLengthSchedule, Feedback, NoDraft, Proposal
 from .metrics import AcceptanceStats, theoretical_speedup
@@ -9,7 +10,8 @@ from .sampling import SamplingParams
 
 __all__ = [
     "AcceptanceStats", "CandidateGenerator", "DecodeContext", "DraftLengthSchedule", "Feedback", "NoDraft",
-    "Proposal", "SamplingParams", "SpecDecoder", "SpecOutput", "available_generators", "get_candidate_generator",
-    "load_model", "register_candidate_generator", "theoretical_speedup",
+    "Proposal", "SamplingParams", "SpecDecoder", "SpecOutput", "available_generators", "cache_pool_limit",
+    "get_candidate_generator", "load_model", "pooled_bytes", "register_candidate_generator", "release_caches",
+    "set_cache_pool_limit", "theoretical_speedup",
 ]
 __version__ = "0.1.0"

@@ -117,7 +117,7 @@ class DynamicKV:
     slots = 0  # grows with what it holds
 
     def __init__(self, model, batch: int, capacity: int, settings: CacheSettings):
-        self.settings = settings
+        self.settings, self.batch = settings, batch
         self.cache = DynamicCache()
 
     def forward(self, model, kwargs: dict, *, first_slot: int, width: int, first: bool, mask,
@@ -177,7 +177,7 @@ class StaticKV:
 
     def __init__(self, model, batch: int, capacity: int, settings: CacheSettings, reach: int | None = None):
         self.model_ref = weakref.ref(model)
-        self.settings = settings
+        self.settings, self.batch = settings, batch  # batch: the rows it was made for
         self.reach = max(reach or capacity, capacity)  # slots the call can reach: lengths stop there
         self.length = self._length_for(capacity)
         self.cache = POOL.acquire(model, batch, self.length)
@@ -188,7 +188,10 @@ class StaticKV:
     def forward(self, model, kwargs: dict, *, first_slot: int, width: int, first: bool, mask,
                 needs_mask: bool, direct: bool = False) -> torch.Tensor:
         fed = kwargs["input_ids"].shape[1]
+        held = self.cache
         self._reserve(model, first_slot + fed)
+        if self.cache is not held:  # grown: the forward writes to the new cache
+            kwargs.update({key: self.cache for key, value in kwargs.items() if value is held})
         for layer in self.cache.layers:
             if layer.is_initialized:
                 layer.cumulative_length.fill_(first_slot)

@@ -100,7 +100,7 @@ class DecodeRun:
         if self.policy is not None:  # drafting is priced by the assistants just attached
             self.stats.calibration_seconds += self.policy.price(
                 target, [s.model for s in self.assistants], prompt.rows, prompt.lengths, settings.cache,
-                self.target.kv.slots)
+                self.target.kv.slots, kv=self.target.kv)  # calibrates on the call's cache where it can
         self.feed = StreamFeed(settings.streamer)
         self.feed.prompt(prompt.input_ids)
         self.prompt_lengths = prompt.lengths.clone()
@@ -166,7 +166,7 @@ class DecodeRun:
         """Plan, propose, admit, forward, verify, commit, observe; return whether any row is still decoding."""
         started, target = time.perf_counter(), self.target
         room = self.settings.max_new_tokens - (target.lengths - self.prompt_lengths) - 1  # [B] drafts a row may take
-        room = torch.minimum(room, target.position_room())  # and no draft past learned positions
+        room = torch.minimum(room, target.position_room().clamp_min(0))  # and no draft past learned positions
         pending, context = target.pending_width(), target.cached_slots  # context: slots attended besides those fed
         first, catching_up = target.is_first_iteration, self._catching_up()
         asked = self._plan(room, pending, context)  # [B]

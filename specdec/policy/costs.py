@@ -93,11 +93,12 @@ class CostModel:
 
     @classmethod
     def for_model(cls, model, calibrate_with: torch.Tensor, cache: CacheSettings | None = None,
-                  slots: int = 0) -> tuple["CostModel", float]:
+                  slots: int = 0, kv=None) -> tuple["CostModel", float]:
         """The process-wide cost model of ``model`` on its device and dtype, with this cache kind
         (static or dynamic, compiled or not); calibrated on first use with the tokens
-        ``calibrate_with [L]`` on a cache of at least ``slots`` slots (the call's: a static
-        cache's length is part of a compiled graph). Returns (model, seconds spent calibrating now)."""
+        ``calibrate_with [L]`` on a cache of ``slots`` slots (the call's: a static cache's length
+        is part of a compiled graph), ``kv`` itself where it serves (the call's cache backend,
+        before its first forward). Returns (model, seconds spent calibrating now)."""
         cache = cache or CacheSettings()
         key = _cost_key(model, cache)
         with cls._lock:
@@ -105,7 +106,7 @@ class CostModel:
         if found is not None:
             return found, 0.0
         started = time.perf_counter()
-        made = calibrate(model, calibrate_with, cache, slots)
+        made = calibrate(model, calibrate_with, cache, slots, kv=kv)
         spent = time.perf_counter() - started
         with cls._lock:
             return cls._shared.setdefault(model, {}).setdefault(key, made), spent
@@ -162,13 +163,16 @@ def _cost_key(model, cache: CacheSettings) -> tuple:
 
 
 def calibrate(model, tokens: torch.Tensor, cache: CacheSettings | None = None, slots: int = 0,
-              reps: int = 3) -> CostModel:
+              reps: int = 3, kv=None) -> CostModel:
     """A :class:`CostModel` from timed forwards: the median of ``reps`` forwards at each
     ``CALIBRATED`` count after a cached context of 32 tokens and after one of 512 where the model's
     positions (and a static cache of ``slots`` slots) allow, the contexts taken in turn;
     interpolated in between, extrapolated to the longer ``CONTEXT_GRID`` contexts. Runs on
-    throwaway caches of the call's kind (compiled forwards compile here if not warmed up); the
-    user's model is only read. It calls
+    caches of the call's kind (compiled forwards compile here if not warmed up): on the static
+    cache one cache serves both contexts (attention reads all its slots whatever the context),
+    the call's own ``kv`` (before its first forward) where it has one row, else one of its length
+    from the pool, so calibrating allocates nothing sized by ``max_new_tokens``; on the dynamic
+    cache throwaway caches of the contexts' size. The user's model is only read. It calls
     ``model.forward`` itself, so forward hooks that watch decoding do not see these forwards
     (their time is reported apart, as ``AcceptanceStats.calibration_seconds``)."""
     cache = cache or CacheSettings()
@@ -177,18 +181,24 @@ def calibrate(model, tokens: torch.Tensor, cache: CacheSettings | None = None, s
     if tokens.numel() == 0:
         tokens = torch.zeros(1, dtype=torch.long, device=device)
     room = int(getattr(model.config.get_text_config(), "max_position_embeddings", 0) or 0) or CONTEXT_GRID[1] * 4
-    if cache.static:
+    if cache.static and slots:
         room = min(room, slots)  # a static cache's length is part of its compiled graphs
-    contexts = [c for c in CONTEXT_GRID[:2] if c == CONTEXT_GRID[0] or c + CALIBRATED[-1] + 1 <= room]
+    contexts = [c for c in CONTEXT_GRID[:2] if c + CALIBRATED[-1] + 1 <= room]
+    contexts = contexts or [max(1, min(CONTEXT_GRID[0], room - CALIBRATED[-1] - 1))]  # few positions
     cache_kwarg = cache_argument(model)
-    kvs = [make_kv(model, 1, max(slots, length + CALIBRATED[-1] + 1), cache) for length in contexts]
+    if cache.static:
+        need = max(slots, contexts[-1] + CALIBRATED[-1] + 1)
+        own = kv if kv is not None and getattr(kv, "batch", None) == 1 else make_kv(model, 1, need, cache)
+        kvs = [own] * len(contexts)
+    else:
+        kvs = [make_kv(model, 1, length + CALIBRATED[-1] + 1, cache) for length in contexts]
     try:
         with torch.no_grad():
             prefixes = [tokens.repeat(n // tokens.numel() + 1)[:n] for n in contexts]
             curves = _time_widths(model, kvs, cache_kwarg, prefixes, reps)
     finally:
-        for kv in kvs:
-            kv.release()
+        for made in {id(k): k for k in kvs if k is not kv}.values():
+            made.release()
     calibrated = [float(c) for c in CALIBRATED]
     rows = []  # [contexts][COST_GRID], interpolated between the calibrated counts
     for curve in curves:

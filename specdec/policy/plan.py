@@ -131,19 +131,19 @@ class DraftPolicy:
                    stepwise=info.stepwise, plugin=plugin, priced=False)
 
     def price(self, target, assistants: list, rows: torch.Tensor, lengths: torch.Tensor,
-              cache: CacheSettings, slots: int) -> float:
+              cache: CacheSettings, slots: int, kv=None) -> float:
         """Price the call's forwards and drafts, the ``assistants`` (models, in the run's order)
         attached: each assistant's step at the bytes it reads relative to the target's (no
         assistant, e.g. prompt lookup: about nothing). Under greedy decoding the target's
         process-wide measured :class:`CostModel` (calibrated on the first prompt row ``rows[0,
-        :lengths[0]]`` on first use, on a cache of ``slots`` slots); under sampling the fixed
-        curve. Returns the seconds spent calibrating now."""
+        :lengths[0]]`` on first use, on a cache of ``slots`` slots: the call's ``kv`` where it
+        serves); under sampling the fixed curve. Returns the seconds spent calibrating now."""
         self.weights = tuple(step_bytes(model) / step_bytes(target) for model in assistants)
         ratio, self.priced = sum(self.weights), True
         if not self.measured:
             self.draft_seconds_per_token = ratio  # in one-token forwards of the fixed curve
             return 0.0
-        self.costs, spent = CostModel.for_model(target, rows[0, : int(lengths[0])], cache, slots=slots)
+        self.costs, spent = CostModel.for_model(target, rows[0, : int(lengths[0])], cache, slots=slots, kv=kv)
         # the drafting cost's prior until propose() is first timed (the first proposal also prefills)
         self.draft_seconds_per_token = ratio * float(self.costs.predict(rows.shape[0], float(lengths.max())))
         return spent
