@@ -46,6 +46,7 @@ from transformers import DynamicCache
 
 from .cache_pool import POOL, new_static_cache  # noqa: F401  (new_static_cache: re-exported)
 from .compiled import agrees, check_compile_options, checked, compiled_forward, miscompiled, run_compiled
+from .distributed import new_dynamic_cache, stage_layout
 from .forwards.head import model_logits
 
 #: forward widths the compiled path pads to by default (each compiles once per batch size and
@@ -118,7 +119,8 @@ class DynamicKV:
 
     def __init__(self, model, batch: int, capacity: int, settings: CacheSettings):
         self.settings, self.batch = settings, batch
-        self.cache = DynamicCache()
+        self.layout = stage_layout(model)  # a pipeline stage: the layers it holds (specdec/distributed.py)
+        self.cache = new_dynamic_cache(self.layout)
 
     def forward(self, model, kwargs: dict, *, first_slot: int, width: int, first: bool, mask,
                 needs_mask: bool, direct: bool = False) -> torch.Tensor:
@@ -150,7 +152,7 @@ class DynamicKV:
         if cached_slots:
             self.cache.batch_select_indices(rows)
         else:  # emptied layers keep their old batch size (batch_select_indices skips them)
-            self.cache = DynamicCache()
+            self.cache = new_dynamic_cache(self.layout)
 
     def load(self, cache, slots: int) -> None:
         """Start from a copy of another cache holding ``slots`` slots (a prefix)."""
@@ -161,7 +163,7 @@ class DynamicKV:
         (the ones below are the same already)."""
         held = self.cache.get_seq_length() if start else 0
         if start == 0 or held < start:  # nothing to keep (or less than assumed): copy everything
-            self.cache, start = DynamicCache(), 0
+            self.cache, start = new_dynamic_cache(self.layout), 0
         elif held > start:
             self.cache.crop(start - held)  # transformers' crop takes the (negative) count to remove
         for i, layer in enumerate(cache.layers):

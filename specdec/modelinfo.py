@@ -47,7 +47,11 @@ def vocab_size(model) -> int:
     if head is None:
         raise ValueError(f"{type(model).__name__} has no output embedding (a language-modelling head is needed)")
     weight = getattr(head, "weight", None)
-    return int(weight.shape[0]) if weight is not None else int(head.out_features)  # a quantized head keeps out_features
+    if weight is not None:
+        return int(weight.shape[0])
+    features = getattr(head, "out_features", None)  # a quantized head keeps out_features
+    # a pipeline stage without the head (transformers' PipelineIdentityLayer): the config's size
+    return int(features) if features is not None else int(model.config.get_text_config().vocab_size)
 
 
 def eos_token_ids(model, explicit=UNSET) -> list[int]:
@@ -112,6 +116,8 @@ def tensor_bytes(module: torch.nn.Module) -> int:
     seen: set[int] = set()
 
     def size(t: torch.Tensor) -> int:
+        if callable(getattr(t, "to_local", None)):  # a DTensor: the shard this process holds (and reads)
+            return size(t.to_local())
         flatten = getattr(type(t), "__tensor_flatten__", None)
         if flatten is not None and type(t) not in (torch.Tensor, torch.nn.Parameter):
             names, _ = t.__tensor_flatten__()

@@ -42,7 +42,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from .kv import CacheSettings, make_kv
-from .modelinfo import cache_argument
+from .modelinfo import cache_argument, vocab_size
 from .multimodal import PrefillInputs, TokenPositions
 from .validation import check_prompt_positions, position_limit
 
@@ -109,7 +109,8 @@ class ModelState:
         self.prefill_inputs = (prefill_inputs if isinstance(prefill_inputs, PrefillInputs)
                                else PrefillInputs(dict(prefill_inputs or {})))
         self.positions = positions if positions is not None else TokenPositions()
-        self.vocab_limit = int(model.get_input_embeddings().weight.shape[0])
+        table = getattr(model.get_input_embeddings(), "weight", None)  # None: a pipeline stage without it
+        self.vocab_limit = int(table.shape[0]) if table is not None else vocab_size(model)
         self._cache_kwarg = cache_argument(model)
         self._mirrored: tuple[torch.Tensor, int] | None = None  # see mirror()
 

@@ -1,0 +1,184 @@
+"""Which processes hold a model, and the group its decoder's messages travel on.
+
+:func:`sharding` tells a target transformers spread over processes (tensor parallelism: DTensor
+weights; pipeline parallelism: a stage holding only its layers, ``PipelineIdentityLayer`` s
+elsewhere) from one held whole. :class:`Ranks` is one decoder's place among the ranks that hold
+its target: the gloo group of its messages (:func:`control_group`, bounded by
+``DistributedOptions.timeout``), the process group's store (where a failing rank leaves its
+error), and which rank decides. :func:`new_dynamic_cache` gives a pipeline stage a cache whose
+masks are sized from a layer the stage holds. The protocol itself: ``call.py``.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+PLACEMENTS = ("one_rank", "replicated")
+#: drafts per row carried by the message sent before each forward; a longer block takes a second one
+INLINE_DRAFTS = 16
+DECIDER = 0
+_GROUPS: dict[float, object] = {}  # control groups by timeout (one new_group per timeout per process)
+
+
+class DistributedDecodeError(RuntimeError):
+    """A distributed ``generate()`` call cannot go on (every rank raises one)."""
+
+
+class RankFailedError(DistributedDecodeError):
+    """Another rank failed during this call; the message names it and gives its error."""
+
+
+class RanksDivergedError(DistributedDecodeError):
+    """The ranks were given different calls, or hold different committed tokens."""
+
+
+@dataclass(frozen=True)
+class DistributedOptions:
+    """How a :class:`~specdec.decoder.SpecDecoder` with a sharded target coordinates its ranks."""
+
+    draft_placement: str = "one_rank"  # or "replicated": see the module docstring
+    timeout: float = 300.0  # seconds a rank waits for the others at a message before it gives up
+
+    def __post_init__(self):
+        if self.draft_placement not in PLACEMENTS:
+            raise ValueError(f"draft_placement must be one of {PLACEMENTS}, got {self.draft_placement!r}")
+        if not isinstance(self.timeout, (int, float)) or isinstance(self.timeout, bool) or not self.timeout > 0:
+            raise ValueError(f"timeout must be a number of seconds > 0, got {self.timeout!r}")
+
+    @classmethod
+    def of(cls, value) -> "DistributedOptions":
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            return cls(**value)
+        raise TypeError(f"distributed must be a DistributedOptions, a dict or None, got {type(value).__name__}")
+
+
+# -- what a model is -------------------------------------------------------------------------------
+def sharding(model) -> tuple[str, ...]:
+    """How ``model`` is spread over processes: ``("tensor",)``, ``("pipeline",)``, both, or ()."""
+    kinds = []
+    stage = getattr(model, "_pp_stage", None)
+    if stage is not None and getattr(stage, "pp_size", 1) > 1:
+        kinds.append("pipeline")
+    if (getattr(model, "_tp_size", None) or 1) > 1 or _has_dtensors(model):
+        kinds.append("tensor")
+    return tuple(kinds)
+
+
+def _has_dtensors(model) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def stage_layout(model) -> tuple[bool, ...] | None:
+    """Per decoder layer, whether this pipeline stage holds it; None for a model holding them all."""
+    if "pipeline" not in sharding(model):
+        return None
+    layers = getattr(getattr(model, model.base_model_prefix, None), "layers", None)
+    if layers is None:
+        return None
+    return tuple(type(layer).__name__ != "PipelineIdentityLayer" for layer in layers)
+
+
+def new_dynamic_cache(layout: tuple[bool, ...] | None = None):
+    """A ``DynamicCache``; for a pipeline stage, with ``DummyLayer`` s where it holds no layer, so
+    that masks are sized from a layer it holds (an empty first layer would size them from nothing)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    if layout is not None and not all(layout):
+        from transformers.cache_utils import DummyLayer, DynamicLayer
+
+        cache.layers[:] = [DynamicLayer() if held else DummyLayer() for held in layout]
+    return cache
+
+
+def call_fingerprint(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, *settings) -> int:
+    """A digest of one call's arguments (the prompt and the settings that decide its course)."""
+    prompt = digest(input_ids.shape, input_ids, attention_mask)
+    return zlib.crc32(repr(settings).encode(), prompt) & 0x7FFFFFFF
+
+
+def digest(*parts) -> int:
+    """A crc32 of tensors (their bytes) and other values (their repr), in [0, 2**31)."""
+    value = 0
+    for part in parts:
+        data = part.detach().cpu().contiguous().numpy().tobytes() if isinstance(part, torch.Tensor) else repr(part).encode()
+        value = zlib.crc32(data, value)
+    return value & 0x7FFFFFFF  # >= 0: -1 marks a failed rank
+
+
+# -- many processes ---------------------------------------------------------------------------------
+def control_group(timeout: float):
+    """The gloo group the coordinator's messages travel on (one per timeout for the process; made
+    by every rank at the same point, as ``new_group`` must be)."""
+    import torch.distributed as dist
+
+    if timeout not in _GROUPS:
+        _GROUPS[timeout] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+    return _GROUPS[timeout]
+
+
+class Ranks:
+    """One decoder's place among the ranks holding its sharded target (None where it is not)."""
+
+    def __init__(self, target, options: DistributedOptions, kinds: tuple[str, ...]):
+        import torch.distributed as dist
+
+        self.options, self.sharding = options, kinds
+        mesh = getattr(target, "_device_mesh", None)
+        if mesh is not None and mesh.size() != dist.get_world_size():
+            raise ValueError(f"the target is sharded over {mesh.size()} of {dist.get_world_size()} ranks; specdec "
+                             "coordinates the whole world (one model: launch as many processes as it is sharded over)")
+        self.group = control_group(float(options.timeout))
+        self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.store = dist.distributed_c10d._get_default_store()
+
+    @classmethod
+    def of(cls, target, options=None) -> "Ranks | None":
+        """The coordination a decoder of ``target`` needs: None for a target held whole by this process."""
+        options = DistributedOptions.of(options)
+        kinds = sharding(target)
+        if not kinds:
+            return None
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("the target is sharded but torch.distributed is not initialized")
+        return cls(target, options, kinds)
+
+    @property
+    def decides(self) -> bool:
+        return self.rank == DECIDER
+
+    def check_cache(self, cache) -> None:
+        """Refuse a cache the sharded target cannot keep (``cache``: the decoder's CacheSettings)."""
+        if cache.static and "pipeline" in self.sharding:
+            raise ValueError("cache_implementation='static' with a pipeline-parallel target: a stage's static cache "
+                             "sizes its masks from a layer the stage does not hold; use the dynamic cache "
+                             "(docs/distributed.md)")
+
+
+def abort_process_groups() -> None:
+    """Abort every process group of this process, so that other ranks waiting in a collective
+    with it fail at once instead of waiting for a timeout."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    try:
+        abort() if abort is not None else dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - already broken: nothing more to tell the others
+        pass
+    _GROUPS.clear()
