@@ -9,7 +9,7 @@ import torch
 
 from specdec.kv import CacheSettings
 from specdec.models import tiny_random
-from specdec.policy import COST_GRID, CostModel
+from specdec.policy import COST_GRID, SHAPE_RATE, CostModel
 from specdec.prompts import left_pad  # noqa: F401  (re-exported for the tests)
 
 
@@ -66,15 +66,18 @@ def tiny_pair(arch: str, seed: int = 1, noise: float = 0.3, **overrides):
 #: seconds of a tiny model's forward by tokens fed (``COST_GRID``): about a millisecond and nearly
 #: flat, the shape the policy's calibration measures for the tiny models on a CPU
 TINY_COSTS = tuple(1e-3 * (1 + (x - 1) / 32) for x in COST_GRID)
+#: a forward "costs" a second at any width (pin it with rate 0, so that no timing moves it): next to
+#: it drafting costs nothing, and the policy drafts every step whatever the machine's load
+DRAFTING_PAYS = (1.0,) * len(COST_GRID)
 
 
-def pin_costs(model):
-    """Pin ``TINY_COSTS`` as ``model``'s cost curve for every cache kind, so that its first greedy
-    call skips the policy's timed calibration forwards (the curve still follows the timings the
-    loop observes). For tiny test models; returns ``model``."""
+def pin_costs(model, seconds: tuple = TINY_COSTS, rate: float = SHAPE_RATE):
+    """Pin ``seconds`` as ``model``'s cost curve for every cache kind, so that its first greedy
+    call skips the policy's timed calibration forwards (with ``rate`` > 0 the curve still follows
+    the timings the loop observes). For tiny test models; returns ``model``."""
     for implementation, compile in (("dynamic", False), ("static", False), ("static", True)):
         for fast_head in (True, False):
-            CostModel.pin(model, CostModel(list(TINY_COSTS)),
+            CostModel.pin(model, CostModel(list(seconds), rate=rate),
                           CacheSettings.make(implementation, compile, fast_head=fast_head))
     return model
 

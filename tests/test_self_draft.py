@@ -25,7 +25,7 @@ from specdec.generators import Proposal
 from specdec.models import tiny_random
 from specdec.state import ModelState
 
-from helpers import FAST_COMPILE, assert_batch_is_exact, left_pad, repetitive_prompt, tiny_llava
+from helpers import DRAFTING_PAYS, FAST_COMPILE, assert_batch_is_exact, left_pad, pin_costs, repetitive_prompt, tiny_llava
 
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -34,7 +34,10 @@ pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 @pytest.fixture(scope="module")
 def target():
-    return tiny_random("llama", seed=1)[0]
+    """A tiny Llama whose forwards are priced so that drafting always pays: the tests that assert
+    drafts were accepted then hold whatever the machine's load (the policy's choices under real
+    timings are test_policy's)."""
+    return pin_costs(tiny_random("llama", seed=1)[0], DRAFTING_PAYS, rate=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +68,17 @@ def test_self_draft_is_exact(target, weights, lookup):
     assert out.stats.accepted_tokens > 0
     assert_batch_is_exact(decoder, target)
     assert checksum(target) == before  # the user's model is only read
+
+
+def test_the_default_copy_compiles_with_inductor_and_stays_exact(target):
+    """The defaults: a w8a8 copy whose one-token forwards inductor compiles (the other tests here
+    compile with aot_eager, or not at all)."""
+    decoder = SpecDecoder(target, "self_draft")
+    ids = repetitive_prompt(20)
+    out = decoder.generate(ids, max_new_tokens=32)
+    assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=32, do_sample=False))
+    assert out.stats.accepted_tokens > 0
+    assert any(isinstance(m, Int8Linear) for m in decoder.candidate_generator._copies.get(target, "auto").modules())
 
 
 @pytest.mark.parametrize("weights", ["bfloat16", "int8", "w8a8"])
