@@ -58,7 +58,10 @@ def cache_problem(model, batch_size: int) -> str | None:
                 "(if any) lives elsewhere, e.g. RWKV's `state` or XLNet's `mems`, and cannot be rolled back to "
                 "the accepted prefix, so speculative decoding would be wrong")
     devices = {p.device.type for p in model.parameters()}
-    if "meta" in devices:
+    # accelerate's offloading (a device_map with "cpu" or "disk" entries) keeps those weights on the
+    # meta device between forwards: its hooks load them for each forward
+    offloaded = any(getattr(getattr(m, "_hf_hook", None), "offload", False) for m in model.modules())
+    if "meta" in devices and not offloaded:
         return f"{name} has weights on the meta device (never loaded); load its weights before decoding"
     try:
         layers = DynamicCache(config=model.config).layers  # the layer kinds the model asks for

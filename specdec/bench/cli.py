@@ -10,6 +10,9 @@ being written are ignored, so a second Ctrl-C cannot lose it.
 
 Without matplotlib (the ``bench`` extra) report.md is written without plots, and the command
 says so before it starts.
+
+A config with ``distributed: {tp_size: N, ...}`` runs under ``torchrun --nproc-per-node N -m specdec
+bench CONFIG``: every rank runs it, rank 0 writes and prints (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -27,8 +30,11 @@ USAGE_ERRORS = ("ConfigError", "ResultsMismatchError", "ModelNotAvailableError",
 
 
 def _error(exc: BaseException) -> int:
-    for line in str(exc).splitlines() or [type(exc).__name__]:
-        print(f"specdec bench: error: {line}", file=sys.stderr)
+    from .sharded import is_rank0
+
+    if is_rank0():  # under torchrun every rank has the same error: rank 0 says it
+        for line in str(exc).splitlines() or [type(exc).__name__]:
+            print(f"specdec bench: error: {line}", file=sys.stderr)
     return 2
 
 
@@ -76,7 +82,10 @@ def _partial_report(out_dir: Path) -> None:
     """After an interruption: the report of the rows so far (when there are any), and what to do next."""
     from .report import write_report
     from .results import RESULTS_FILE, shown_path
+    from .sharded import is_rank0
 
+    if not is_rank0():  # rank 0 writes (docs/distributed.md)
+        return
     results = out_dir / RESULTS_FILE
     if not results.exists():
         print("\nspecdec bench: interrupted before the first row; nothing was written.", file=sys.stderr)
@@ -118,8 +127,11 @@ def cmd_run(argv: list[str]) -> int:
             if type(exc).__name__ in USAGE_ERRORS:
                 return _error(exc)
             raise
-    print(f"{result.rows_new} new rows ({result.rows_done_before} already done) of {result.rows_total}; "
-          f"report: {shown_path(result.report)}")
+    from .sharded import is_rank0
+
+    if is_rank0():
+        print(f"{result.rows_new} new rows ({result.rows_done_before} already done) of {result.rows_total}; "
+              f"report: {shown_path(result.report)}")
     return 0
 
 

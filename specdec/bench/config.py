@@ -281,6 +281,34 @@ class MethodConfig(_Strict):
         return self.kind.reference
 
 
+class DistributedSettings(_Strict):
+    """The target sharded across the processes ``torchrun`` starts (docs/distributed.md): every rank
+    runs the config, rank 0 writes the results and the report."""
+
+    tp_size: int = Field(1, ge=1, description="tensor parallelism: ranks each layer's weights are split over")
+    pp_size: int = Field(1, ge=1, description="pipeline parallelism: ranks the layers are split over")
+    tp_plan: dict[str, str] | None = Field(None, description="rules over the model's own tensor-parallel plan "
+                                           "(transformers' DistributedConfig.tp_plan), e.g. attention 'replicate' "
+                                           "where its heads do not divide by tp_size")
+    draft_placement: Literal["one_rank", "replicated"] = Field(
+        "one_rank", description="where the drafter runs: on the deciding rank only, or on every rank")
+    timeout: float = Field(300.0, gt=0, description="seconds a rank waits for the others before the run fails")
+
+    @model_validator(mode="after")
+    def _sharded(self) -> "DistributedSettings":
+        if self.tp_size * self.pp_size < 2:
+            raise ValueError("tp_size * pp_size must be at least 2 (1: leave distributed out)")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    def options(self) -> dict:
+        """``SpecDecoder(distributed=...)``."""
+        return {"draft_placement": self.draft_placement, "timeout": self.timeout}
+
+
 class BenchConfig(_Strict):
     description: str = ""
     target: str
@@ -299,6 +327,8 @@ class BenchConfig(_Strict):
                                                "both MT-Bench turns; > 1 = first turns in batches, left-padded")
     reference: str | None = Field(None, description="the baseline method speedups and identical outputs are "
                                                     "measured against; needed only when there are several")
+    distributed: DistributedSettings | None = Field(None, description="shard the target across the processes "
+                                                     "torchrun starts (tp_size, pp_size, ...); None: one process")
 
     @field_validator("device")
     @classmethod
@@ -354,6 +384,13 @@ class BenchConfig(_Strict):
         if self.reference is not None and self.reference not in baselines:
             raise ValueError(f"reference: {self.reference!r} is not a method with generator 'baseline'; "
                              f"allowed: {', '.join(baselines)}")
+        return self
+
+    @model_validator(mode="after")
+    def _shardable_target(self) -> "BenchConfig":
+        if self.distributed is not None and self.target.startswith("tiny-random:"):
+            raise ValueError("distributed: the target must be a packaged model or a local folder (transformers "
+                             "shards a checkpoint as it loads it); tiny-random models are built in code")
         return self
 
     @property

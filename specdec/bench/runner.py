@@ -30,6 +30,8 @@ from .config import BenchConfig, ConfigError, DatasetConfig, GenerationSettings,
 from .methods import MethodRunner, build_methods, compile_methods, load_drafts, warm_up, warmup_batch_sizes
 from .questions import Question, batch_seed, build_messages, load_selected_questions, longest_call, question_seed
 from .report import PLOTS_NEED_MATPLOTLIB, plots_available, write_report
+from .sharded import begin, is_rank0, load_target, on_rank0, rank0_log
+from .sharded import environment as launch_environment
 from .results import (OWN_FILES, RESULTS_FILE, RUN_FILE, ResultStore, batch_groups, default_out_dir, planned_keys,
                       row_first_difference, row_key, shown_path)
 from .summary import median_run, new_tokens
@@ -56,7 +58,7 @@ def config_hash(config: BenchConfig, questions: list[Question]) -> str:
 
 #: fields added after results were first written: hashed only when set to something other than their
 #: default, so those results still resume
-_LATER_FIELDS = {"config": ("device", "dtype", "reference", "repeats"),
+_LATER_FIELDS = {"config": ("device", "dtype", "reference", "repeats", "distributed"),
                  "dataset": ("first_per_category", "max_turns"),
                  "method": ("cache_implementation", "compile", "fast_head")}
 
@@ -85,6 +87,7 @@ def environment(device: torch.device | None = None) -> dict:
            "cpu_model": machine.cpu_model(), "cpu_capability": machine.cpu_capability(), "cpu_flags": machine.cpu_flags()}
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
+    env.update(launch_environment())  # a torchrun launch: its world size and backend
     return env
 
 
@@ -174,7 +177,10 @@ def _load_and_warm_up(config: BenchConfig, questions: list[Question], log: Calla
     (nothing is written)."""
     device = run_device(config)
     log(f"loading {config.target} ({config.dtype} on {device}) ...")
-    target, tokenizer = load_model(config.target, dtype=config.torch_dtype, device=device)
+    if config.distributed is not None:  # sharded over this torchrun launch (bench/sharded.py)
+        target, tokenizer = load_target(config, device)
+    else:
+        target, tokenizer = load_model(config.target, dtype=config.torch_dtype, device=device)
     runners = build_methods(config, target, tokenizer, load_drafts(config, device, log))
     reference = config.reference_method.name
     runners.sort(key=lambda r: r.config.name != reference)  # stable: the others stay in config order
@@ -218,7 +224,8 @@ class _Recorder:
                 row["first_difference"] = row_first_difference(row, self.done, self.reference)
             except LookupError:
                 pass  # the reference's own row, or no reference output to compare with
-        self.store.append(row)
+        if self.store is not None:  # rank 0's (bench/sharded.py): the other ranks only keep count
+            self.store.append(row)
         self.done[row_key(row)] = row
         self.result.rows_new += 1
         self.bar.update(1)
@@ -297,10 +304,12 @@ def run_benchmark(config: BenchConfig, *, config_file: str | Path, out_dir: str 
 
     config_file = str(config_file)
     out_dir = Path(out_dir) if out_dir is not None else default_out_dir(config_file)
+    begin(config)  # a distributed config: this is one rank of a torchrun launch; rank 0 alone writes
+    log, on_row, progress = rank0_log(log), on_row if is_rank0() else None, progress and is_rank0()
     questions = load_selected_questions(config, Path(config_file).parent)
     digest = config_hash(config, questions)
-    if not fresh:
-        prepare_out_dir(out_dir, digest, fresh=False)  # refuse early, before loading any model
+    if not fresh:  # refuse early, before loading any model
+        on_rank0(lambda: prepare_out_dir(out_dir, digest, fresh=False))
     log(f"results: {shown_path(out_dir)}")
     if not plots_available():
         log(PLOTS_NEED_MATPLOTLIB)
@@ -308,7 +317,7 @@ def run_benchmark(config: BenchConfig, *, config_file: str | Path, out_dir: str 
     with _process_settings(config.threads):
         models = _load_and_warm_up(config, questions, log)
         # -- from here on, files are written ------------------------------------------------------
-        store, done, result = _open_results(out_dir, config, config_file, digest, questions, models, fresh, log)
+        store, done, result = _open_shared(out_dir, config, config_file, digest, questions, models, fresh, log)
         with tqdm(total=result.rows_total, initial=result.rows_done_before, unit="row", disable=not progress,
                   desc=Path(config_file).stem, dynamic_ncols=True) as bar:
             reference = None if config.generation.do_sample else config.reference_method.name
@@ -317,8 +326,23 @@ def run_benchmark(config: BenchConfig, *, config_file: str | Path, out_dir: str 
                 _run_per_question(models, questions, config.generation, done, record, config.repeats)
             for size in (b for b in config.batch_sizes if b > 1):
                 _run_batches(models, questions, size, config.generation, done, record, config.repeats)
-    result.report = write_report(out_dir, log=None)  # a missing matplotlib was reported at the start
+    result.report = on_rank0(lambda: write_report(out_dir, log=None))  # a missing matplotlib was reported at the start
     return result
+
+
+def _open_shared(out_dir: Path, config: BenchConfig, config_file: str, digest: str, questions: list[Question],
+                 models: _Models, fresh: bool, log: Callable[[str], None]) -> tuple[ResultStore | None, dict, RunResult]:
+    """:func:`_open_results` on rank 0, whose rows done and counts every rank gets (each runs the rows
+    left); the store is rank 0's alone (None elsewhere)."""
+    kept = []
+
+    def work():
+        store, done, result = _open_results(out_dir, config, config_file, digest, questions, models, fresh, log)
+        kept.append(store)
+        return done, result
+
+    done, result = on_rank0(work)
+    return (kept[0] if kept else None), done, result
 
 
 def _run_one(runner: MethodRunner, q: Question, turn: int, answers: list[str], models: _Models,
