@@ -8,7 +8,9 @@ the target's new token, and the last draft when all were accepted).
 
 Each step it drafts one token at a time and asks ``ctx.keep_drafting`` after each, with its own
 probabilities of the drafts so far: the core's policy ends the block where another draft no longer
-pays, and at once after a drafted end of sequence.
+pays, and at once after a drafted end of sequence. It drafts from its logits after the call's
+logits processors (``ctx.scores``: a repetition penalty, banned n-grams, the sampling warpers, as
+the target's scores get them), so its drafts agree with the target's processed choice.
 
 Vocabularies may be padded to different sizes; drafts are restricted to the ids both models
 have. A draft with a different tokenizer is refused (that needs a cross-tokenizer generator).
@@ -92,7 +94,8 @@ class DraftModelGenerator(LowPrecisionDraft, CandidateGenerator):
         ids, probs, confidence = [], [], []
         for i in range(k):
             logits = self.assistant.next_logits()[:, : self.shared_vocab].float()  # [B, V]
-            p = ctx.sampling.probs(logits) if ctx.sampling.do_sample else logits.softmax(dim=-1)
+            logits = ctx.scores(logits, torch.stack(ids, dim=1) if ids else None)  # the target's processors
+            p = ctx.probs(logits)
             token = sample(p, ctx.generator) if ctx.sampling.do_sample else logits.argmax(dim=-1)
             if ctx.sampling.do_sample:
                 probs.append(torch.nn.functional.pad(p, (0, self.target_vocab - self.shared_vocab)))

@@ -8,7 +8,13 @@ One ``generate()`` call:
    stopper, statistics;
 3. ``while run.step()``: plan, propose, admit, forward, verify, commit, observe (the data path
    is in ``run.py``);
-4. return ``SpecOutput(sequences, stats)`` shaped like ``transformers``' output.
+4. return a :class:`~specdec.outputs.SpecOutput`: ``transformers``' ``GenerateDecoderOnlyOutput``
+   (sequences, and scores / logits when asked) with the statistics.
+
+A call's settings are resolved as ``model.generate()`` resolves them (``specdec/generation.py``):
+the target's ``generation_config``, the call's arguments on top; its logits processors apply at
+every verified position (``specdec/processors.py``). ``model.generate(custom_generate=
+specdec.generate)`` enters the same run through :meth:`SpecDecoder.run` (``specdec/integration.py``).
 
 The decoder holds only configuration (models, tokenizers, the generator as the user built it),
 so one decoder serves several calls at once. Nothing here mutates the user's models, configs or
@@ -18,15 +24,18 @@ tensors, and nothing here knows a generator by name beyond asking the registry.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
+from transformers.generation.stopping_criteria import MaxTimeCriteria
 
+from .generation import Resolved, build_processors, resolve_config, resolved, split_settings
 from .generators import CandidateGenerator
 from .kv import CacheSettings, length_ladder, static_problem
-from .metrics import AcceptanceStats
-from .modelinfo import UNSET, eos_token_ids, pad_token_id
+from .modelinfo import UNSET, pad_token_id, token_id_list
 from .multimodal import PrefillSpec, Prefix, check_call, declared_inputs
+from .outputs import SpecOutput
+from .processors import BlockProcessors
 from .registry import resolve_draft
 from .run import CallSettings, DecodeRun, Prompt
 from .sampling import SamplingParams
@@ -35,11 +44,7 @@ from .stopping import Stopper
 from .validation import (check_generation_config, check_ids_in_vocab, check_max_new_tokens, check_positive_int,
                          check_prompt)
 
-
-@dataclass
-class SpecOutput:
-    sequences: torch.Tensor  # [B, prompt + new] like transformers' generate output
-    stats: AcceptanceStats
+__all__ = ["SpecDecoder", "SpecOutput"]
 
 
 class SpecDecoder:
@@ -72,32 +77,72 @@ class SpecDecoder:
                              and self.tokenizer.get_vocab() != self.draft_tokenizer.get_vocab())
         return resolve_draft(draft, options, tokenizers_differ=tokenizers_differ)
 
-    def generate(self, input_ids, attention_mask=None, *, max_new_tokens: int, do_sample: bool = False,
-                 temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-                 generator: torch.Generator | None = None, eos_token_id=UNSET, stop_strings=None,
-                 stopping_criteria=None, streamer=None, prefix: Prefix | None = None, **model_inputs) -> SpecOutput:
+    def generate(self, input_ids, attention_mask=None, *, max_new_tokens=UNSET, do_sample=UNSET, temperature=UNSET,
+                 top_k=UNSET, top_p=UNSET, min_p=UNSET, generator: torch.Generator | None = None, eos_token_id=UNSET,
+                 stop_strings=None, stopping_criteria=None, streamer=None, logits_processor=None,
+                 prefix_allowed_tokens_fn=None, generation_config=None, prefix: Prefix | None = None,
+                 **kwargs) -> SpecOutput:
         """Decode up to ``max_new_tokens`` per row; output as ``target.generate`` would give it.
 
-        ``eos_token_id`` defaults to the target's ``generation_config``; an explicit None (or [])
-        means "no EOS", as in ``transformers``. ``model_inputs`` are prefill-only (pixel values,
-        grids, token type ids, ...). With ``prefix`` (from :meth:`prefill`) the prompt rows must
-        extend the prefix rows and carry no such inputs."""
+        Settings not given come from ``generation_config`` or else the target's
+        ``generation_config``, as ``model.generate()`` takes them: ``do_sample``, ``temperature``,
+        ``top_k``, ``top_p``, ``min_p``, ``max_new_tokens`` (else ``max_length``), EOS and pad ids,
+        and any other ``GenerationConfig`` setting, which may also be passed here by name
+        (``repetition_penalty=1.1``, ``output_scores=True``, ...). Every logits processor
+        ``generate()`` would build (and ``logits_processor``, ``prefix_allowed_tokens_fn``) applies
+        at every verified position; what cannot be reproduced (beam search, several sequences per
+        prompt, ...) is refused by name before any forward. An explicit ``eos_token_id=None`` (or
+        []) means "no EOS", as in ``transformers``. Other keyword arguments are prefill-only
+        model inputs (pixel values, grids, token type ids, ...). With ``prefix`` (from
+        :meth:`prefill`) the prompt rows must extend the prefix rows and carry no such inputs.
+        ``generator`` (a ``torch.Generator``) draws the sampling's randomness."""
         started = time.perf_counter()
+        settings, model_inputs = split_settings(kwargs)
         prompt = self._prompt(input_ids, attention_mask, model_inputs, prefix)
-        batch = prompt.rows.shape[0]
-        sampling = SamplingParams(do_sample, temperature, top_k, top_p)
-        sampling.validate()
-        if stop_strings and self.tokenizer is None:
+        settings.update(self._explicit(max_new_tokens, do_sample, temperature, top_k, top_p, min_p, eos_token_id))
+        config = resolve_config(self.target, generation_config, settings, prompt.input_ids.shape[1])
+        check_generation_config(config)
+        call = resolved(config, prompt.input_ids.shape[1])
+        if stop_strings:
+            call.stop_strings = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings)
+        processors = build_processors(self.target, config, prompt.input_ids, prompt.mask(),
+                                      prefix_allowed_tokens_fn, logits_processor)
+        criteria = [*(stopping_criteria or []), *([MaxTimeCriteria(config.max_time)] if config.max_time else [])]
+        return self.run(prompt, call, processors, criteria, streamer=streamer, generator=generator, started=started)
+
+    @staticmethod
+    def _explicit(max_new_tokens, do_sample, temperature, top_k, top_p, min_p, eos_token_id) -> dict:
+        """The settings the call gave by argument, type-checked before anything is resolved."""
+        given = {name: value for name, value in (("max_new_tokens", max_new_tokens), ("do_sample", do_sample),
+                                                 ("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
+                                                 ("min_p", min_p)) if value is not UNSET}
+        if "max_new_tokens" in given:
+            given["max_new_tokens"] = check_max_new_tokens(max_new_tokens)
+        SamplingParams(given.get("do_sample", False), given.get("temperature", 1.0), given.get("top_k"),
+                       given.get("top_p"), given.get("min_p")).validate()
+        if eos_token_id is not UNSET:
+            given["eos_token_id"] = token_id_list(eos_token_id) or None
+        return given
+
+    def run(self, prompt: Prompt, call: Resolved, processors, stopping_criteria=(), *, streamer=None,
+            generator: torch.Generator | None = None, stream_prompt: bool = True,
+            started: float | None = None) -> SpecOutput:
+        """One decode run of a validated ``prompt`` with resolved settings ``call`` and ``generate()``'s
+        ``processors`` (a ``LogitsProcessorList``): the loop both ``generate`` and
+        ``model.generate(custom_generate=specdec.generate)`` run."""
+        started = time.perf_counter() if started is None else started
+        call.sampling.validate()
+        if call.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer: SpecDecoder(target, draft, tokenizer=...)")
-        if streamer is not None and batch > 1:
+        if streamer is not None and prompt.rows.shape[0] > 1:
             raise ValueError("a streamer needs batch size 1 (as in transformers)")
-        eos = eos_token_ids(self.target, eos_token_id)
-        check_generation_config(self.target, prompt.input_ids, eos)
         settings = CallSettings(
-            max_new_tokens=check_max_new_tokens(max_new_tokens), sampling=sampling, generator=generator,
-            pad=pad_token_id(self.target, eos), streamer=streamer, cache=self.cache,
-            stopper=Stopper(max_new_tokens=int(max_new_tokens), eos_token_ids=eos, stop_strings=stop_strings,
-                            tokenizer=self.tokenizer, stopping_criteria=stopping_criteria))
+            max_new_tokens=call.max_new_tokens, sampling=call.sampling, generator=generator, pad=call.pad,
+            streamer=streamer, cache=self.cache, processors=BlockProcessors(processors, prompt.input_ids) or None,
+            output_scores=call.return_dict and call.output_scores, output_logits=call.return_dict and call.output_logits,
+            stream_prompt=stream_prompt,
+            stopper=Stopper(max_new_tokens=call.max_new_tokens, eos_token_ids=call.eos, stop_strings=call.stop_strings,
+                            tokenizer=self.tokenizer, stopping_criteria=list(stopping_criteria)))
         run = DecodeRun(self.target, self.candidate_generator, prompt, settings,
                         tokenizer=self.tokenizer, draft_tokenizer=self.draft_tokenizer)
         try:
@@ -106,7 +151,7 @@ class SpecDecoder:
                     pass
         finally:
             run.release()
-        return SpecOutput(*run.finish(prompt.input_ids, started))
+        return run.finish(prompt.input_ids, started)
 
     def warmup(self, batch_size: int = 1, max_length: int = 1024) -> float:
         """Compile every forward a call can run (``compile=True``, or a generator whose draft
@@ -156,7 +201,6 @@ class SpecDecoder:
         if self.cache.static:
             raise ValueError("prefill() needs the dynamic cache (cache_implementation='dynamic')")
         prompt = self._prompt(input_ids, attention_mask, model_inputs, None)
-        check_generation_config(self.target, prompt.input_ids, eos_token_ids(self.target))
         prefill, positions = prompt.spec.for_model(self.target)
         state = ModelState(self.target, prompt.rows, prompt.lengths, pad_token_id=pad_token_id(self.target),
                            prefill_inputs=prefill, positions=positions)

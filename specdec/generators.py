@@ -159,6 +159,24 @@ class DecodeContext:
     _attach: Callable[..., "Assistant"] = field(repr=False)
     _advice: DraftAdvice | None = field(default=None, repr=False)
     _ended: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, repr=False)
+    _scores: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = field(default=None, repr=False)
+
+    def scores(self, logits: torch.Tensor, drafts: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, V] a drafter's logits in the target's token ids, at the position after the committed
+        tokens and ``drafts [B, i]`` (this step's drafts so far) -> the scores the call's logits
+        processors give there, as ``model.generate()`` computes them (repetition penalty, bad
+        words, ..., and the warpers when sampling): drafting from them makes drafts the target
+        accepts more often. The logits unchanged when the call has no processors."""
+        return logits if self._scores is None else self._scores(logits, drafts)
+
+    def probs(self, scores: torch.Tensor) -> torch.Tensor:
+        """[B, V] scores from :meth:`scores` -> [B, V] the distribution to draft from: their softmax
+        where the call's processors (warpers included) made them, else ``sampling.probs`` when
+        sampling, else the softmax."""
+        if self._scores is None and self.sampling.do_sample:
+            return self.sampling.probs(scores)
+        return torch.softmax(scores.float(), dim=-1)
+
 
     @property
     def tokens(self) -> torch.Tensor:

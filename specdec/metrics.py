@@ -39,6 +39,8 @@ class AcceptanceStats:
     forward_costs: dict[int, list[float]] = field(default_factory=dict)
     #: seconds spent calibrating the forward-cost model (once per model and process)
     calibration_seconds: float = 0.0
+    #: seconds spent applying the call's logits processors (target scores, drafts, forbidden lookups)
+    processor_seconds: float = 0.0
 
     # -- recording ---------------------------------------------------------------------------
     def record_step(self, drafted: list[int], accepted: list[int], committed: list[int]) -> None:
@@ -77,6 +79,7 @@ class AcceptanceStats:
             skipped_steps=self.skipped_steps + other.skipped_steps,
             forward_costs=_add_dicts(self.forward_costs, other.forward_costs, [0, 0.0]),
             calibration_seconds=self.calibration_seconds + other.calibration_seconds,
+            processor_seconds=self.processor_seconds + other.processor_seconds,
         )
 
     __add__ = merge
@@ -127,6 +130,7 @@ class AcceptanceStats:
             "skipped_share": self.skipped_share,
             "forward_costs": {str(t): list(v) for t, v in sorted(self.forward_costs.items())},
             "calibration_seconds": self.calibration_seconds,
+            "processor_seconds": self.processor_seconds,
             "mean_accepted_length": self.mean_accepted_length,
             "acceptance_rate": self.acceptance_rate,
             "per_position_acceptance": self.per_position_acceptance,
@@ -137,7 +141,7 @@ class AcceptanceStats:
     def from_dict(cls, d: dict) -> "AcceptanceStats":
         keys = ("steps", "drafted_tokens", "accepted_tokens", "committed_tokens", "accepted_at_position",
                 "draft_seconds", "verify_seconds", "total_seconds", "generator", "drafts_verified",
-                "skipped_steps", "calibration_seconds")
+                "skipped_steps", "calibration_seconds", "processor_seconds")
         stats = cls(**{k: d[k] for k in keys if k in d})
         stats.forward_costs = {int(t): list(v) for t, v in d.get("forward_costs", {}).items()}
         return stats

@@ -10,10 +10,11 @@ One :meth:`DecodeRun.step`, the algorithm::
 
     plan      policy.plan(remaining [B], pending, context)   -> asked [B]  (all a row may take without a policy)
     propose   session.propose(ctx, asked)                    -> Proposal: token_ids [B, K], lengths [B], probs
-    admit     check_proposal; made [B] = min(lengths, asked), admissible; candidates [B] = cut after a drafted
-              end of sequence; offered [B] = policy.admit(candidates)
+    admit     check_proposal; made [B] = min(lengths, asked), admissible, cut before a lookup's draft a
+              processor forbids; candidates [B] = cut after a drafted end of sequence; offered [B] = policy.admit(candidates)
     forward   target.append(drafts [B, k]); target.forward() -> logits [B, k+1, V]  (first step: prefill too)
-    verify    greedy_verify | speculative_sample             -> accepted [B], next_token [B]
+    verify    processors.apply -> scores [B, k+1, V] (generate()'s at each position, specdec/processors.py);
+              greedy_verify | speculative_sample             -> accepted [B], next_token [B]
     commit    block [B, k+1] = accepted drafts + next token;  stopper.cut -> kept [B], finished [B];
               target.commit: one realign of the target's cache
     observe   StepRecord -> statistics, streamer, followers.sync, session.observe, policy.observe;
@@ -40,7 +41,9 @@ from .kv import CacheSettings, static_problem
 from .metrics import AcceptanceStats
 from .modelinfo import kv_layout, vocab_size
 from .multimodal import PrefillSpec, Prefix, check_assistant
+from .outputs import ScoreRecorder, SpecOutput
 from .policy import DraftPolicy
+from .processors import BlockProcessors
 from .sampling import SamplingParams
 from .state import ModelState, cache_problem
 from .stopping import Stopper, StreamFeed
@@ -62,6 +65,12 @@ class Prompt:
     spec: PrefillSpec  # the rows the prefill-only inputs describe (this prompt's, or the prefix's)
     prefix: Prefix | None = None
 
+    def mask(self) -> torch.Tensor:
+        """[B, P] the attention mask as given: 0 on each row's left padding."""
+        width = self.input_ids.shape[1]
+        cols = torch.arange(width, device=self.input_ids.device)[None, :]
+        return (cols >= (width - self.lengths)[:, None]).long()
+
 
 @dataclass
 class CallSettings:
@@ -72,6 +81,11 @@ class CallSettings:
     stopper: Stopper
     streamer: Any = None
     cache: CacheSettings = CacheSettings()
+    #: the call's logits processors (``generate()``'s list, warpers included when sampling); None: none
+    processors: BlockProcessors | None = None
+    output_scores: bool = False  # keep each committed token's processed scores
+    output_logits: bool = False  # keep each committed token's raw logits
+    stream_prompt: bool = True  # False where generate() already gave the streamer the prompt
 
 
 class DecodeRun:
@@ -92,8 +106,10 @@ class DecodeRun:
         self.drafting = declared_drafting(self.session, self.plugin)  # priors, max drafts, stepwise
         self.policy = DraftPolicy.for_call(self.drafting, prompt.rows.shape[0], settings.sampling.do_sample,
                                            target.device.type, self.plugin)  # None: the generator's own lengths
+        self.processors = settings.processors or None  # an empty list processes nothing
         self.ctx = DecodeContext(target, tokenizer, draft_tokenizer, settings.sampling, settings.generator,
-                                 prompt.spec.user_inputs, self.target, self._attach, self.policy, self.stopper.ended)
+                                 prompt.spec.user_inputs, self.target, self._attach, self.policy, self.stopper.ended,
+                                 self._draft_scores if self.processors is not None else None)
         self.session.setup(self.ctx)  # validates and attaches assistants: still before any forward
         self.vocab = vocab_size(target)
         self.stats = AcceptanceStats()
@@ -102,10 +118,12 @@ class DecodeRun:
                 target, [s.model for s in self.assistants], prompt.rows, prompt.lengths, settings.cache,
                 self.target.kv.slots, kv=self.target.kv)  # calibrates on the call's cache where it can
         self.feed = StreamFeed(settings.streamer)
-        self.feed.prompt(prompt.input_ids)
+        if settings.stream_prompt:
+            self.feed.prompt(prompt.input_ids)
         self.prompt_lengths = prompt.lengths.clone()
         self.row_ids = torch.arange(prompt.rows.shape[0], device=prompt.rows.device)  # original row of each row
         self.outputs: list[torch.Tensor | None] = [None] * prompt.rows.shape[0]
+        self.recorder = ScoreRecorder(prompt.rows.shape[0], settings.output_scores, settings.output_logits)
 
     @property
     def assistants(self) -> list[ModelState]:
@@ -178,8 +196,11 @@ class DecodeRun:
         committed = target.lengths.clone()  # [B]
         logits = self._forward(draft_ids, offered, committed)  # [B, k+1, V]
         forwarded = time.perf_counter()
-        verdict = self._verify(logits, draft_ids, offered, proposal)
+        scores = self._scores(logits, draft_ids, offered, committed)  # [B, k+1, V] as generate() processes them
+        verdict = self._verify(scores, draft_ids, offered, proposal)
         block, kept, finished = self._commit(logits, draft_ids, verdict, committed)  # [B, k+1], [B], [B]
+        if self.recorder:
+            self.recorder.record(self.row_ids, kept, scores, logits)
         record = StepRecord(
             offered, verdict.accepted, asked=asked, made=made, candidates=candidates, kept=kept, room=room,
             sources=proposal.sources.cpu() if proposal.sources is not None else None,
@@ -218,6 +239,8 @@ class DecodeRun:
                        len(self.drafting.priors))
         ids = proposal.token_ids.to(target.device)  # [B, K]
         made = target.admissible_drafts(ids, torch.minimum(proposal.lengths.to(target.device), asked).clamp_min(0))
+        if self.processors is not None and self.processors.hard:
+            made = self._allowed(ids, made, proposal.confidence)
         candidates = self.stopper.worth_verifying(ids, made)
         if self.policy is None:
             return made, candidates, candidates
@@ -232,13 +255,55 @@ class DecodeRun:
         synchronize(self.target.device)
         return logits
 
-    def _verify(self, logits: torch.Tensor, draft_ids: torch.Tensor, offered: torch.Tensor, proposal) -> Verdict:
+    def _allowed(self, ids: torch.Tensor, made: torch.Tensor, confidence: torch.Tensor | None) -> torch.Tensor:
+        """made [B] cut before the first draft a processor forbids whatever the logits (a bad word,
+        a repeated n-gram), in rows whose drafts have no probability of their own (a lookup's): a
+        drafter that drafts from the processed scores never proposes one. Dropping drafts keeps
+        the output as it is (a proposal may depend on anything but the verifier's randomness)."""
+        target = self.target
+        lookup = (torch.ones_like(made, dtype=torch.bool) if confidence is None
+                  else torch.isnan(confidence[:, 0]).to(made.device) if confidence.shape[1] else None)
+        if lookup is None or not bool((lookup & (made > 0)).any()):
+            return made
+        k = int(made.max())
+        pos = self.processors.positions(target.tokens, target.lengths, self.prompt_lengths, self.row_ids,
+                                        ids[:, :k], made)
+        return torch.where(lookup, self.processors.allowed_drafts(ids[:, :k], made, pos, self.vocab), made)
+
+    def _scores(self, logits: torch.Tensor, draft_ids: torch.Tensor, offered: torch.Tensor,
+                committed: torch.Tensor) -> torch.Tensor:
+        """logits [B, k+1, V] -> the scores ``generate()`` would sample or take the argmax of at each
+        position (the processors given the committed tokens and the drafts before it); the logits
+        themselves when the call has no processors."""
+        if self.processors is None:
+            return logits
+        target = self.target
+        pos = self.processors.positions(target.tokens, committed, self.prompt_lengths, self.row_ids, draft_ids,
+                                        offered + 1)
+        return self.processors.apply(logits.float(), pos)
+
+    def _draft_scores(self, logits: torch.Tensor, drafts: torch.Tensor | None) -> torch.Tensor:
+        """A drafter's logits [B, V'] at the position after the committed tokens and ``drafts [B, i]``
+        -> the target's processors applied there ([B, V']; ``DecodeContext.scores``)."""
+        target, width = self.target, logits.shape[-1]
+        drafts = drafts if drafts is not None else target.tokens.new_zeros(target.batch_size, 0)
+        full = torch.nn.functional.pad(logits.float(), (0, self.vocab - width), value=-float("inf")) \
+            if width < self.vocab else logits[:, : self.vocab].float()  # [B, V]: the processors' width
+        i = drafts.shape[1]
+        pos = self.processors.positions(target.tokens, target.lengths, self.prompt_lengths, self.row_ids,
+                                        drafts.to(target.device), torch.full_like(target.lengths, i + 1), first=i)
+        return self.processors.apply(full[:, None], pos)[:, 0, :width]
+
+    def _verify(self, scores: torch.Tensor, draft_ids: torch.Tensor, offered: torch.Tensor, proposal) -> Verdict:
+        """scores [B, k+1, V] (processed, or the raw logits without processors) -> the verdict."""
         sampling = self.settings.sampling
         if not sampling.do_sample:
-            return greedy_verify(logits, draft_ids, offered)
+            return greedy_verify(scores, draft_ids, offered)
         k = draft_ids.shape[1]
-        draft_probs = proposal.probs[:, :k].to(logits.device) if proposal.probs is not None else None
-        return speculative_sample(sampling.probs(logits), draft_ids, offered, draft_probs, self.settings.generator)
+        draft_probs = proposal.probs[:, :k].to(scores.device) if proposal.probs is not None else None
+        # with processors the warpers are among them, as in generate(); else warp here
+        target_probs = torch.softmax(scores, dim=-1) if self.processors is not None else sampling.probs(scores)
+        return speculative_sample(target_probs, draft_ids, offered, draft_probs, self.settings.generator)
 
     def _commit(self, logits: torch.Tensor, draft_ids: torch.Tensor, verdict: Verdict,
                 committed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -303,13 +368,17 @@ class DecodeRun:
         for state in self.states():
             state.release()
 
-    def finish(self, input_ids: torch.Tensor, started: float) -> tuple[torch.Tensor, AcceptanceStats]:
-        """-> (sequences [B, P + new]: the prompt as given, then each row's new tokens right-padded; stats)."""
+    def finish(self, input_ids: torch.Tensor, started: float) -> SpecOutput:
+        """-> sequences [B, P + new] (the prompt as given, then each row's new tokens right-padded),
+        the scores and logits asked for, and the statistics."""
         self.feed.end()
         self.stats.generator = self.session.report()
         self.stats.total_seconds = time.perf_counter() - started
+        if self.processors is not None:
+            self.stats.processor_seconds = self.processors.seconds
         longest = max(o.numel() for o in self.outputs)
         new = input_ids.new_full((input_ids.shape[0], longest), self.settings.pad)
         for b, o in enumerate(self.outputs):
             new[b, : o.numel()] = o
-        return torch.cat([input_ids, new], dim=1), self.stats
+        scores, logits = self.recorder.tuples()
+        return SpecOutput(sequences=torch.cat([input_ids, new], dim=1), scores=scores, logits=logits, stats=self.stats)

@@ -1,8 +1,13 @@
-"""Logits -> probabilities, applied identically to draft and target.
+"""Sampling parameters, and logits -> probabilities by them.
 
-Losslessness needs the draft and the target distributions to be warped by the very same
-function: temperature, then top-k, then top-p (the order ``transformers`` uses). Greedy decoding
-never goes through here: it takes the argmax of the raw logits, as ``generate(do_sample=False)``.
+``SamplingParams`` are the call's sampling settings as a plugin reads them (``ctx.sampling``).
+:func:`warp_logits` applies them in ``transformers``' order: temperature, then top-k, then top-p,
+then min-p. A decode run samples the target from the scores its logits processors give
+(``specdec/processors.py``, where ``generate()``'s own warpers are the last processors), and a
+drafter drafts from the same processed scores (``DecodeContext.scores``). Speculative sampling is
+lossless for any draft distribution that is the one the drafts were sampled from; drafting from
+the target's processed distribution only makes drafts more likely to be accepted. Greedy decoding
+never goes through here: it takes the argmax of the (processed) scores, as ``generate(do_sample=False)``.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None
 
     def validate(self) -> None:
         """Refuse wrong types always and out-of-range values when sampling, before any forward."""
@@ -31,6 +37,8 @@ class SamplingParams:
             raise TypeError(f"top_k must be an int (0 or None: no top-k), got {self.top_k!r}")
         if self.top_p is not None and not real(self.top_p):
             raise TypeError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if self.min_p is not None and not real(self.min_p):
+            raise TypeError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
         if not self.do_sample:
             return
         if not (self.temperature > 0):
@@ -40,10 +48,12 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 or None: no top-k), got {self.top_k}")
         if self.top_p is not None and not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.min_p is not None and not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 
     def warp(self, logits: torch.Tensor) -> torch.Tensor:
         """[..., vocab] logits -> warped logits (-inf outside the kept set)."""
-        return warp_logits(logits, self.temperature, self.top_k, self.top_p)
+        return warp_logits(logits, self.temperature, self.top_k, self.top_p, self.min_p)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """[..., vocab] logits -> [..., vocab] float32 probabilities."""
@@ -51,7 +61,7 @@ class SamplingParams:
 
 
 def warp_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
-                top_p: float | None = None) -> torch.Tensor:
+                top_p: float | None = None, min_p: float | None = None) -> torch.Tensor:
     if temperature != 1.0:
         logits = logits / temperature
     vocab = logits.shape[-1]
@@ -65,6 +75,11 @@ def warp_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
         drop_sorted = mass_before >= top_p
         drop_sorted[..., 0] = False  # always keep the most likely token
         drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    if min_p is not None:  # drop tokens below min_p times the most likely one's probability
+        probs = torch.softmax(logits, dim=-1)
+        drop = probs < min_p * probs.amax(dim=-1, keepdim=True)
+        drop.scatter_(-1, probs.argmax(dim=-1, keepdim=True), False)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
 

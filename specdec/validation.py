@@ -8,7 +8,6 @@ message. Pure functions of their arguments; nothing here runs a model.
 
 from __future__ import annotations
 
-import copy
 import numbers
 
 import torch
@@ -19,7 +18,7 @@ from .generators import Proposal
 from .modelinfo import vocab_size
 
 INTEGER_DTYPES = (torch.long, torch.int32, torch.int16, torch.int8, torch.uint8)
-#: generation modes whose output specdec reproduces (with its own sampling arguments)
+#: generation modes whose output a speculative run reproduces
 SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 
 
@@ -121,85 +120,56 @@ def check_prompt_positions(model, lengths: torch.Tensor) -> None:
                          f"shorten it to at most {limit} tokens")
 
 
-# -- the target's generation config ---------------------------------------------------------------
-#: settings that make ``generate()`` return or stop differently without a logits processor or a
-#: generation mode of their own: (name, whether a value is set, what generate() would do)
+# -- the call's generation config ------------------------------------------------------------------
+#: the settings that select a generation mode other than greedy search and sampling, and the
+#: value each has when it does not
+MODE_SETTINGS = (("num_beams", 1), ("num_beam_groups", 1), ("penalty_alpha", None), ("dola_layers", None),
+                 ("constraints", None), ("force_words_ids", None), ("prompt_lookup_num_tokens", None),
+                 ("assistant_early_exit", None), ("use_mtp", False))
+#: settings not reproduced in any mode: (name, whether a value sets it, what generate() would do)
 OTHER_EFFECTS = (
-    ("stop_strings", lambda v: bool(v), "generate(tokenizer=...) stops at these strings; pass them to "
-                                         "SpecDecoder.generate(stop_strings=...) with a tokenizer instead"),
-    ("token_healing", lambda v: bool(v), "generate() re-tokenizes the prompt's last token"),
-    ("num_return_sequences", lambda v: v is not None and v != 1, "generate() returns several sequences per "
-                                                                  "prompt; specdec returns one"),
+    ("num_return_sequences", lambda v: v != 1, "several sequences per prompt"),
+    ("token_healing", bool, "re-tokenizing the prompt's last token"),
+    ("output_attentions", bool, "attentions at every step"),
+    ("output_hidden_states", bool, "hidden states at every step"),
+    ("guidance_scale", lambda v: v != 1, "classifier-free guidance: a second forward per step, on a cache of "
+                                         "its own"),
 )
 
 
-def _prompt_ids(prompt) -> torch.Tensor:
-    """The prompt ``[B, P]`` as generate() passes it to its processors as ``encoder_input_ids`` (for
-    a decoder-only model, the input ids themselves); a length stands for a prompt of that many ids."""
-    if isinstance(prompt, torch.Tensor):
-        return prompt if prompt.dim() == 2 else prompt.reshape(1, -1)
-    return torch.zeros(1, int(prompt), dtype=torch.long)
-
-
-def _greedy_effects(model, config, prompt, eos: list[int]) -> list[str]:
-    """What ``generate()`` would do beyond plain greedy decoding with ``config`` for ``prompt`` (ids
-    ``[B, P]`` or a length): an unsupported generation mode and the logits processors
-    ``transformers`` builds (by class name)."""
-    config = copy.deepcopy(config)
-    config.do_sample = False  # sampling warpers come from generate()'s own arguments
-    config.eos_token_id = eos or None  # this call's EOS ids (min_new_tokens and kin depend on them)
+def unsupported_generation_settings(config: GenerationConfig) -> list[str]:
+    """The settings of a call's resolved generation ``config`` (the target's ``generation_config``
+    with the call's arguments on top, ``specdec/generation.py``) that a speculative run does not
+    reproduce, each named with what ``generate()`` would do: a generation mode other than greedy
+    search and sampling (beam search, contrastive search, DoLa, assisted generation, constraints),
+    several sequences per prompt, token healing, per-step attentions or hidden states,
+    classifier-free guidance and SynthID watermarking (both remember earlier steps). Every other
+    setting is honoured: logits processors apply at every verified position
+    (``specdec/processors.py``), stop strings stop the run."""
+    found = []
     mode = config.get_generation_mode()
-    effects = [mode.value] if mode not in SUPPORTED_MODES else []
-    ids = _prompt_ids(prompt)
-    try:
-        model._prepare_special_tokens(config, kwargs_has_attention_mask=True, device=model.device)
-        processors = model._get_logits_processor(generation_config=config, input_ids_seq_length=ids.shape[1],
-                                                 encoder_input_ids=ids.to(model.device),
-                                                 device=str(model.device), model_kwargs={})
-    except Exception as exc:  # a setting transformers itself cannot build a processor for
-        return effects + [f"an unbuildable logits processor ({exc})"]
-    return effects + [type(p).__name__ for p in processors]
+    if mode not in SUPPORTED_MODES:
+        named = [f"{name}={getattr(config, name, None)!r}" for name, off in MODE_SETTINGS
+                 if getattr(config, name, off) not in (off, None)]
+        found.append(f"{', '.join(named) or 'the generation config'} ({mode.value})")
+    for name, is_set, what in OTHER_EFFECTS:
+        value = getattr(config, name, None)
+        if value is not None and is_set(value):
+            found.append(f"{name}={value!r} ({what})")
+    watermark = getattr(config, "watermarking_config", None)
+    if watermark is not None and type(watermark).__name__.startswith("SynthID"):
+        found.append(f"watermarking_config={type(watermark).__name__} (SynthID watermarking, which remembers "
+                     "earlier steps)")
+    return found
 
 
-def unsupported_generation_settings(model, prompt, eos: list[int]) -> list[str]:
-    """The settings of ``model.generation_config`` that would make ``model.generate()`` differ, for
-    ``prompt`` (the input ids ``[B, P]``, or only their length).
-
-    Asks ``transformers`` itself rather than a hand list: the generation mode the config selects
-    (beam search, contrastive search, DoLa, ... are not reproduced) and the logits processors
-    ``generate`` would build for a greedy call of this prompt (repetition penalties, forced BOS,
-    watermarking, ...; the prompt is passed as ``encoder_input_ids``, as ``generate`` does for a
-    decoder-only model). specdec applies none of them, so any of them changes the output. Each
-    is traced back to the setting(s) whose default value makes it disappear. Settings that act
-    otherwise (``OTHER_EFFECTS``: stop strings, token healing, several sequences) are named
-    directly."""
-    config = model.generation_config
-    found = [f"{name}={getattr(config, name)!r} ({why})" for name, is_set, why in OTHER_EFFECTS
-             if is_set(getattr(config, name, None))]
-    effects = _greedy_effects(model, config, prompt, eos)
-    if not effects:
-        return found
-    defaults = GenerationConfig()
-    traced = []
-    for name, value in config.to_diff_dict().items():
-        if not hasattr(defaults, name) or name == "transformers_version":
-            continue
-        trial = copy.deepcopy(config)
-        setattr(trial, name, getattr(defaults, name))
-        removed = [e for e in effects if e not in _greedy_effects(model, trial, prompt, eos)]
-        if removed:
-            traced.append(f"{name}={value!r} ({', '.join(removed)})")
-    return found + (traced or effects)
-
-
-def check_generation_config(model, prompt, eos: list[int]) -> None:
-    """Refuse a target whose generation config ``generate()`` would apply and specdec does not
-    (``prompt``: the input ids ``[B, P]``, or their length)."""
-    unsupported = unsupported_generation_settings(model, prompt, eos)
+def check_generation_config(config: GenerationConfig) -> None:
+    """Refuse a resolved generation ``config`` whose settings a speculative run would not reproduce."""
+    unsupported = unsupported_generation_settings(config)
     if unsupported:
-        raise ValueError(f"target.generation_config sets {'; '.join(unsupported)}: target.generate() would apply "
-                         "this and specdec does not, so its output would differ; unset those settings (e.g. on a "
-                         "copy of the generation config) to decode speculatively")
+        raise ValueError(f"the generation settings set {'; '.join(unsupported)}: generate() would do this and a "
+                         "speculative run does not, so the output would differ; unset those settings (on the call, "
+                         "or on a copy of target.generation_config)")
 
 
 # -- proposals ------------------------------------------------------------------------------------

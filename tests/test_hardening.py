@@ -40,18 +40,26 @@ def refused(model, call, match: str, error=ValueError):
 
 
 # -- 1. generation_config settings that change target.generate() ---------------------------------
+def test_generation_modes_other_than_greedy_and_sampling_are_refused():
+    target, _ = tiny_random("llama", seed=3)
+    target.generation_config.num_beams = 3
+    refused(target, lambda: SpecDecoder(target, "prompt_lookup").generate(repetitive_prompt(8), max_new_tokens=4),
+            "num_beams")
+
+
 @pytest.mark.parametrize("setting,value,prompt_length", [
-    ("num_beams", 3, 8),
     ("forced_bos_token_id", 5, 1),  # applies when the prompt is one token long
     ("watermarking_config", WatermarkingConfig(), 8),
     ("remove_invalid_values", True, 8),
     ("min_length", 30, 8),
 ])
-def test_generation_settings_that_change_greedy_output_are_refused(setting, value, prompt_length):
+def test_generation_settings_that_change_greedy_output_are_honoured(setting, value, prompt_length):
+    """Each applies at every verified position (docs/generation.md): generate()'s output exactly."""
     target, _ = tiny_random("llama", seed=3)
     setattr(target.generation_config, setting, value)
     ids = repetitive_prompt(8)[:, :prompt_length]
-    refused(target, lambda: SpecDecoder(target, "prompt_lookup").generate(ids, max_new_tokens=4), setting)
+    out = SpecDecoder(target, "prompt_lookup").generate(ids, max_new_tokens=6)
+    assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=6, do_sample=False))
 
 
 def test_settings_that_depend_on_eos_follow_the_call(llama):
@@ -59,7 +67,8 @@ def test_settings_that_depend_on_eos_follow_the_call(llama):
     target, _ = tiny_random("llama", seed=3)
     target.generation_config.min_new_tokens = 5
     ids = repetitive_prompt(8)
-    refused(target, lambda: SpecDecoder(target).generate(ids, max_new_tokens=4), "min_new_tokens")
+    out = SpecDecoder(target).generate(ids, max_new_tokens=8)
+    assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=8, do_sample=False))
     out = SpecDecoder(target).generate(ids, max_new_tokens=8, eos_token_id=None)
     assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None))
 
