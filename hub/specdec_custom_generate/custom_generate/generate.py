@@ -1,0 +1,21 @@
+"""specdec's speculative decoding as a Hub ``custom_generate`` repository.
+
+``model.generate(**inputs, custom_generate="<this folder or its Hub name>", trust_remote_code=True,
+draft="prompt_lookup")`` loads this file and calls :func:`generate` with everything ``generate()``
+was given. It hands the call back to ``transformers``' own ``generate()`` with specdec's decoding
+loop (``specdec.generate``), so the generation config, logits processors, stopping criteria and
+streamer are prepared exactly as for a plain call, and every verified position is scored as
+``generate()`` would score it. Keyword arguments: ``draft`` (a generator name, a draft model or a
+``CandidateGenerator``), ``draft_options``, ``decoder_options``, ``target_tokenizer``,
+``draft_tokenizer``, ``generator`` (see ``specdec.integration.generate``).
+"""
+
+from transformers import GenerationMixin
+
+
+def generate(model, *args, **kwargs):
+    import specdec
+
+    # GenerationMixin.generate, not model.generate: a model whose own repository ships a
+    # custom_generate has model.generate replaced by it
+    return GenerationMixin.generate(model, *args, custom_generate=specdec.generate, **kwargs)

@@ -1,0 +1,166 @@
+"""Speculative decoding inside ``model.generate()`` and pipelines: ``custom_generate=specdec.generate``.
+
+``transformers`` (5.24) lets a callable replace ``generate()``'s decoding loop: ``generate()``
+prepares the generation config, special tokens, attention mask, logits processors (warpers
+included) and stopping criteria as usual, then calls ``custom_generate(model, input_ids,
+logits_processor=, stopping_criteria=, generation_config=, synced_gpus=, streamer=,
+**model_kwargs)``; keyword arguments named in the callable's signature and not in ``_sample``'s
+are passed through to it. So::
+
+    model.generate(**inputs, custom_generate=specdec.generate, draft="prompt_lookup")
+    pipeline("text-generation", model=model, tokenizer=tok)(text, custom_generate=specdec.generate,
+                                                            draft=small_model)
+
+run the same :class:`~specdec.run.DecodeRun` as ``SpecDecoder(model, draft).generate(...)``
+(through :meth:`SpecDecoder.run`): the processors ``generate()`` built apply at every verified
+position, its stopping criteria stop the run (max length and EOS as the run's own budget and end
+ids, any other criterion checked token by token), and the output is ``generate()``'s: the
+sequences, or with ``return_dict_in_generate=True`` a ``GenerateDecoderOnlyOutput`` (scores and
+logits when asked) carrying ``stats``. The same callable is what the Hub-layout folder
+``hub/specdec_custom_generate`` loads (``custom_generate="<that folder>", trust_remote_code=True``).
+
+What outlives a call is kept per target model (:class:`Drafters`): the candidate generator each
+``draft`` (with its options) resolves to, with what it builds once (a low-precision copy of the
+target or draft), so repeated calls do not rebuild it. A lock guards the table; each call still
+decodes on a session of its own, so calls from several threads share the drafter, not their
+state. :func:`release` drops them. The forward-cost curves the draft-length policy measures are
+kept per model by the policy itself (weakly: they go with the model).
+
+Two things ``generate()`` does not hand a callable: the ``streamer`` (it gives it the prompt, then
+drops it from the callable's arguments) and the ``tokenizer`` (so ``stop_strings`` fail in
+``generate()`` before the callable runs). The streamer is read from ``generate()``'s own frame;
+a draft with another tokenizer takes both tokenizers as ``target_tokenizer=`` and
+``draft_tokenizer=``.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import weakref
+from typing import Any
+
+import torch
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+from .decoder import SpecDecoder
+from .generation import resolved
+from .generators import CandidateGenerator
+from .validation import check_generation_config
+
+#: model_kwargs that generate() prepares for its own loop and a decode run makes itself
+PREPARED = frozenset({"attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "logits_to_keep",
+                      "cache_position", "output_attentions", "output_hidden_states", "return_dict"})
+
+
+class Drafters:
+    """The candidate generators built for ``custom_generate`` calls, per target model and draft."""
+
+    def __init__(self):
+        self._made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: generator}
+        self._lock = threading.Lock()
+
+    def decoder(self, model, draft, options: dict, tokenizer, draft_tokenizer, decoder_options: dict) -> SpecDecoder:
+        """A decoder for this call: a new ``SpecDecoder`` around the generator ``draft`` resolved to
+        for ``model`` the first time (a generator instance is taken as it is)."""
+        if not isinstance(draft, CandidateGenerator):
+            key = (_identity(draft), repr(sorted(options.items())), id(tokenizer), id(draft_tokenizer),
+                   repr(sorted(decoder_options.items())))
+            with self._lock:
+                made = self._made.setdefault(model, {})
+                if key not in made:
+                    made[key] = SpecDecoder(model, draft, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer,
+                                            **decoder_options, **options).candidate_generator
+                draft = made[key]
+        elif options:
+            raise TypeError(f"draft_options {sorted(options)} cannot be applied to a generator instance")
+        return SpecDecoder(model, draft, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer, **decoder_options)
+
+    def release(self, model=None) -> None:
+        """Drop the drafters built for ``model`` (all models when None)."""
+        with self._lock:
+            if model is None:
+                self._made.clear()
+            else:
+                self._made.pop(model, None)
+
+    def count(self, model) -> int:
+        with self._lock:
+            return len(self._made.get(model, {}))
+
+
+def _identity(draft) -> tuple:
+    """A drafter key: a name by its value, a model (kept alive by the table) by its identity."""
+    return ("name", draft) if isinstance(draft, str) or draft is None else ("object", id(draft))
+
+
+DRAFTERS = Drafters()
+
+
+def release(model=None) -> None:
+    """Free what ``custom_generate`` calls kept for ``model`` (every model when None): the resolved
+    drafters and the copies they built. The next call builds them again."""
+    DRAFTERS.release(model)
+
+
+def generate(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+             streamer=None, draft=None, draft_options: dict | None = None, target_tokenizer=None,
+             draft_tokenizer=None, generator: torch.Generator | None = None, decoder_options: dict | None = None,
+             **model_kwargs) -> Any:
+    """``model.generate(..., custom_generate=specdec.generate, draft=...)``: the decoding loop, speculative.
+
+    ``draft`` is anything ``SpecDecoder`` takes (a registered generator name, a draft model, a
+    ``CandidateGenerator``; None decodes plainly through the same loop), ``draft_options`` its
+    options (``{"num_tokens": 4}``); ``decoder_options`` ``SpecDecoder``'s own
+    (``cache_implementation``, ``compile``, ``fast_head``); ``generator`` a ``torch.Generator`` for
+    the sampling's randomness. Returns what ``generate()`` returns."""
+    if synced_gpus:
+        raise ValueError("synced_gpus=True (DeepSpeed ZeRO-3 / FSDP) is not supported by specdec's custom_generate")
+    check_generation_config(generation_config)
+    streamer = streamer if streamer is not None else _streamer_of_generate()
+    decoder = DRAFTERS.decoder(model, draft, dict(draft_options or {}), target_tokenizer, draft_tokenizer,
+                               dict(decoder_options or {}))
+    _refuse_filled_cache(model_kwargs)
+    model_inputs = {k: v for k, v in model_kwargs.items() if k not in PREPARED}
+    prompt = decoder._prompt(input_ids, model_kwargs.get("attention_mask"), model_inputs, None)
+    max_length, eos, criteria = _split_criteria(stopping_criteria)
+    call = resolved(generation_config, input_ids.shape[1], max_length, eos)
+    call.stop_strings = None  # generate()'s StopStringCriteria is among the criteria
+    out = decoder.run(prompt, call, logits_processor, criteria, streamer=streamer, generator=generator,
+                      stream_prompt=False)
+    return out if call.return_dict else out.sequences
+
+
+def _split_criteria(stopping_criteria) -> tuple[int | None, list[int] | None, list]:
+    """generate()'s stopping criteria -> (max_length, EOS ids, the rest): the first two become the
+    run's own budget and end ids (checked over whole blocks), the rest are checked token by token."""
+    max_length, eos, rest = None, None, []
+    for criterion in stopping_criteria or ():
+        if type(criterion) is MaxLengthCriteria:
+            max_length = criterion.max_length if max_length is None else min(max_length, criterion.max_length)
+        elif type(criterion) is EosTokenCriteria:
+            eos = sorted({*(eos or []), *criterion.eos_token_id.flatten().tolist()})
+        else:
+            rest.append(criterion)
+    return max_length, eos if eos is not None else [], rest
+
+
+def _refuse_filled_cache(model_kwargs: dict) -> None:
+    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    length = cache.get_seq_length() if cache is not None and hasattr(cache, "get_seq_length") else 0
+    if length:
+        raise ValueError(f"generate() was given a cache holding {length} tokens; specdec's custom_generate builds "
+                         "its own caches (SpecDecoder.prefill() keeps a prefix's)")
+
+
+def _streamer_of_generate():
+    """The ``streamer`` of the ``GenerationMixin.generate`` call that called us: transformers 5.24
+    gives it the prompt, then leaves it out of a custom_generate callable's arguments."""
+    frame = sys._getframe(1)
+    for _ in range(4):  # generate() calls the callable directly; allow a wrapper or two
+        frame = frame.f_back
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "generate" and frame.f_globals.get("__name__") == "transformers.generation.utils":
+            return frame.f_locals.get("streamer")
+    return None
