@@ -430,7 +430,7 @@ def test_batch_sizes_default_and_old_field_keep_the_hash(tmp_path):
     # a config without batch sizes hashes as the single-size schema did (results written then still resume)
     import hashlib
     legacy = {**plain.model_dump(mode="json", exclude={"description", "batch_sizes", "device", "dtype", "reference",
-                                                 "repeats"}),
+                                                 "repeats", "distributed"}),
               "batch_size": 1}
     legacy["methods"] = [{k: v for k, v in m.items() if k not in ("cache_implementation", "compile", "fast_head")}
                          for m in legacy["methods"]]  # the schema before devices, compilation and the fast head
