@@ -75,7 +75,7 @@ class DraftModelGenerator(LowPrecisionDraft, CandidateGenerator):
         if problem:
             raise ValueError(f"draft_model needs the target's tokenizer: {problem}. A draft with another "
                              "tokenizer needs the cross-tokenizer generator (pass tokenizer= and draft_tokenizer=).")
-        self.draft = self.drafting_model(source)
+        self.draft = self.drafting_model(source, ctx)
         self.shared_vocab = min(vocab_size(ctx.target), vocab_size(self.draft))
         self.target_vocab = ctx.target_vocab_size
         self.assistant = ctx.attach(self.draft, **self.attach_options())

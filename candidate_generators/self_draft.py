@@ -7,13 +7,20 @@ never modified) and attached as a draft model; with ``lookup=True`` a row drafts
 lookup where an n-gram matches and the policy expects the match to pay at least as well as the
 copy (``ctx.draft_rate``), from the copy elsewhere.
 
-``weights`` (``specdec/forwards/lowbit.py``): ``"auto"`` (default) is ``"w8a8"`` for a
-target on a CPU (the fastest copy measured there, no extra package) and ``"bfloat16"`` elsewhere;
-``"bfloat16"``, ``"float16"``, ``"int8"``, ``"w8a8"`` and ``"int4"`` as chosen (the last three
-off the CPU by ``torchao``: ``pip install "specdec[quant]"``).
+``weights`` (``specdec/forwards/lowbit.py``): ``"auto"`` (default), for a target on a CPU, is
+the copy measured best on this machine (``specdec/forwards/choose.py``: each candidate's draft
+step timed against the target's forward, its agreement with the target on a short text, the
+policy's expected rate; once per machine and model, then read from the cache), and
+``"bfloat16"`` elsewhere; ``"bfloat16"``, ``"float16"``, ``"int8"``, ``"w8a8"``,
+``"dynamic_int8"`` and ``"int4"`` as chosen (``int8``, ``int4`` and ``w8a8`` off the CPU by
+``torchao``: ``pip install "specdec[quant]"``). What was chosen, and why, is in
+``out.stats.choices``; the seconds spent building or choosing the copy in
+``out.stats.generator["setup_seconds"]``, apart from decoding (``out.stats.summary()``).
 
-Its draft steps run on a static cache with compiled one-token forwards (``compile_draft``, default on:
-torchao's int8 layers are slower than fp32 ones until compiled), whatever cache the target uses.
+Its draft steps run on a static cache, whatever cache the target uses, with one-token forwards
+compiled as ``compile_draft`` says: ``"auto"`` (default) compiles them in ``SpecDecoder.warmup()``
+and runs them compiled in the calls after it, eagerly otherwise (no call compiles for minutes
+unasked); True compiles on first use (said on stderr); False never.
 The copy never runs over the prompt or a committed token: its cache mirrors the target's (the
 keys and values of the target's prefill, then of each verified block), so it only computes its
 drafts' own.
@@ -40,7 +47,7 @@ COPY_PRIOR = 0.85
 @register_candidate_generator("self_draft")
 class SelfDraftGenerator(DraftModelGenerator):
     def __init__(self, *, weights: str = "auto", num_tokens: int = 5, schedule: str = "auto",
-                 max_tokens: int = 16, compile_draft: bool | dict = True, lookup: bool = False):
+                 max_tokens: int = 16, compile_draft: bool | dict | str = "auto", lookup: bool = False):
         check_weights(weights, "self_draft")  # None would draft with the target itself, at the target's cost
         check_flag(lookup, "self_draft: lookup")
         # no draft yet: setup() builds it from the call's target (once per decoder, see forwards.lowbit.Copies)

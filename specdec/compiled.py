@@ -14,6 +14,11 @@ Invariants:
   recorded as miscompiled and is never compiled again (the caller runs it eagerly).
 * The registry holds models weakly: a model that goes away takes its records with it.
 
+* Compiling is never silent and never priced as decoding: a forward that compiles says so on
+  stderr (:func:`compiling`; ``SPECDEC_QUIET=1`` hushes it) and its seconds go on this thread's
+  compile clock (:func:`compile_seconds`), which the run reads around each step, so that a step
+  that compiled is reported apart and teaches the draft-length policy nothing of a forward's cost.
+
 The static cache backend (``specdec.kv.StaticKV``) is the only caller at run time; this module
 knows nothing of caches.
 """
@@ -21,9 +26,13 @@ knows nothing of caches.
 from __future__ import annotations
 
 import inspect
+import os
+import sys
 import threading
+import time
 import types
 import weakref
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -137,3 +146,54 @@ def agrees(model, key: tuple, compiled: torch.Tensor, eager: torch.Tensor) -> bo
         return True
     _MISCOMPILED.add(model)
     return False
+
+
+# -- compiling, made visible --------------------------------------------------------------------------
+_CLOCK = threading.local()  # .seconds: this thread's seconds in forwards that compiled; .warming: in warmup()
+_ANNOUNCED: set = set()
+
+
+def compile_seconds() -> float:
+    """Seconds this thread has spent in forwards that compiled a graph (see :func:`compiling`)."""
+    return getattr(_CLOCK, "seconds", 0.0)
+
+
+@contextmanager
+def compiling(model, key: tuple):
+    """Around the first compiled forward of ``model`` for ``key`` (width, cache length), which
+    compiles its graph (or finds it in inductor's disk cache): says so on stderr, once per model
+    class and key in the process, and puts its seconds on this thread's compile clock."""
+    quiet = os.environ.get("SPECDEC_QUIET", "").strip().lower() not in ("", "0", "false", "no")
+    note = (type(model).__name__, *key)
+    if not quiet and note not in _ANNOUNCED:
+        _ANNOUNCED.add(note)
+        print(f"specdec: compiling {note[0]}'s forward of {key[0]} token(s) on a cache of {key[1]} slots "
+              "(once per process; minutes on a small CPU, less from inductor's disk cache; "
+              "SpecDecoder.warmup() does it ahead of time) ...", file=sys.stderr, flush=True)
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds = time.perf_counter() - started
+        _CLOCK.seconds = compile_seconds() + seconds
+        if not quiet and seconds > 1.0:
+            print(f"specdec: ... compiled in {seconds:.0f} s", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def warming():
+    """Marks this thread as warming up (``SpecDecoder.warmup``): forwards that compile only when
+    warmed up (:func:`compiles_now`) compile inside it."""
+    before = getattr(_CLOCK, "warming", False)
+    _CLOCK.warming = True
+    try:
+        yield
+    finally:
+        _CLOCK.warming = before
+
+
+def compiles_now(model) -> bool:
+    """Whether a forward that compiles only when warmed up should compile for ``model`` now: in
+    ``SpecDecoder.warmup`` (:func:`warming`), or once any of its graphs was compiled and checked
+    in this process (a call after a warm-up runs the graphs it made)."""
+    return bool(getattr(_CLOCK, "warming", False) or _CHECKED.get(model))

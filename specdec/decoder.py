@@ -29,6 +29,7 @@ from dataclasses import replace
 import torch
 from transformers.generation.stopping_criteria import MaxTimeCriteria
 
+from .compiled import warming
 from .generation import Resolved, build_processors, resolve_config, resolved, split_settings
 from .generators import CandidateGenerator
 from .kv import CacheSettings, length_ladder, static_problem
@@ -171,25 +172,26 @@ class SpecDecoder:
         ids = torch.arange(8).remainder(vocab)[None, :].repeat(batch_size, 1)
         prompt = self._prompt(ids, None, {}, None)
         compiled = False
-        for length in length_ladder(max_length + ModelState.margin()):
-            # one new token: the caches then hold exactly ``length`` slots
-            settings = CallSettings(max_new_tokens=1, sampling=SamplingParams(), generator=None,
-                                    pad=pad_token_id(self.target, ()), cache=replace(self.cache, lengths=(length,)),
-                                    stopper=Stopper(max_new_tokens=1, eos_token_ids=(), stop_strings=None,
-                                                    tokenizer=None, stopping_criteria=None))
-            run = DecodeRun(self.target, self.candidate_generator, prompt, settings,
-                            tokenizer=self.tokenizer, draft_tokenizer=self.draft_tokenizer)
-            states = [state for state in run.states() if state.compiled]
-            try:
-                with torch.no_grad():
-                    for state in states:
-                        state.warm_up()
-            finally:
-                run.release()
-            if not states:
-                break  # nothing compiles: no cache length matters
-            compiled = True
-            self.cache = replace(self.cache, lengths=tuple(sorted({*self.cache.lengths, length})))
+        with warming():  # generators that compile only when warmed up (self_draft's copy) compile here
+            for length in length_ladder(max_length + ModelState.margin()):
+                # one new token: the caches then hold exactly ``length`` slots
+                settings = CallSettings(max_new_tokens=1, sampling=SamplingParams(), generator=None,
+                                        pad=pad_token_id(self.target, ()), cache=replace(self.cache, lengths=(length,)),
+                                        stopper=Stopper(max_new_tokens=1, eos_token_ids=(), stop_strings=None,
+                                                        tokenizer=None, stopping_criteria=None))
+                run = DecodeRun(self.target, self.candidate_generator, prompt, settings,
+                                tokenizer=self.tokenizer, draft_tokenizer=self.draft_tokenizer)
+                states = [state for state in run.states() if state.compiled]
+                try:
+                    with torch.no_grad():
+                        for state in states:
+                            state.warm_up()
+                finally:
+                    run.release()
+                if not states:
+                    break  # nothing compiles: no cache length matters
+                compiled = True
+                self.cache = replace(self.cache, lengths=tuple(sorted({*self.cache.lengths, length})))
         return time.perf_counter() - started if compiled else 0.0
 
     def prefill(self, input_ids, attention_mask=None, **model_inputs) -> Prefix:

@@ -123,6 +123,7 @@ class StepRecord(Feedback):
     first: bool = False  # the target's first forward (its prefill): its cost says nothing of a verification's
     catching_up: bool = False  # an assistant prefilled, or caught up on skipped steps, within this proposal
     waiting: bool = False  # no drafts asked for: assistants that borrow the target's prefill waited for it
+    compiling: float = 0.0  # seconds of this step spent compiling graphs (first use): its times say nothing of a step's
     started: float = 0.0  # time.perf_counter() when the step began
     drafting: float = 0.0  # seconds of propose()
     forward: float = 0.0  # seconds of the target's forward

@@ -45,7 +45,8 @@ import torch
 from transformers import DynamicCache
 
 from .cache_pool import POOL, new_static_cache  # noqa: F401  (new_static_cache: re-exported)
-from .compiled import agrees, check_compile_options, checked, compiled_forward, miscompiled, run_compiled
+from .compiled import (agrees, check_compile_options, checked, compiled_forward, compiling, miscompiled,
+                       run_compiled)
 from .distributed import new_dynamic_cache, stage_layout
 from .forwards.head import model_logits
 
@@ -203,10 +204,11 @@ class StaticKV:
         if self.compiled is None or first or fed not in self.settings.widths:
             return model_logits(model, kwargs, direct=direct, fast_head=self.settings.fast_head)
         kwargs.pop("logits_to_keep", None)  # an int argument would compile one graph per value
-        logits = run_compiled(self.compiled, model, kwargs, width)  # [B, width, V]
-        if not checked(model, (fed, self.length)):
-            logits = self._check(model, kwargs, first_slot, fed, logits)
-        return logits
+        if checked(model, (fed, self.length)):
+            return run_compiled(self.compiled, model, kwargs, width)  # [B, width, V]
+        with compiling(model, (fed, self.length)):  # the first use compiles: said, and timed apart
+            logits = run_compiled(self.compiled, model, kwargs, width)
+            return self._check(model, kwargs, first_slot, fed, logits)
 
     def _check(self, model, kwargs: dict, first_slot: int, fed: int, logits: torch.Tensor) -> torch.Tensor:
         """The first compiled forward of each width is run eagerly too (same slots, same inputs,

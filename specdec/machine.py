@@ -6,6 +6,7 @@ the fp32 one on a CPU with AVX2 only), so every benchmark result records them be
 
 from __future__ import annotations
 
+import os
 import platform
 
 import torch
@@ -42,7 +43,23 @@ def cpu_flags(names: tuple[str, ...] = ("avx2", "avx512f", "avx512_vnni", "amx_i
     return []
 
 
+#: environment variables that cap the instruction set a CPU kernel library uses: ATen's own kernels
+#: and inductor's generated code, oneDNN (``torch._int_mm``, bfloat16 products), MKL (float32
+#: products), fbgemm (``quantize_dynamic``'s layers). Set, they make a CPU run code meant for a
+#: lesser one (docs/performance.md, "Emulating another CPU").
+ISA_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
+           "FBGEMM_ENABLE_INSTRUCTIONS")
+
+
+def isa_caps() -> dict[str, str]:
+    """The :data:`ISA_ENV` variables that are set, with their values."""
+    return {name: os.environ[name] for name in ISA_ENV if os.environ.get(name)}
+
+
 def describe() -> str:
-    """One line naming the CPU, e.g. ``Intel(R) Xeon(R) Processor (AVX512; amx_int8)``."""
+    """One line naming the CPU, e.g. ``Intel(R) Xeon(R) Processor (AVX512; amx_int8)``, and any
+    instruction-set caps set in the environment (``...; ONEDNN_MAX_CPU_ISA=AVX2``)."""
     flags = [f for f in cpu_flags() if f.startswith("amx")]
-    return f"{cpu_model()} ({cpu_capability()}{'; ' + ', '.join(flags) if flags else ''})"
+    caps = [f"{k}={v}" for k, v in isa_caps().items()]
+    extra = "".join(f"; {', '.join(part)}" for part in (flags, caps) if part)
+    return f"{cpu_model()} ({cpu_capability()}{extra})"

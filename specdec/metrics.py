@@ -39,6 +39,10 @@ class AcceptanceStats:
     forward_costs: dict[int, list[float]] = field(default_factory=dict)
     #: seconds spent calibrating the forward-cost model (once per model and process)
     calibration_seconds: float = 0.0
+    #: seconds of forwards that compiled a graph (the first of each compiled shape in the process)
+    compile_seconds: float = 0.0
+    #: one-time choices made for the call and why, e.g. {"weights": "w8a8", "weights_choice": "..."}
+    choices: dict[str, str] = field(default_factory=dict)
     #: seconds spent applying the call's logits processors (target scores, drafts, forbidden lookups)
     processor_seconds: float = 0.0
 
@@ -79,6 +83,8 @@ class AcceptanceStats:
             skipped_steps=self.skipped_steps + other.skipped_steps,
             forward_costs=_add_dicts(self.forward_costs, other.forward_costs, [0, 0.0]),
             calibration_seconds=self.calibration_seconds + other.calibration_seconds,
+            compile_seconds=self.compile_seconds + other.compile_seconds,
+            choices={**other.choices, **self.choices},
             processor_seconds=self.processor_seconds + other.processor_seconds,
         )
 
@@ -130,6 +136,10 @@ class AcceptanceStats:
             "skipped_share": self.skipped_share,
             "forward_costs": {str(t): list(v) for t, v in sorted(self.forward_costs.items())},
             "calibration_seconds": self.calibration_seconds,
+            "compile_seconds": self.compile_seconds,
+            "one_time_seconds": self.one_time_seconds,
+            "decoding_tokens_per_second": self.decoding_tokens_per_second,
+            "choices": dict(self.choices),
             "processor_seconds": self.processor_seconds,
             "mean_accepted_length": self.mean_accepted_length,
             "acceptance_rate": self.acceptance_rate,
@@ -141,15 +151,39 @@ class AcceptanceStats:
     def from_dict(cls, d: dict) -> "AcceptanceStats":
         keys = ("steps", "drafted_tokens", "accepted_tokens", "committed_tokens", "accepted_at_position",
                 "draft_seconds", "verify_seconds", "total_seconds", "generator", "drafts_verified",
-                "skipped_steps", "calibration_seconds", "processor_seconds")
+                "skipped_steps", "calibration_seconds", "compile_seconds", "choices", "processor_seconds")
         stats = cls(**{k: d[k] for k in keys if k in d})
         stats.forward_costs = {int(t): list(v) for t, v in d.get("forward_costs", {}).items()}
         return stats
 
+    @property
+    def one_time_seconds(self) -> float:
+        """Seconds of the call spent on work done once (per process, model or machine), not on
+        decoding: calibrating the policy's costs, compiling, and the generator's setup (building
+        or choosing a draft copy: ``generator["setup_seconds"]``)."""
+        return self.calibration_seconds + self.compile_seconds + float(self.generator.get("setup_seconds", 0.0))
+
+    @property
+    def decoding_tokens_per_second(self) -> float:
+        """Committed tokens per second of decoding, the one-time work left out: what a later call runs at."""
+        seconds = self.total_seconds - self.one_time_seconds
+        return self.committed_tokens / seconds if seconds > 0 else 0.0
+
     def summary(self) -> str:
-        return (f"{self.tokens_per_second:.1f} tokens/s, mean accepted length {self.mean_accepted_length:.2f}, "
+        """One line: the decoding speed, the drafts' record, and any one-time work apart."""
+        line = (f"{self.decoding_tokens_per_second:.1f} tokens/s, mean accepted length {self.mean_accepted_length:.2f}, "
                 f"acceptance rate {self.acceptance_rate:.1%} ({self.accepted_tokens}/{self.drafted_tokens} drafts, "
                 f"{self.steps} target steps)")
+        return line + (f"; {self.one_time_summary()}" if self.one_time_seconds > 0.005 else "")
+
+    def one_time_summary(self) -> str:
+        """The one-time work of the call, e.g. ``one-time 3.1 s (calibration 1.2 s, setup 1.9 s): 7.4 tokens/s
+        with it``."""
+        parts = [(name, seconds) for name, seconds in (
+            ("calibration", self.calibration_seconds), ("compiling", self.compile_seconds),
+            ("setup", float(self.generator.get("setup_seconds", 0.0)))) if seconds > 0.005]
+        inner = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in parts)
+        return f"one-time {self.one_time_seconds:.1f} s ({inner}): {self.tokens_per_second:.1f} tokens/s with it"
 
 
 def _add_lists(a: list, b: list) -> list:

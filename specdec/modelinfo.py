@@ -46,8 +46,8 @@ def vocab_size(model) -> int:
     head = model.get_output_embeddings()
     if head is None:
         raise ValueError(f"{type(model).__name__} has no output embedding (a language-modelling head is needed)")
-    weight = getattr(head, "weight", None)
-    if weight is not None:
+    weight = getattr(head, "weight", None)  # torch.ao's quantized layers have a weight() method instead
+    if isinstance(weight, torch.Tensor):
         return int(weight.shape[0])
     features = getattr(head, "out_features", None)  # a quantized head keeps out_features
     # a pipeline stage without the head (transformers' PipelineIdentityLayer): the config's size
@@ -128,7 +128,11 @@ def tensor_bytes(module: torch.nn.Module) -> int:
         seen.add(storage.data_ptr())
         return storage.nbytes()
 
-    return sum(size(t) for t in (*module.parameters(), *module.buffers()))
+    total = sum(size(t) for t in (*module.parameters(), *module.buffers()))
+    for sub in module.modules():  # torch.ao's quantized layers keep int8 weights packed, outside both
+        if type(sub).__module__.startswith("torch.ao.nn.quantized") and hasattr(sub, "in_features"):
+            total += sub.in_features * sub.out_features + 4 * sub.out_features  # int8 weights, a scale per row
+    return total
 
 
 def step_bytes(model: torch.nn.Module) -> int:

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from .assistant import Assistant
+from .compiled import compile_seconds
 from .device import synchronize
 from .generators import CandidateGenerator, DecodeContext, Proposal, StepRecord, declared_drafting
 from .kv import CacheSettings, static_problem
@@ -182,7 +183,7 @@ class DecodeRun:
     # -- the loop ---------------------------------------------------------------------------------
     def step(self) -> bool:
         """Plan, propose, admit, forward, verify, commit, observe; return whether any row is still decoding."""
-        started, target = time.perf_counter(), self.target
+        started, target, compiled_before = time.perf_counter(), self.target, compile_seconds()
         room = self.settings.max_new_tokens - (target.lengths - self.prompt_lengths) - 1  # [B] drafts a row may take
         room = torch.minimum(room, target.position_room().clamp_min(0))  # and no draft past learned positions
         pending, context = target.pending_width(), target.cached_slots  # context: slots attended besides those fed
@@ -205,8 +206,9 @@ class DecodeRun:
             offered, verdict.accepted, asked=asked, made=made, candidates=candidates, kept=kept, room=room,
             sources=proposal.sources.cpu() if proposal.sources is not None else None,
             confidence=proposal.confidence, fed=(pending + k) * target.batch_size, context=context,
-            first=first, catching_up=catching_up, waiting=first and bool(self.borrowers), started=started,
-            drafting=drafted - started, forward=forwarded - drafted, verifying=time.perf_counter() - drafted)
+            first=first, catching_up=catching_up, waiting=first and bool(self.borrowers),
+            compiling=compile_seconds() - compiled_before, started=started, drafting=drafted - started,
+            forward=forwarded - drafted, verifying=time.perf_counter() - drafted)
         self._observe(record, block, committed)
         if bool(finished.any()):
             self._retire(finished)
@@ -338,7 +340,8 @@ class DecodeRun:
         stats.record_step(record.offered.tolist(), record.accepted.tolist(), record.kept.tolist())
         stats.draft_seconds += record.drafting
         stats.verify_seconds += record.verifying
-        if not record.first:  # the prefill's cost says nothing about a verification's
+        stats.compile_seconds += record.compiling
+        if not record.first and not record.compiling:  # the prefill's cost (or a compile's) is not a verification's
             stats.record_forward(record.fed, record.forward)
         if self.policy is not None and not record.waiting:  # no drafts asked for, or none of those offered verified
             declined = (record.asked == 0) | ((record.candidates > 0) & (record.offered == 0))
@@ -372,7 +375,9 @@ class DecodeRun:
         """-> sequences [B, P + new] (the prompt as given, then each row's new tokens right-padded),
         the scores and logits asked for, and the statistics."""
         self.feed.end()
-        self.stats.generator = self.session.report()
+        report = self.session.report()  # counters; words (a choice and its reason) go to stats.choices
+        self.stats.generator = {k: v for k, v in report.items() if not isinstance(v, str)}
+        self.stats.choices.update({k: v for k, v in report.items() if isinstance(v, str)})
         self.stats.total_seconds = time.perf_counter() - started
         if self.processors is not None:
             self.stats.processor_seconds = self.processors.seconds

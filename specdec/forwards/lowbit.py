@@ -17,6 +17,9 @@ model when given ``weights=``. The model a copy is built from is never modified.
   instructions (on a CPU ``int8.Int8Linear``, with the residual stream rotated first where the
   layout allows, see ``rotation.py``; no extra package; elsewhere ``torchao``;
   docs/self_draft.md has the measurements);
+* ``"dynamic_int8"``: torch's own dynamic quantization (``torch.ao.quantization.quantize_dynamic``:
+  int8 weights per output channel, activations quantized per tensor on the fly, fbgemm's kernels,
+  which serve CPUs without VNNI too); CPU only, eager only (its packed weights do not compile);
 * ``"int4"``: int4 weight-only (``torchao``; needs a backend with int4 kernels).
 
 A copy drafts on a static cache with compiled one-token forwards (torchao's int8 layers are slower
@@ -26,21 +29,25 @@ than fp32 ones until compiled): :class:`LowPrecisionDraft` gives a generator the
 from __future__ import annotations
 
 import copy
+import importlib.util
+import logging
+import sys
 import threading
+import time
+import warnings
 import weakref
 
 import torch
 
-from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..compiled import check_compile_options
+from ..compiled import check_compile_options, compiles_now
 from .int8 import quantize_linears
 from .rotation import rotatable, rotate_residual
 
-WEIGHTS = ("auto", "bfloat16", "float16", "int8", "w8a8", "int4")
-QUANTIZED = ("int8", "w8a8", "int4")
+WEIGHTS = ("auto", "bfloat16", "float16", "int8", "w8a8", "int4", "dynamic_int8")
+QUANTIZED = ("int8", "w8a8", "int4")  # by torchao (w8a8 off the CPU)
+EAGER_ONLY = ("dynamic_int8",)  # copies whose layers torch.compile cannot trace (packed weights)
 
 
 def check_weights(weights: str, who: str) -> None:
@@ -56,6 +63,10 @@ def resolve_weights(model, weights: str) -> str:
     return "w8a8" if next(model.parameters()).device.type == "cpu" else "bfloat16"
 
 
+def _device(model) -> str:
+    return next(model.parameters()).device.type
+
+
 def build_copy(model, weights: str):
     """A copy of ``model`` with ``weights`` precision; ``model`` is only read."""
     weights = resolve_weights(model, weights)
@@ -65,7 +76,11 @@ def build_copy(model, weights: str):
     on_cpu = next(model.parameters()).device.type == "cpu"
     if weights in QUANTIZED and not (weights == "w8a8" and on_cpu):
         quantize, config = _torchao(weights)
+    if weights == "dynamic_int8" and not on_cpu:
+        raise ValueError("weights='dynamic_int8' (torch's quantize_dynamic) runs on a CPU only")
     draft = _plain_copy(model)
+    if weights == "dynamic_int8":
+        return _dynamic_int8(draft).eval()
     if weights == "w8a8" and on_cpu:  # int8 x uint8 products, the model's dtype elsewhere (int8.py)
         # a rotated residual stream is easier to quantize (rotation.py), where the layout allows
         if rotatable(draft) is None and not rotate_residual(draft, reference=model):
@@ -78,9 +93,21 @@ def build_copy(model, weights: str):
     return draft.eval()
 
 
+def _dynamic_int8(draft):
+    """``draft`` (a copy) with its linear layers replaced by torch's dynamically quantized ones:
+    int8 weights per output channel, activations quantized on the fly (fbgemm)."""
+    with warnings.catch_warnings():  # torch.ao.quantization announces its move to torchao, and still works
+        warnings.simplefilter("ignore")
+        from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+        return quantize_dynamic(draft, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8,
+                                inplace=True)
+
+
 def _plain_copy(model):
     draft = copy.deepcopy(model)
     if getattr(draft.config, "_attn_implementation", None) == "sdpa":
+        register_grouped_sdpa()
         draft.set_attn_implementation(GROUPED_SDPA)  # the copy's config only: the model keeps its own
     return draft
 
@@ -107,11 +134,56 @@ def grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
 
 
 GROUPED_SDPA = "specdec_grouped_sdpa"
-AttentionInterface.register(GROUPED_SDPA, grouped_sdpa)
-AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
+
+
+def register_grouped_sdpa() -> None:
+    """Register :func:`grouped_sdpa` with transformers under :data:`GROUPED_SDPA` (on the first copy:
+    importing transformers' modeling code at import time would load torchao with it, and its
+    messages, for a command that only checks a config)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if GROUPED_SDPA not in AttentionInterface._global_mapping:
+        AttentionInterface.register(GROUPED_SDPA, grouped_sdpa)
+        AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
+
+
+#: what importing torchao says on a machine without its optional GPU kernels (harmless, and not the user's concern)
+_IMPORT_NOISE = ("Failed to load", "register_constant() on Enum subclasses is deprecated")
+
+
+#: the torchao modules imported when transformers loads a model (its torchao quantizer's imports)
+_TORCHAO_ON_LOAD = ("torchao", "torchao.prototype.safetensors.safetensors_support")
+
+
+class _ImportNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(noise in record.getMessage() for noise in _IMPORT_NOISE)
+
+
+def import_torchao_quietly() -> None:
+    """Import torchao, where installed, without the messages it logs on import (its GPU-only
+    kernels that a CPU build cannot load, torch's notice about its enums). transformers imports it
+    with its modeling code, so a command calls this before loading a model; any other message, and
+    any error, still shows."""
+    if "torchao" in sys.modules or importlib.util.find_spec("torchao") is None:
+        return
+    noise = _ImportNoise()
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    for logger in loggers:
+        logger.addFilter(noise)
+    try:
+        for module in _TORCHAO_ON_LOAD:
+            importlib.import_module(module)
+    except Exception:  # a broken install is reported where torchao is used
+        pass
+    finally:
+        for logger in loggers:
+            logger.removeFilter(noise)
 
 
 def _torchao(weights: str):
+    import_torchao_quietly()
     try:
         from torchao.quantization import (Int4WeightOnlyConfig, Int8DynamicActivationInt8WeightConfig,
                                           Int8WeightOnlyConfig, quantize_)
@@ -128,32 +200,55 @@ class Copies:
 
     def __init__(self):
         self._made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {weights: copy}
+        self._choices: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> what "auto" chose
         self._lock = threading.Lock()
 
-    def get(self, model, weights: str):
-        weights = resolve_weights(model, weights)
+    def get(self, model, weights: str, sample=None, draft_cache=None):
+        """The copy of ``model`` at ``weights``, built on first use. ``"auto"`` on a CPU is the copy
+        measured best on this machine (``choose.py``; measured on the calibration tokens ``sample``
+        [1, L] the first time for this machine and model, then remembered on disk)."""
         with self._lock:
             made = self._made.setdefault(model, {})
             if weights not in made:
-                made[weights] = build_copy(model, weights)
+                made[weights] = self._build(model, weights, sample, draft_cache, made)
             return made[weights]
+
+    def _build(self, model, weights: str, sample, draft_cache, made: dict):
+        if weights == "auto" and _device(model) == "cpu":
+            from . import choose
+
+            sample = choose.calibration_ids(None, sample, next(model.parameters()).device)
+            self._choices[model], built = choose.choose(model, sample, build_copy, draft_cache)
+            made.update(built)
+            weights = self._choices[model].weights
+        weights = resolve_weights(model, weights)
+        if weights not in made:
+            made[weights] = build_copy(model, weights)
+        return made[weights]
+
+    def choice(self, model):
+        """What ``"auto"`` chose for ``model`` (a :class:`~specdec.forwards.choose.Choice`), or None."""
+        return self._choices.get(model)
 
 
 class LowPrecisionDraft:
     """A generator whose draft may run as a low-precision copy of itself (``weights=``), built
-    once per configured generator (its sessions share it) and stepped compiled on a static cache
-    (``compile_draft``, default on for a copy)."""
+    once per configured generator (its sessions share it) and stepped on a static cache, compiled
+    as ``compile_draft`` says: True (compile on first use, said on stderr), False (eager), a dict
+    of ``torch.compile`` options, or ``"auto"`` (the default for a copy): compiled in
+    ``SpecDecoder.warmup()`` and in the calls after one, eager otherwise, so that no call compiles
+    for minutes unasked."""
 
-    def _init_precision(self, weights: str | None, compile_draft: bool | dict | None) -> None:
+    def _init_precision(self, weights: str | None, compile_draft: bool | dict | str | None) -> None:
         if weights is not None:
             check_weights(weights, type(self).name or type(self).__name__)
-        if compile_draft is not None and not isinstance(compile_draft, (bool, dict)):
-            raise TypeError(f"compile_draft must be True, False or a dict of torch.compile options, "
+        if compile_draft is not None and compile_draft != "auto" and not isinstance(compile_draft, (bool, dict)):
+            raise TypeError(f"compile_draft must be True, False, 'auto' or a dict of torch.compile options, "
                             f"got {compile_draft!r}")
         if isinstance(compile_draft, dict):
             check_compile_options(compile_draft, "compile_draft")
         self.weights = weights
-        self.compile_draft = (weights is not None) if compile_draft is None else compile_draft
+        self.compile_draft = ("auto" if weights is not None else False) if compile_draft is None else compile_draft
         self._copies = Copies()
 
     def session(self):
@@ -161,9 +256,47 @@ class LowPrecisionDraft:
         fresh._copies = self._copies  # a copy is built once per decoder, not per call
         return fresh
 
-    def drafting_model(self, model):
-        """The model that drafts for ``model``: itself, or its copy at ``self.weights``."""
-        return model if self.weights is None else self._copies.get(model, self.weights)
+    def drafting_model(self, model, ctx=None):
+        """The model that drafts for ``model``: itself, or its copy at ``self.weights`` (``"auto"``:
+        the copy measured best here, on a calibration text ``ctx``'s tokenizer encodes, else on the
+        call's first prompt row). The seconds spent building or choosing it now are reported."""
+        if self.weights is None:
+            self._model = model
+            return model
+        started = time.perf_counter()
+        sample = None
+        if ctx is not None and self.weights == "auto":
+            from .choose import calibration_ids
+
+            sample = calibration_ids(ctx.tokenizer, ctx.tokens[0, : int(ctx.lengths[0])], ctx.tokens.device)
+        draft = self._copies.get(model, self.weights, sample, draft_cache=self._timing_cache())
+        self._model = draft
+        self._setup_seconds = getattr(self, "_setup_seconds", 0.0) + time.perf_counter() - started
+        chosen = self._copies.choice(model)
+        self.resolved_weights = chosen.weights if self.weights == "auto" and chosen else resolve_weights(
+            model, self.weights)
+        self._choice = chosen if self.weights == "auto" else None
+        return draft
+
+    def report(self) -> dict:
+        return {**super().report(), **self.precision_report()}
+
+    def _timing_cache(self):
+        """The cache a copy's draft step is timed on when choosing: the kind it drafts on, eagerly."""
+        from ..kv import CacheSettings
+
+        return CacheSettings.make("static") if self.weights is not None else None
+
+    def precision_report(self) -> dict:
+        """What the call's ``stats`` should say of the copy: its precision (and, for ``"auto"``, why)
+        and the seconds spent building or choosing it in this call."""
+        if self.weights is None:
+            return {}
+        out = {"setup_seconds": getattr(self, "_setup_seconds", 0.0),
+               "weights": getattr(self, "resolved_weights", self.weights)}
+        if getattr(self, "_choice", None) is not None:
+            out["weights_choice"] = self._choice.reason
+        return out
 
     def precision_attach_options(self, widths: tuple[int, ...] = (1, 2)) -> dict:
         """How the drafting model keeps its cache: a copy's on a static cache, stepped compiled
@@ -174,5 +307,9 @@ class LowPrecisionDraft:
         skip dynamo's guards on its modules."""
         if self.weights is None and not self.compile_draft:
             return {}
-        return {"cache_implementation": "static", "compile": self.compile_draft, "compile_widths": widths,
+        compiles = self.compile_draft
+        if compiles == "auto":  # after (or in) a warm-up only: never a silent compile in a call
+            compiles = getattr(self, "_model", None) is not None and compiles_now(self._model)
+        compiles = compiles if getattr(self, "resolved_weights", None) not in EAGER_ONLY else False
+        return {"cache_implementation": "static", "compile": compiles, "compile_widths": widths,
                 "owned": self.weights is not None}

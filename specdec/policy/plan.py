@@ -176,7 +176,7 @@ class DraftPolicy:
         the proposal: a cost of resuming, not of a draft), the forward's cost (not the prefill's),
         each source's acceptance, what the drafter's confidence meant, the step's other costs."""
         sources = record.sources
-        if not record.first:
+        if not record.first and not record.compiling:  # a step that compiled a graph says nothing of its costs
             made = record.made.cpu() if sources is None else record.made.cpu()[sources == 0]  # drafts that cost time
             if not record.catching_up and made.numel():
                 self.observe_drafting(record.drafting, int(made.max()))
@@ -184,7 +184,7 @@ class DraftPolicy:
         self.acceptance.update(record.offered, record.accepted, sources)
         if record.confidence is not None:
             self.calibration.update(record.confidence, record.offered, record.accepted, sources)
-        if not record.first:
+        if not record.first and not record.compiling:
             self.observe_overhead(record.overhead())
 
     def select_rows(self, rows: torch.Tensor) -> None:

@@ -1,0 +1,306 @@
+"""``weights="auto"``: the copy's precision chosen by measurement on the machine it runs on.
+
+Which copy drafts fastest depends on the CPU more than on the model: int8 x uint8 products
+(``w8a8``) are cheap on a CPU with VNNI/AMX int8 instructions and dearer than the fp32 target's
+own on one with AVX2 only, where a bfloat16 copy or torch's fbgemm layers (``dynamic_int8``) win
+(docs/self_draft.md, "Which copy, on which CPU"). So on a CPU ``auto`` measures, once per machine
+and model:
+
+1. each candidate copy this machine can build (:func:`candidates`) is built;
+2. the target's forwards of 1 and :data:`VERIFY_WIDTH` tokens and each copy's one-token draft
+   step are timed eagerly after a short calibration text, on caches of the kinds they run on:
+   every model once a round, the order rotating from round to round (the machine may be shared),
+   medians of :data:`ROUNDS` rounds;
+3. each copy's agreement with the target: both models' greedy next token, teacher-forced over the
+   calibration text;
+4. each copy's expected rate by the draft-length policy's own model: the best K of
+   ``E(K) / (K d + T(K + 1))``, E from the agreement (:func:`specdec.policy.plan.expected_tokens`),
+   d the copy's step, T the target's forward (linear in its width between the two timed); the
+   copy of the highest rate wins (the policy still decides each step whether drafting pays).
+
+The choice, with the table it was made from, is kept in a JSON file under the weight cache root
+(``specdec.weight_cache``), one per machine (CPU model, torch's CPU capability, instruction-set
+caps set in the environment, threads) and model (class, name, parameters, dtype, a checksum), so
+later processes build only the chosen copy; deleting the file measures again. Off the CPU ``auto``
+is ``bfloat16`` without measuring (no int8 candidate there needs no extra package).
+
+Invariants: the target is only read; nothing measured changes any token of the output (a copy
+only drafts); a candidate that fails to build is left out with the reason recorded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+#: tokens the target's wider timed forward feeds: verifying a few drafts (the cost's slope)
+VERIFY_WIDTH = 8
+#: timing rounds (each times every model once)
+ROUNDS = 7
+#: the most drafts a step may verify when pricing a copy (the policy's default cap)
+MAX_DRAFTS = 16
+#: a text to measure agreement on, when a tokenizer can encode it (else the call's prompt)
+CALIBRATION_TEXT = (
+    "The city council met on Tuesday to discuss the new budget. After a long debate, the members agreed "
+    "to spend more on public transport and less on road repairs. Here is a short summary of the plan:\n"
+    "1. Buses will run every ten minutes during rush hour.\n2. Two new bike lanes will open next spring.\n"
+    "3. The price of a monthly pass will stay the same.\nIn Python, the function below returns the sum of "
+    "a list of numbers:\n\ndef total(numbers):\n    result = 0\n    for n in numbers:\n        result += n\n"
+    "    return result\n")
+_FORMAT = 1
+
+
+@dataclass
+class Candidate:
+    """One copy as measured: its step (s), its agreement with the target, the speedup over plain
+    decoding the policy's model expects of it (and at how many drafts), or why it was left out."""
+
+    weights: str
+    step_seconds: float | None = None
+    agreement: float | None = None
+    expected_speedup: float | None = None
+    drafts: int = 0
+    problem: str | None = None
+
+
+@dataclass
+class Choice:
+    """The copy ``auto`` chose, and why."""
+
+    weights: str
+    candidates: list[Candidate] = field(default_factory=list)
+    target_seconds: float | None = None  # the target's one-token forward
+    machine: str = ""
+    seconds: float = 0.0  # spent measuring (0 when read from the cache)
+    cached: bool = False  # read from the disk cache
+
+    @property
+    def reason(self) -> str:
+        """One line: the winner, and every candidate's expected speedup, step and agreement."""
+        parts = []
+        for c in sorted(self.candidates, key=lambda c: -(c.expected_speedup or 0.0)):
+            if c.problem:
+                parts.append(f"{c.weights}: not built ({c.problem})")
+            else:
+                relative = c.step_seconds / self.target_seconds if self.target_seconds else float("nan")
+                parts.append(f"{c.weights} {c.expected_speedup:.2f}x (step {relative:.2f} of the target's, "
+                             f"agreement {c.agreement:.0%})")
+        how = "measured earlier, read from the cache" if self.cached else f"measured in {self.seconds:.1f} s"
+        return f"{self.weights}: the best expected rate on {self.machine} ({how}): " + "; ".join(parts)
+
+
+def candidates(model) -> tuple[str, ...]:
+    """The copies worth measuring for ``model`` on its device: on a CPU w8a8, bfloat16 and
+    torch's dynamic int8, and torchao's weight-only int8 where torchao is installed."""
+    extra = ("int8",) if importlib.util.find_spec("torchao") is not None else ()
+    return ("w8a8", "bfloat16", "dynamic_int8", *extra)
+
+
+# -- timing -------------------------------------------------------------------------------------
+class StepTimer:
+    """A model on a cache holding ``ids [1, L]``: times forwards of any width after them (each
+    rolled back), through the cache backends decoding uses (``specdec.kv``)."""
+
+    def __init__(self, model, ids: torch.Tensor, cache=None, room: int = VERIFY_WIDTH):
+        from ..kv import make_kv
+        from ..modelinfo import cache_argument
+
+        self.model, self.context = model, ids.shape[1]
+        self.ids = torch.cat([ids, ids[:, :room].expand(1, -1)], dim=1)[:, : self.context + room]  # [1, L + room]
+        self.kv = make_kv(model, 1, self.ids.shape[1] + 1, cache)
+        self.cache_kwarg = cache_argument(model)
+        with torch.no_grad():
+            self.forward(0, self.context, True)
+
+    def forward(self, start: int, width: int, first: bool) -> None:
+        fed = self.kv.padded_width(width, first)
+        kwargs = {"input_ids": self.ids[:, start: start + fed], "position_ids": torch.arange(start, start + fed)[None, :],
+                  self.cache_kwarg: self.kv.cache, "use_cache": True, "logits_to_keep": 1 if first else width}
+        mask = lambda slots: (torch.arange(slots) < start + width).long()[None, :]  # noqa: E731
+        self.kv.forward(self.model, kwargs, first_slot=start, width=width, first=first, mask=mask, needs_mask=False,
+                        direct=True)
+
+    def time(self, width: int) -> float:
+        """Seconds of one forward of ``width`` tokens after the context (then rolled back)."""
+        started = time.perf_counter()
+        with torch.no_grad():
+            self.forward(self.context, width, False)
+        seconds = time.perf_counter() - started
+        self.kv.crop(self.context + width, self.context)
+        return seconds
+
+    def release(self) -> None:
+        self.kv.release()
+
+
+def interleaved(timers: dict[str, tuple[StepTimer, int]], rounds: int) -> dict[str, float]:
+    """{name: median seconds} of ``timers`` ({name: (timer, width)}), each timed once a round
+    (after one untimed forward each), the order rotating from round to round."""
+    names = list(timers)
+    for timer, width in timers.values():
+        timer.time(width)  # first-use work (kernel selection, allocation) is not a step's cost
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            timer, width = timers[name]
+            times[name].append(timer.time(width))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+# -- the choice ---------------------------------------------------------------------------------
+def agreement(target, copy, ids: torch.Tensor) -> float:
+    """Share of the positions of ``ids [1, L]`` where the copy's greedy next token is the target's."""
+    with torch.no_grad():
+        want = target(input_ids=ids).logits.argmax(-1)  # [1, L]
+        got = copy(input_ids=ids).logits.argmax(-1)
+    return float((want == got).float().mean())
+
+
+def expected_speedup(accept: float, step: float, target_seconds: Callable[[int], float]) -> tuple[float, int]:
+    """(speedup over plain decoding, drafts) of the best block length K for a copy whose drafts are
+    accepted with conditional probability ``accept`` and cost ``step`` seconds each, verified by a
+    target forward of K + 1 tokens costing ``target_seconds(K + 1)`` (the policy's model)."""
+    from ..policy.plan import expected_tokens
+
+    expected = expected_tokens(torch.full((1, MAX_DRAFTS), accept, dtype=torch.float64))[0].tolist()  # [K+1]
+    rates = [expected[k] / (k * step + target_seconds(k + 1)) for k in range(MAX_DRAFTS + 1)]
+    best = max(range(len(rates)), key=rates.__getitem__)
+    return rates[best] * target_seconds(1), best
+
+
+def measure(target, sample: torch.Tensor, build: Callable, draft_cache=None,
+            weights: tuple[str, ...] | None = None, rounds: int = ROUNDS) -> tuple[Choice, dict]:
+    """Build, time and compare the candidate copies of ``target`` (see the module doc) on the
+    calibration tokens ``sample [1, L]``. Returns the choice and the copies built ({weights: copy})."""
+    from .. import machine
+    from ..kv import CacheSettings
+
+    started = time.perf_counter()
+    built, found = {}, []
+    for name in weights or candidates(target):
+        try:
+            built[name] = build(target, name)
+            found.append(Candidate(name))
+        except Exception as exc:  # a candidate this machine cannot build (a missing kernel or package)
+            found.append(Candidate(name, problem=f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"))
+    plain = StepTimer(target, sample, CacheSettings())
+    steps = {name: StepTimer(copy, sample, draft_cache) for name, copy in built.items()}
+    try:
+        seconds = interleaved({"target": (plain, 1), "target-wide": (plain, VERIFY_WIDTH),
+                               **{name: (timer, 1) for name, timer in steps.items()}}, rounds)
+    finally:
+        for timer in (plain, *steps.values()):
+            timer.release()
+    one, wide = seconds["target"], seconds["target-wide"]
+    slope = max(wide - one, 0.0) / (VERIFY_WIDTH - 1)
+    cost = lambda width: one + slope * (width - 1)  # noqa: E731  the target's forward of ``width`` tokens
+    for c in found:
+        if c.problem is None:
+            c.step_seconds, c.agreement = seconds[c.weights], agreement(target, built[c.weights], sample)
+            c.expected_speedup, c.drafts = expected_speedup(c.agreement, c.step_seconds, cost)
+    usable = [c for c in found if c.problem is None]
+    if not usable:
+        raise RuntimeError("weights='auto': no candidate copy could be built here: "
+                           + "; ".join(f"{c.weights}: {c.problem}" for c in found))
+    best = max(usable, key=lambda c: c.expected_speedup)
+    choice = Choice(best.weights, found, one, machine.describe(), time.perf_counter() - started)
+    return choice, {best.weights: built[best.weights]}
+
+
+def calibration_ids(tokenizer, fallback: torch.Tensor | None, device, longest: int = 128) -> torch.Tensor:
+    """[1, L] the calibration tokens: :data:`CALIBRATION_TEXT` encoded where there is a tokenizer,
+    else ``fallback`` (the call's first prompt row), at most ``longest`` tokens."""
+    ids = None
+    if tokenizer is not None:
+        try:
+            ids = torch.as_tensor(tokenizer(CALIBRATION_TEXT)["input_ids"], dtype=torch.long)
+        except Exception:  # a tokenizer that cannot encode plain text: use the prompt
+            ids = None
+    if ids is None or ids.numel() < 8:
+        ids = fallback.reshape(-1) if fallback is not None and fallback.numel() >= 2 else torch.arange(2, 34)
+    return ids[:longest].reshape(1, -1).to(device)
+
+
+# -- the cache ----------------------------------------------------------------------------------
+_MEMO: dict[str, Choice] = {}
+_LOCK = threading.Lock()
+
+
+def cache_key(model) -> str:
+    """The machine and the model a choice holds for (see the module doc)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from .. import machine
+
+    params = list(model.parameters())
+    with torch.no_grad():
+        checksum = float(sum(p.reshape(-1)[:4096].double().sum() for p in params[:2] + params[-2:]))
+    try:
+        torchao = version("torchao") if importlib.util.find_spec("torchao") is not None else None
+    except PackageNotFoundError:
+        torchao = None
+    key = dict(format=_FORMAT, cpu=machine.cpu_model(), capability=machine.cpu_capability(), caps=machine.isa_caps(),
+               threads=torch.get_num_threads(), torch=torch.__version__, torchao=torchao,
+               model=type(model).__name__, name=str(getattr(model.config, "_name_or_path", "")),
+               parameters=sum(p.numel() for p in params), dtype=str(params[0].dtype), checksum=round(checksum, 3))
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def cache_file(key: str) -> Path | None:
+    """Where the choice for ``key`` is kept, or None when the weight cache is off."""
+    from ..weight_cache import weight_cache_root
+
+    root = weight_cache_root()
+    return None if root is None else root / "auto-weights" / f"{key}.json"
+
+
+def load(key: str) -> Choice | None:
+    path = cache_file(key)
+    try:
+        data = json.loads(path.read_text()) if path is not None and path.is_file() else None
+    except (OSError, ValueError):
+        return None
+    if not data or data.get("format") != _FORMAT:
+        return None
+    return Choice(data["weights"], [Candidate(**c) for c in data["candidates"]], data["target_seconds"],
+                  data["machine"], 0.0, cached=True)
+
+
+def save(key: str, choice: Choice) -> None:
+    """Write ``choice`` atomically; a full disk or a read-only home only loses the cache."""
+    path = cache_file(key)
+    if path is None:
+        return
+    data = {"format": _FORMAT, **asdict(choice), "measured_seconds": choice.seconds}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def choose(target, sample: torch.Tensor, build: Callable, draft_cache=None) -> tuple[Choice, dict]:
+    """The copy ``auto`` means for ``target`` here: remembered for the process, read from the
+    disk cache, or measured (:func:`measure`) and saved. Returns (choice, copies built now)."""
+    key = cache_key(target)
+    with _LOCK:
+        found = _MEMO.get(key) or load(key)
+        if found is not None:
+            _MEMO[key] = found
+            return found, {}
+        choice, built = measure(target, sample, build, draft_cache)
+        save(key, choice)
+        _MEMO[key] = choice
+        return choice, built

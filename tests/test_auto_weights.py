@@ -1,0 +1,168 @@
+"""``weights="auto"``: the copy's precision chosen by measurement (``specdec/forwards/choose.py``).
+
+The choice follows the policy's model (the best expected rate from each candidate's measured
+step and agreement), a candidate that fails to build is left out with its reason, the choice is
+kept on disk per machine and model and read back by a later process (no measuring then), and a
+call says what was chosen and why (``stats.choices``), with the seconds spent apart from
+decoding (``stats.summary()``). Output stays the target's whatever the choice.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec import SpecDecoder
+from specdec.forwards import choose
+from specdec.forwards.lowbit import Copies, build_copy
+from specdec.metrics import AcceptanceStats
+from specdec.models import tiny_random
+
+from helpers import DRAFTING_PAYS, pin_costs, repetitive_prompt
+
+
+@pytest.fixture
+def own_cache(tmp_path, monkeypatch):
+    """A fresh weight cache root and an empty process memo: every choice is measured anew."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(choose, "_MEMO", {})
+    return tmp_path
+
+
+@pytest.fixture(scope="module")
+def target():
+    return pin_costs(tiny_random("llama", seed=3)[0], DRAFTING_PAYS, rate=0.0)
+
+
+def fake_timings(monkeypatch, steps: dict, agreements: dict, target_seconds: float = 0.010):
+    """Measurements as given: {weights: step seconds}, {weights: agreement}; the target's forward
+    ``target_seconds`` at one token and 1.5 times that at ``VERIFY_WIDTH``."""
+    def interleaved(timers, rounds):
+        out = {"target": target_seconds, "target-wide": 1.5 * target_seconds}
+        return {**out, **{name: steps[name] for name in timers if name in steps}}
+
+    def agreement(reference, copy, ids):
+        return next(agreements[w] for w, made in built.items() if made is copy)
+
+    built = {}
+
+    def build(model, weights):
+        if weights not in steps:
+            raise ImportError(f"no kernel for {weights} here")
+        built[weights] = build_copy(model, "bfloat16")
+        return built[weights]
+
+    monkeypatch.setattr(choose, "interleaved", interleaved)
+    monkeypatch.setattr(choose, "agreement", agreement)
+    return build
+
+
+def test_expected_speedup_follows_the_policys_model():
+    flat = lambda width: 1.0  # noqa: E731  a verification costs one plain step whatever its width
+    assert choose.expected_speedup(0.0, 0.1, flat) == (1.0, 0)  # never accepted: plain decoding
+    speedup, drafts = choose.expected_speedup(1.0, 0.0, flat)
+    assert drafts == choose.MAX_DRAFTS and speedup == pytest.approx(choose.MAX_DRAFTS + 1)
+    # a dearer step pays less, and a step as dear as the target's never pays
+    assert choose.expected_speedup(0.9, 0.1, flat)[0] > choose.expected_speedup(0.9, 0.3, flat)[0] > 1.0
+    assert choose.expected_speedup(0.9, 1.0, flat) == (1.0, 0)
+
+
+def test_auto_picks_the_best_expected_rate_not_the_fastest_step(target, own_cache, monkeypatch):
+    # w8a8 steps fastest but agrees poorly; bfloat16 agrees best; dynamic_int8 cannot be built here
+    build = fake_timings(monkeypatch, {"w8a8": 0.002, "bfloat16": 0.004}, {"w8a8": 0.3, "bfloat16": 0.95})
+    sample = torch.arange(5, 40)[None, :]
+    choice, built = choose.measure(target, sample, build, weights=("w8a8", "bfloat16", "dynamic_int8"))
+    assert choice.weights == "bfloat16" and set(built) == {"bfloat16"}  # only the winner is kept
+    by_name = {c.weights: c for c in choice.candidates}
+    assert by_name["dynamic_int8"].problem.startswith("ImportError: no kernel")
+    assert by_name["bfloat16"].expected_speedup > by_name["w8a8"].expected_speedup > 1.0
+    assert "bfloat16" in choice.reason and "dynamic_int8: not built" in choice.reason
+
+
+def test_the_choice_is_kept_on_disk_and_read_back_without_measuring(target, own_cache, monkeypatch):
+    build = fake_timings(monkeypatch, {"w8a8": 0.002, "bfloat16": 0.004}, {"w8a8": 0.9, "bfloat16": 0.95})
+    monkeypatch.setattr(choose, "candidates", lambda model: ("w8a8", "bfloat16"))
+    sample = torch.arange(5, 40)[None, :]
+    first, built = choose.choose(target, sample, build)
+    assert first.weights == "w8a8" and not first.cached and built
+    files = list((own_cache / "weights" / "auto-weights").glob("*.json"))
+    assert len(files) == 1
+    monkeypatch.setattr(choose, "_MEMO", {})  # a later process: only the disk knows
+
+    def no_build(model, weights):
+        raise AssertionError("a remembered choice measures nothing")
+
+    again, built = choose.choose(target, sample, no_build)
+    assert again.cached and again.weights == "w8a8" and built == {}
+    assert [c.weights for c in again.candidates] == [c.weights for c in first.candidates]
+    assert "read from the cache" in again.reason
+
+
+def test_the_key_names_the_machine_and_the_model(target, monkeypatch):
+    key = choose.cache_key(target)
+    assert choose.cache_key(target) == key
+    other = tiny_random("llama", seed=4)[0]
+    assert choose.cache_key(other) != key  # other weights
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert choose.cache_key(target) != key  # an instruction-set cap is another machine
+
+
+def test_copies_build_the_chosen_copy_once_whichever_name_asks(target, own_cache, monkeypatch):
+    build = fake_timings(monkeypatch, {"bfloat16": 0.004}, {"bfloat16": 0.95})
+    monkeypatch.setattr(choose, "candidates", lambda model: ("bfloat16",))
+    monkeypatch.setattr("specdec.forwards.lowbit.build_copy", build)
+    copies = Copies()
+    made = copies.get(target, "auto", torch.arange(5, 40)[None, :])
+    assert copies.get(target, "bfloat16") is made and copies.choice(target).weights == "bfloat16"
+
+
+def test_a_call_says_what_was_chosen_and_times_it_apart(target, own_cache):
+    decoder = SpecDecoder(target, "self_draft", compile_draft=False)
+    ids = repetitive_prompt(10)
+    out = decoder.generate(ids, max_new_tokens=12)
+    assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=12, do_sample=False))
+    stats = out.stats
+    assert stats.choices["weights"] in choose.candidates(target)
+    assert stats.choices["weights_choice"].startswith(stats.choices["weights"] + ": the best expected rate")
+    assert stats.generator["setup_seconds"] > 0 and "setup" in stats.summary()
+    assert stats.one_time_seconds >= stats.generator["setup_seconds"]
+    assert stats.decoding_tokens_per_second >= stats.tokens_per_second
+    later = decoder.generate(ids, max_new_tokens=12).stats  # the copy is built: nothing one-time is left
+    assert later.generator["setup_seconds"] < stats.generator["setup_seconds"]
+    assert later.choices["weights"] == stats.choices["weights"]
+
+
+def test_stats_keep_choices_and_compile_time_through_merge_and_dict():
+    a = AcceptanceStats(total_seconds=2.0, committed_tokens=10, compile_seconds=1.0, choices={"weights": "w8a8"})
+    b = AcceptanceStats(total_seconds=1.0, committed_tokens=10, calibration_seconds=0.5)
+    merged = a + b
+    assert merged.compile_seconds == 1.0 and merged.choices == {"weights": "w8a8"}
+    assert merged.decoding_tokens_per_second == pytest.approx(20 / 1.5)
+    back = AcceptanceStats.from_dict(merged.as_dict())
+    assert back.compile_seconds == 1.0 and back.choices == {"weights": "w8a8"}
+    assert "one-time 1.5 s (calibration 0.5 s, compiling 1.0 s)" in merged.summary()
+
+
+def test_by_default_a_call_compiles_nothing_and_a_warm_up_compiles_the_copy(target, own_cache):
+    """``compile_draft="auto"``: the copy drafts eagerly in a call (no silent compile), and compiles
+    inside ``SpecDecoder.warmup`` (``warming``) or once a graph of it was compiled in the process."""
+    from specdec.compiled import compiles_now, warming
+
+    decoder = SpecDecoder(target, "self_draft", weights="bfloat16")
+    out = decoder.generate(repetitive_prompt(10), max_new_tokens=8)
+    assert out.stats.compile_seconds == 0
+    session = decoder.candidate_generator.session()
+    session.drafting_model(target)
+    assert session.precision_attach_options()["compile"] is False
+    with warming():
+        assert compiles_now(session._model) and session.precision_attach_options()["compile"] is True
+    assert not compiles_now(session._model)
+
+
+def test_torchs_dynamic_int8_copy_drafts_eagerly_and_exactly(target):
+    decoder = SpecDecoder(target, "self_draft", weights="dynamic_int8", compile_draft=True)
+    ids = repetitive_prompt(10)
+    out = decoder.generate(ids, max_new_tokens=16)
+    assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=16, do_sample=False))
+    assert out.stats.accepted_tokens > 0 and out.stats.compile_seconds == 0  # its packed layers never compile
+    assert out.stats.choices["weights"] == "dynamic_int8"
