@@ -29,9 +29,14 @@ from ..modelinfo import cache_argument
 
 #: token counts at which a forward's cost is tracked
 COST_GRID = (1, 2, 4, 8, 16, 32, 64)
-#: the counts timed by the first calibration (the others are interpolated until observed); the
-#: small ones matter most: the first drafts' cost decides whether drafting pays at all
-CALIBRATED = (1, 2, 3, 4, 8, 16, 64)
+#: the counts timed by the first calibration after the short context (the others are interpolated,
+#: and past the last extrapolated, until observed); the small ones matter most: the first drafts'
+#: cost decides whether drafting pays at all, and one token to two is the dearest step of the curve
+CALIBRATED = (1, 2, 4, 16)
+#: the counts timed after the long context too: how a forward's cost grows with its context, at
+#: the narrowest and the widest count (in between, interpolated by count); few, so that the first
+#: call is short (docs/draft_length.md, "Its inputs")
+CALIBRATED_LONG = (1, 16)
 #: context lengths (tokens already cached) at which costs are tracked: on a CPU a forward of
 #: several tokens costs more over a long context (docs/draft_length.md, "Its inputs")
 CONTEXT_GRID = (32, 512, 2048)
@@ -165,9 +170,10 @@ def _cost_key(model, cache: CacheSettings) -> tuple:
 def calibrate(model, tokens: torch.Tensor, cache: CacheSettings | None = None, slots: int = 0,
               reps: int = 3, kv=None) -> CostModel:
     """A :class:`CostModel` from timed forwards: the median of ``reps`` forwards at each
-    ``CALIBRATED`` count after a cached context of 32 tokens and after one of 512 where the model's
-    positions (and a static cache of ``slots`` slots) allow, the contexts taken in turn;
-    interpolated in between, extrapolated to the longer ``CONTEXT_GRID`` contexts. Runs on
+    ``CALIBRATED`` count after a cached context of 32 tokens and at each ``CALIBRATED_LONG`` count
+    after one of 512 where the model's positions (and a static cache of ``slots`` slots) allow,
+    every count and context taken in turn within a round; interpolated in between (the growth with
+    the context by count), extrapolated to the longer ``CONTEXT_GRID`` contexts. Runs on
     caches of the call's kind (compiled forwards compile here if not warmed up): on the static
     cache one cache serves both contexts (attention reads all its slots whatever the context),
     the call's own ``kv`` (before its first forward) where it has one row, else one of its length
@@ -192,32 +198,42 @@ def calibrate(model, tokens: torch.Tensor, cache: CacheSettings | None = None, s
         kvs = [own] * len(contexts)
     else:
         kvs = [make_kv(model, 1, length + CALIBRATED[-1] + 1, cache) for length in contexts]
+    counts = [CALIBRATED] + [CALIBRATED_LONG] * (len(contexts) - 1)
     try:
         with torch.no_grad():
             prefixes = [tokens.repeat(n // tokens.numel() + 1)[:n] for n in contexts]
-            curves = _time_widths(model, kvs, cache_kwarg, prefixes, reps)
+            curves = _time_widths(model, kvs, cache_kwarg, prefixes, reps, counts)
     finally:
         for made in {id(k): k for k in kvs if k is not kv}.values():
             made.release()
-    calibrated = [float(c) for c in CALIBRATED]
-    rows = []  # [contexts][COST_GRID], interpolated between the calibrated counts
-    for curve in curves:
-        points = [_bracket(calibrated, float(x)) for x in COST_GRID]
-        rows.append([curve[lo] + (curve[hi] - curve[lo]) * w for lo, hi, w in points])
+    short = _on_grid(CALIBRATED, curves[0])  # [COST_GRID] after the short context
     if len(contexts) == 1:
-        return CostModel(rows[0])
+        return CostModel(short)
     span = contexts[1] - contexts[0]
-    growth = [max(b - a, 0.0) / span for a, b in zip(*rows)]  # seconds per further cached token
-    table = [[a + g * (c - contexts[0]) for a, g in zip(rows[0], growth)] for c in CONTEXT_GRID]
+    growth = _on_grid(CALIBRATED_LONG, [max(b - curves[0][CALIBRATED.index(c)], 0.0) / span  # per cached token
+                                        for c, b in zip(CALIBRATED_LONG, curves[1])], extrapolate=False)
+    table = [[a + g * (c - contexts[0]) for a, g in zip(short, growth)] for c in CONTEXT_GRID]
     return CostModel(table, contexts=CONTEXT_GRID)
 
 
-def _time_widths(model, kvs: list, cache_kwarg: str, contexts: list[torch.Tensor], reps: int) -> list[list[float]]:
-    """Median seconds of a forward of each ``CALIBRATED`` count after each ``contexts[i] [L_i]``
-    is cached in ``kvs[i]``: [contexts][CALIBRATED]. Every round times each count after each
+def _on_grid(counts: tuple[int, ...], values: list[float], extrapolate: bool = True) -> list[float]:
+    """``values`` at ``counts`` -> [COST_GRID] values, linear in between (and past the last count,
+    or constant there without ``extrapolate``)."""
+    known = [float(c) for c in counts]
+    out = []
+    for x in COST_GRID:
+        lo, hi, w = _bracket(known, float(x))
+        out.append(values[lo] + (values[hi] - values[lo]) * (w if extrapolate else min(w, 1.0)))
+    return out
+
+
+def _time_widths(model, kvs: list, cache_kwarg: str, contexts: list[torch.Tensor], reps: int,
+                 counts: list[tuple[int, ...]]) -> list[list[float]]:
+    """Median seconds of a forward of each of ``counts[i]`` tokens after each ``contexts[i] [L_i]``
+    is cached in ``kvs[i]``: [contexts][counts[i]]. Every round times each count after each
     context in turn, so a change of the machine's load skews no count or context alone (timed
     context by context, a load change between them skewed the context's effect: see
-    docs/draft_length.md, "Its inputs")."""
+    docs/draft_length.md, "Its inputs"); the median drops a round slowed by another process."""
 
     def forward(kv, ids: torch.Tensor, first_slot: int) -> None:
         device = ids.device
@@ -235,10 +251,12 @@ def _time_widths(model, kvs: list, cache_kwarg: str, contexts: list[torch.Tensor
         forward(kv, context[None, :], 0)
         forward(kv, context[:1][None, :], length)  # warms up the step path
         kv.crop(length + 1, length)
-    times = [{count: [] for count in CALIBRATED} for _ in contexts]
+    times = [{count: [] for count in mine} for mine in counts]
     for _ in range(reps):
-        for count in CALIBRATED:
+        for count in sorted({c for mine in counts for c in mine}):
             for kv, context, timed in zip(kvs, contexts, times):
+                if count not in timed:
+                    continue
                 length = context.numel()
                 ids = context.repeat(count // length + 1)[:count][None, :]  # [1, count]
                 synchronize(context.device)
