@@ -73,13 +73,17 @@ def one_call(decoder, ids, tokens: int) -> tuple[list, dict, float]:
 def placements(target, draft, ids, tokens: int, repeats: int) -> dict:
     from specdec import SpecDecoder
 
-    out = {}
-    for placement in ("one_rank", "replicated"):
-        decoder = SpecDecoder(target, draft, distributed={"draft_placement": placement})
-        runs = [one_call(decoder, ids, tokens) for _ in range(repeats + 1)][1:]  # the first warms up
-        out[placement] = {"seconds": statistics.median(r[2] for r in runs), "tokens": runs[0][0],
-                          "coordination": runs[0][1].get("coordination")}
-    out["same_tokens"] = out["one_rank"].pop("tokens") == out["replicated"].pop("tokens")
+    names = ("one_rank", "replicated")
+    decoders = {name: SpecDecoder(target, draft, distributed={"draft_placement": name}) for name in names}
+    runs: dict[str, list] = {name: [] for name in names}
+    for repeat in range(repeats + 1):  # interleaved, so that a change of the machine's load skews neither
+        for name in names:
+            run = one_call(decoders[name], ids, tokens)
+            if repeat:  # the first warms up
+                runs[name].append(run)
+    out = {name: {"seconds": statistics.median(r[2] for r in runs[name]), "seconds_runs": [r[2] for r in runs[name]],
+                  "coordination": runs[name][0][1].get("coordination")} for name in names}
+    out["same_tokens"] = runs["one_rank"][0][0] == runs["replicated"][0][0]
     return out
 
 
