@@ -100,11 +100,11 @@ def _scores_only(processor, scores: torch.Tensor, pos: Positions) -> torch.Tenso
 
 
 def _repetition(processor: lp.RepetitionPenaltyLogitsProcessor, scores: torch.Tensor, pos: Positions) -> torch.Tensor:
-    """A token is penalized at position j when it occurs in the row's ids before ``lengths[b, j]``
-    (past the ignored prompt columns): when its first occurrence is before that."""
-    batch, _, vocab = scores.shape
+    """Every token in a position's ids (past the ignored prompt columns) is penalized there: the
+    penalty's float operations on those entries only, as ``transformers``' gather and scatter."""
+    batch, j, vocab = scores.shape
     ids, width = pos.ids, pos.ids.shape[1]
-    cols = torch.arange(width, device=ids.device)[None, :].expand(batch, width)  # [B, M]
+    cols = torch.arange(width, device=ids.device)  # [M]
     skip = processor.prompt_ignore_length
     if skip is None:
         skip = torch.zeros(batch, dtype=torch.long, device=ids.device)
@@ -112,12 +112,13 @@ def _repetition(processor: lp.RepetitionPenaltyLogitsProcessor, scores: torch.Te
         skip = torch.full((batch,), skip, dtype=torch.long, device=ids.device)
     else:  # one per row of the prompt as given
         skip = skip.to(ids.device)[pos.rows]
-    tokens = ids.clamp(max=vocab).masked_fill(cols < skip[:, None], vocab)  # [B, M]; vocab: not counted
-    first = torch.full((batch, vocab + 1), width, dtype=torch.long, device=ids.device)
-    first = first.scatter_reduce(1, tokens, cols, reduce="amin")  # [B, V+1] first column of each token
-    present = first[:, None, :vocab] < pos.lengths[:, :, None]  # [B, J, V]
-    penalized = torch.where(scores < 0, scores * processor.penalty, scores / processor.penalty)
-    return torch.where(present, penalized, scores)
+    seen = (cols >= skip[:, None, None]) & (cols < pos.lengths[..., None]) & (ids < vocab)[:, None, :]  # [B, J, M]
+    b, p, m = seen.nonzero(as_tuple=True)
+    tokens = ids[b, m]
+    score = scores[b, p, tokens]
+    out = scores.clone()
+    out[b, p, tokens] = torch.where(score < 0, score * processor.penalty, score / processor.penalty)
+    return out
 
 
 def _no_repeat(processor: lp.NoRepeatNGramLogitsProcessor, scores: torch.Tensor, pos: Positions) -> torch.Tensor:
@@ -134,10 +135,11 @@ def _no_repeat(processor: lp.NoRepeatNGramLogitsProcessor, scores: torch.Tensor,
         at = (lengths[..., None] - (n - 1) + torch.arange(n - 1, device=ids.device)).clamp(0, ids.shape[1] - 1)
         prefix = ids.gather(1, at.reshape(batch, -1)).reshape(batch, j, n - 1)  # [B, J, n-1]
         match &= (windows[:, None, :, :-1] == prefix[:, :, None, :]).all(-1)
-    last = windows[:, None, :, -1].clamp(max=vocab).expand(batch, j, -1)  # [B, J, W]
-    banned = torch.zeros(batch, j, vocab + 1, dtype=torch.bool, device=scores.device)
-    banned.scatter_(2, torch.where(match, last, vocab), True)
-    return scores.masked_fill(banned[..., :vocab], -float("inf"))
+    match &= (windows[:, None, :, -1] < vocab)  # ids past the scores' width ban nothing
+    b, p, w = match.nonzero(as_tuple=True)
+    out = scores.clone()
+    out[b, p, windows[b, w, -1]] = -float("inf")
+    return out
 
 
 def _encoder_repetition(processor: lp.EncoderRepetitionPenaltyLogitsProcessor, scores: torch.Tensor,

@@ -361,3 +361,21 @@ def test_what_cannot_be_reproduced_is_refused_by_name_before_any_forward(setting
     finally:
         recorder.remove()
     assert recorder.calls == []
+
+
+# -- benchmarks take the settings -------------------------------------------------------------------------
+def test_a_benchmark_applies_the_settings_to_every_method_and_reports_them(tmp_path):
+    from specdec.bench.report import load_run
+    from specdec.bench.summary import summaries
+    from test_bench import TWO_METHODS, run, tiny_config
+
+    settings = {"max_new_tokens": 10, "repetition_penalty": 1.3, "no_repeat_ngram_size": 2}
+    config = tiny_config(tmp_path, methods=TWO_METHODS + [{"name": "hf_pl3", "generator": "hf_prompt_lookup",
+                                                            "options": {"num_tokens": 3}}], generation=settings)
+    out = run(config, tmp_path / "out")
+    meta, rows = load_run(out.out_dir)
+    assert all(s.exact_match == 1.0 for s in summaries(meta, rows) if s.exact_match is not None)
+    report = (out.out_dir / "report.md").read_text()
+    assert "`repetition_penalty=1.3`, `no_repeat_ngram_size=2`" in report and "Logits processors" in report
+    ours = [r for r in rows if r["method"] == "pl3"]
+    assert ours and all(r["stats"]["processor_seconds"] > 0 for r in ours)

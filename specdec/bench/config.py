@@ -170,12 +170,32 @@ class DatasetConfig(_Strict):
 
 
 class GenerationSettings(_Strict):
+    """The generation settings every method decodes with (transformers' baselines and SpecDecoder
+    alike, passed to both by the same names: docs/generation.md); the logits-processor settings
+    apply under greedy decoding and sampling, the sampling ones when ``do_sample``."""
+
     max_new_tokens: int = Field(128, ge=1)
     do_sample: bool = False
     temperature: float = Field(1.0, gt=0)
     top_k: int | None = Field(None, ge=1)
     top_p: float | None = Field(None, gt=0, le=1)
+    min_p: float | None = Field(None, ge=0, le=1)
     seed: int = Field(0, ge=0, description="sampling: question q, turn t uses a seed derived from (seed, q, t)")
+    repetition_penalty: float | None = Field(None, gt=0)
+    encoder_repetition_penalty: float | None = Field(None, gt=0)
+    no_repeat_ngram_size: int | None = Field(None, ge=0)
+    min_new_tokens: int | None = Field(None, ge=0)
+    bad_words_ids: list[list[int]] | None = None
+    suppress_tokens: list[int] | None = None
+
+    def processor_settings(self) -> dict[str, Any]:
+        """The logits-processor settings this config sets (those left None: none)."""
+        return {name: getattr(self, name) for name in PROCESSOR_SETTINGS if getattr(self, name) is not None}
+
+
+#: GenerationSettings fields that build logits processors (transformers' names), and min_p
+PROCESSOR_SETTINGS = ("repetition_penalty", "encoder_repetition_penalty", "no_repeat_ngram_size", "min_new_tokens",
+                      "bad_words_ids", "suppress_tokens")
 
 
 class MethodConfig(_Strict):

@@ -1,9 +1,9 @@
 """The methods a benchmark runs: SpecDecoder configurations and ``transformers``' own ``generate``.
 
 Each config method becomes a :class:`MethodRunner` with the same three calls, so the run loop
-never asks which kind it holds. Invariants: every ``transformers`` call gets the neutral
-processors spelled out (a model's ``generation_config`` adds nothing SpecDecoder does not
-apply); the user's models and generation configs are never changed; anything that compiles is
+never asks which kind it holds. Invariants: every call, ``transformers``' and SpecDecoder's, gets
+the same generation settings (:func:`generation_kwargs`: the config's processors, the neutral
+value of every other one spelled out, so a model's ``generation_config`` adds nothing); the user's models and generation configs are never changed; anything that compiles is
 compiled here, before the first timed call (docs/benchmarks.md, "Static caches and compiled
 forwards").
 """
@@ -45,14 +45,21 @@ class MethodRunner:
 
 
 # -- transformers' generate ----------------------------------------------------------------------
-def hf_generation_kwargs(gen: GenerationSettings, target, max_new_tokens: int | None = None) -> dict:
-    """``generate()`` settings for transformers, neutral processors spelled out so that the model's
-    own generation_config cannot add any (top_k would default to 50, for one)."""
+def generation_kwargs(gen: GenerationSettings, target, max_new_tokens: int | None = None) -> dict:
+    """The generation settings of every call, ``transformers``' and SpecDecoder's alike (both take
+    them by these names): the config's processors, and the neutral value of each one it leaves
+    unset spelled out, so that the model's own generation_config adds none (top_k would default to
+    50, for one)."""
     kwargs = dict(max_new_tokens=max_new_tokens or gen.max_new_tokens, do_sample=gen.do_sample,
                   pad_token_id=pad_token_id(target), repetition_penalty=1.0, no_repeat_ngram_size=0, min_new_tokens=0)
+    kwargs.update(gen.processor_settings())
     if gen.do_sample:
-        kwargs.update(temperature=gen.temperature, top_k=gen.top_k or 0, top_p=1.0 if gen.top_p is None else gen.top_p)
+        kwargs.update(temperature=gen.temperature, top_k=gen.top_k or 0, top_p=1.0 if gen.top_p is None else gen.top_p,
+                      min_p=gen.min_p)
     return kwargs
+
+
+hf_generation_kwargs = generation_kwargs  # the earlier name
 
 
 def hf_cache_kwargs(cache_implementation: str = "dynamic", compile: bool | dict = False) -> dict:
@@ -164,9 +171,8 @@ def _spec_runner(method: MethodConfig, target, tokenizer, draft, gen: Generation
         if seed is not None:
             torch.manual_seed(seed)
             generator = torch.Generator(device=target.device).manual_seed(seed)
-        return decoder.generate(input_ids, attention_mask, max_new_tokens=max_new_tokens or gen.max_new_tokens,
-                                do_sample=gen.do_sample, temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p,
-                                generator=generator)
+        return decoder.generate(input_ids, attention_mask, generator=generator,
+                                **generation_kwargs(gen, target, max_new_tokens))
 
     def run(input_ids, seed, max_new_tokens=None):  # input_ids [1, L]
         out = call(input_ids, None, seed, max_new_tokens)

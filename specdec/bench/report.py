@@ -15,7 +15,7 @@ from typing import Callable
 
 from ..metrics import AcceptanceStats
 from ..prompts import SUBTASKS
-from .config import MethodKind, method_kind, reference_name
+from .config import PROCESSOR_SETTINGS, MethodKind, method_kind, reference_name
 from .plots import plot_acceptance, plot_forward_cost, plot_speedup
 from .results import (OVERALL, ACCEPTANCE_PNG, FORWARD_COST_PNG, REPORT_FILE, RESULTS_FILE, RUN_FILE, SPEEDUP_PNG,
                       ResultStore, is_batched, row_key)
@@ -119,7 +119,11 @@ def _header(meta: dict, rows: list[dict]) -> list[str]:
         per_subtask[q["subtask"]] = per_subtask.get(q["subtask"], 0) + 1
     placed = f"{config.get('dtype', 'float32')} on {env.get('device', 'cpu')}"
     mode = ("greedy" if not gen["do_sample"] else
-            f"sampling (temperature {gen['temperature']}, top_k {gen['top_k']}, top_p {gen['top_p']}, seed {gen['seed']})")
+            f"sampling (temperature {gen['temperature']}, top_k {gen['top_k']}, top_p {gen['top_p']}"
+            + (f", min_p {gen['min_p']}" if gen.get("min_p") is not None else "") + f", seed {gen['seed']})")
+    processors = {k: gen[k] for k in PROCESSOR_SETTINGS if gen.get(k) is not None}
+    if processors:
+        mode += ", logits processors " + ", ".join(f"`{k}={v}`" for k, v in processors.items())
     batched = [str(b) for b in sizes if b > 1]
     out = [f"# Benchmark `{Path(meta['config_file']).stem}`", ""]
     if config.get("description"):
@@ -143,7 +147,25 @@ def _header(meta: dict, rows: list[dict]) -> list[str]:
         + "; ".join(f"`{m['name']}` = {m['generator']}" + (f" {m['options']}" if m["options"] else "")
                     + (f" draft `{m['draft']}`" if m.get("draft") else "") + _cache_words(m) for m in methods) + ".",
         f"- Reference (speedup 1.00x, exact match `ref`): `{reference_name(config)}`.",
-    ]
+    ] + _processor_time(rows, processors)
+
+
+def _processor_time(rows: list[dict], processors: dict) -> list[str]:
+    """With logits processors configured: the share of each SpecDecoder method's decoding time they took."""
+    if not processors:
+        return []
+    spent: dict[str, list[float]] = {}
+    for row in rows:
+        stats = row.get("stats") or {}
+        if stats.get("total_seconds"):
+            entry = spent.setdefault(row["method"], [0.0, 0.0, 0])
+            entry[0] += stats.get("processor_seconds", 0.0)
+            entry[1] += stats["total_seconds"]
+            entry[2] += stats.get("steps", 0)
+    shares = "; ".join(f"`{name}` {p / t:.1%} ({1e3 * p / max(n, 1):.2f} ms a step)" for name, (p, t, n) in spent.items())
+    return [f"- Logits processors: every method applies {', '.join(f'`{k}`' for k in processors)} (transformers' "
+            f"in each step, SpecDecoder's at every verified position). Their share of SpecDecoder's decoding time: "
+            f"{shares or 'n/a'}."]
 
 
 def _cache_words(method: dict) -> str:

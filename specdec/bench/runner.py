@@ -60,7 +60,9 @@ def config_hash(config: BenchConfig, questions: list[Question]) -> str:
 #: default, so those results still resume
 _LATER_FIELDS = {"config": ("device", "dtype", "reference", "repeats", "distributed"),
                  "dataset": ("first_per_category", "max_turns"),
-                 "method": ("cache_implementation", "compile", "fast_head")}
+                 "method": ("cache_implementation", "compile", "fast_head"),
+                 "generation": ("min_p", "repetition_penalty", "encoder_repetition_penalty", "no_repeat_ngram_size",
+                                "min_new_tokens", "bad_words_ids", "suppress_tokens")}
 
 
 def _without_later_defaults(dumped: dict) -> dict:
@@ -71,6 +73,7 @@ def _without_later_defaults(dumped: dict) -> dict:
     out = strip(dumped, BenchConfig, _LATER_FIELDS["config"])
     out["dataset"] = strip(dumped["dataset"], DatasetConfig, _LATER_FIELDS["dataset"])
     out["methods"] = [strip(m, MethodConfig, _LATER_FIELDS["method"]) for m in dumped["methods"]]
+    out["generation"] = strip(dumped["generation"], GenerationSettings, _LATER_FIELDS["generation"])
     return out
 
 
