@@ -30,6 +30,7 @@ import torch
 from transformers.generation.stopping_criteria import MaxTimeCriteria
 
 from .compiled import warming
+from .distributed import SOLO, RankCall, Ranks, call_fingerprint
 from .generation import Resolved, build_processors, resolve_config, resolved, split_settings
 from .generators import CandidateGenerator
 from .kv import CacheSettings, length_ladder, static_problem
@@ -55,15 +56,22 @@ class SpecDecoder:
     :class:`CandidateGenerator` instance or class, or None (plain decoding through the same loop).
     ``fast_head`` (default True) computes each model's output layer as ``W @ h.T`` in eager
     forwards where that is faster on this machine (``specdec.forwards.head``); False keeps the models' own.
+    ``distributed`` (a :class:`~specdec.distributed.DistributedOptions` or its fields as a dict)
+    says how the ranks of a target sharded under ``torchrun`` share the call's decisions
+    (docs/distributed.md); a target held whole by this process ignores it.
     """
 
     def __init__(self, target, draft=None, *, tokenizer=None, draft_tokenizer=None,
                  cache_implementation: str = "dynamic", compile: bool | dict = False, fast_head: bool = True,
-                 **generator_options):
+                 distributed=None, **generator_options):
         self.target = target
+        self.ranks = Ranks.of(target, distributed)  # None: this process holds the whole target
+        fast_head = fast_head if self.ranks is None else False  # a sharded head is the model's to gather
         self.tokenizer = tokenizer
         self.draft_tokenizer = draft_tokenizer
         self.cache = CacheSettings.make(cache_implementation, compile, fast_head=fast_head)
+        if self.ranks is not None:
+            self.ranks.check_cache(self.cache)
         if self.cache.static:
             problem = static_problem(target, prefill_inputs=False)
             if problem:
@@ -137,22 +145,30 @@ class SpecDecoder:
             raise ValueError("stop_strings need a tokenizer: SpecDecoder(target, draft, tokenizer=...)")
         if streamer is not None and prompt.rows.shape[0] > 1:
             raise ValueError("a streamer needs batch size 1 (as in transformers)")
+        ranks = SOLO if self.ranks is None else RankCall(self.ranks, call_fingerprint(
+            prompt.input_ids, prompt.mask(), call.max_new_tokens, call.sampling, call.eos, call.pad, call.stop_strings,
+            self.candidate_generator.name or type(self.candidate_generator).__name__))
         settings = CallSettings(
             max_new_tokens=call.max_new_tokens, sampling=call.sampling, generator=generator, pad=call.pad,
-            streamer=streamer, cache=self.cache, processors=BlockProcessors(processors, prompt.input_ids) or None,
+            streamer=ranks.streamer(streamer), cache=self.cache, ranks=ranks,
+            processors=BlockProcessors(processors, prompt.input_ids) or None,
             output_scores=call.return_dict and call.output_scores, output_logits=call.return_dict and call.output_logits,
             stream_prompt=stream_prompt,
-            stopper=Stopper(max_new_tokens=call.max_new_tokens, eos_token_ids=call.eos, stop_strings=call.stop_strings,
-                            tokenizer=self.tokenizer, stopping_criteria=list(stopping_criteria)))
-        run = DecodeRun(self.target, self.candidate_generator, prompt, settings,
-                        tokenizer=self.tokenizer, draft_tokenizer=self.draft_tokenizer)
-        try:
-            with torch.no_grad():
-                while run.step():
-                    pass
-        finally:
-            run.release()
-        return run.finish(prompt.input_ids, started)
+            stopper=ranks.stopper(Stopper(
+                max_new_tokens=call.max_new_tokens, eos_token_ids=call.eos, stop_strings=call.stop_strings,
+                tokenizer=self.tokenizer, stopping_criteria=list(stopping_criteria))))
+        with ranks.guard():  # a rank's failure reaches every rank (specdec/distributed/)
+            run = DecodeRun(self.target, self.candidate_generator, prompt, settings,
+                            tokenizer=self.tokenizer, draft_tokenizer=self.draft_tokenizer)
+            try:
+                with torch.no_grad():
+                    while run.step():
+                        pass
+            finally:
+                run.release()
+            output = run.finish(prompt.input_ids, started)
+            output.sequences, output.stats = ranks.finish(output.sequences, output.stats)
+        return output
 
     def warmup(self, batch_size: int = 1, max_length: int = 1024) -> float:
         """Compile every forward a call can run (``compile=True``, or a generator whose draft

@@ -120,7 +120,7 @@ class DynamicKV:
 
     def __init__(self, model, batch: int, capacity: int, settings: CacheSettings):
         self.settings, self.batch = settings, batch
-        self.layout = stage_layout(model)  # a pipeline stage: the layers it holds (specdec/distributed.py)
+        self.layout = stage_layout(model)  # a pipeline stage: the layers it holds (specdec/distributed/)
         self.cache = new_dynamic_cache(self.layout)
 
     def forward(self, model, kwargs: dict, *, first_slot: int, width: int, first: bool, mask,

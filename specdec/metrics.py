@@ -45,6 +45,8 @@ class AcceptanceStats:
     choices: dict[str, str] = field(default_factory=dict)
     #: seconds spent applying the call's logits processors (target scores, drafts, forbidden lookups)
     processor_seconds: float = 0.0
+    #: a distributed call's messages between ranks: {messages, bytes, seconds, steps} (specdec/distributed/)
+    coordination: dict[str, float] = field(default_factory=dict)
 
     # -- recording ---------------------------------------------------------------------------
     def record_step(self, drafted: list[int], accepted: list[int], committed: list[int]) -> None:
@@ -86,6 +88,7 @@ class AcceptanceStats:
             compile_seconds=self.compile_seconds + other.compile_seconds,
             choices={**other.choices, **self.choices},
             processor_seconds=self.processor_seconds + other.processor_seconds,
+            coordination=_add_dicts(self.coordination, other.coordination, 0),
         )
 
     __add__ = merge
@@ -141,6 +144,7 @@ class AcceptanceStats:
             "decoding_tokens_per_second": self.decoding_tokens_per_second,
             "choices": dict(self.choices),
             "processor_seconds": self.processor_seconds,
+            **({"coordination": dict(self.coordination)} if self.coordination else {}),  # distributed calls only
             "mean_accepted_length": self.mean_accepted_length,
             "acceptance_rate": self.acceptance_rate,
             "per_position_acceptance": self.per_position_acceptance,
@@ -151,7 +155,7 @@ class AcceptanceStats:
     def from_dict(cls, d: dict) -> "AcceptanceStats":
         keys = ("steps", "drafted_tokens", "accepted_tokens", "committed_tokens", "accepted_at_position",
                 "draft_seconds", "verify_seconds", "total_seconds", "generator", "drafts_verified",
-                "skipped_steps", "calibration_seconds", "compile_seconds", "choices", "processor_seconds")
+                "skipped_steps", "calibration_seconds", "compile_seconds", "choices", "processor_seconds", "coordination")
         stats = cls(**{k: d[k] for k in keys if k in d})
         stats.forward_costs = {int(t): list(v) for t, v in d.get("forward_costs", {}).items()}
         return stats

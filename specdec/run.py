@@ -37,6 +37,7 @@ import torch
 from .assistant import Assistant
 from .compiled import compile_seconds
 from .device import synchronize
+from .distributed import SOLO
 from .generators import CandidateGenerator, DecodeContext, Proposal, StepRecord, declared_drafting
 from .kv import CacheSettings, static_problem
 from .metrics import AcceptanceStats
@@ -82,6 +83,8 @@ class CallSettings:
     stopper: Stopper
     streamer: Any = None
     cache: CacheSettings = CacheSettings()
+    #: who takes the call's decisions: here (SOLO), or the decider among a sharded target's ranks
+    ranks: Any = SOLO
     #: the call's logits processors (``generate()``'s list, warpers included when sampling); None: none
     processors: BlockProcessors | None = None
     output_scores: bool = False  # keep each committed token's processed scores
@@ -102,7 +105,8 @@ class DecodeRun:
         self.followers: list[ModelState] = []  # assistants in the target's token space
         self.own: list[ModelState] = []  # assistants in their own token space
         self.borrowers: list[ModelState] = []  # followers whose cache mirrors the target's
-        self.session = generator.session()
+        self.ranks = settings.ranks  # specdec/distributed/: the decisions ranks share
+        self.session = self.ranks.session(generator)
         self.plugin = generator.name or type(generator).__name__
         self.drafting = declared_drafting(self.session, self.plugin)  # priors, max drafts, stepwise
         self.policy = DraftPolicy.for_call(self.drafting, prompt.rows.shape[0], settings.sampling.do_sample,
@@ -111,7 +115,8 @@ class DecodeRun:
         self.ctx = DecodeContext(target, tokenizer, draft_tokenizer, settings.sampling, settings.generator,
                                  prompt.spec.user_inputs, self.target, self._attach, self.policy, self.stopper.ended,
                                  self._draft_scores if self.processors is not None else None)
-        self.session.setup(self.ctx)  # validates and attaches assistants: still before any forward
+        # validates and attaches assistants: still before any forward (every rank agrees it went well)
+        self.ranks.together(lambda: self.session.setup(self.ctx))
         self.vocab = vocab_size(target)
         self.stats = AcceptanceStats()
         if self.policy is not None:  # drafting is priced by the assistants just attached
@@ -157,6 +162,7 @@ class DecodeRun:
                                  f"head size) and a text-only prompt: {type(model).__name__} has "
                                  f"{kv_layout(model)}, the target {kv_layout(self.ctx.target)}")
         check_assistant(self.ctx.target, model)
+        self.ranks.check_assistant(model, prefill_from_target)
         device = next(model.parameters()).device
         if device != self.target.device:
             raise ValueError(f"the assistant is on {device} and the target on {self.target.device}; "
@@ -193,16 +199,16 @@ class DecodeRun:
         pending, context = target.pending_width(), target.cached_slots  # context: slots attended besides those fed
         first, catching_up = target.is_first_iteration, self._catching_up()
         asked = self._plan(room, pending, context)  # [B]
-        proposal = self.session.propose(self.ctx, asked)
-        drafted = time.perf_counter()
-        made, candidates, offered = self._admit(proposal, asked)  # [B] each
+        proposal, drafted, (made, candidates, offered) = self.ranks.drafts(  # the decider's, on every rank
+            lambda: self._draft(asked), room, self.drafting.max_drafts, target)  # [B] each
         k = int(offered.max())
         draft_ids = proposal.token_ids[:, :k].to(target.device)  # [B, k]
         committed = target.lengths.clone()  # [B]
         logits = self._forward(draft_ids, offered, committed)  # [B, k+1, V]
         forwarded = time.perf_counter()
         scores = self._scores(logits, draft_ids, offered, committed)  # [B, k+1, V] as generate() processes them
-        verdict = self._verify(scores, draft_ids, offered, proposal)
+        verdict = self.ranks.verdict(lambda: self._verify(scores, draft_ids, offered, proposal),
+                                     self.settings.sampling.do_sample, draft_ids)
         block, kept, finished = self._commit(logits, draft_ids, verdict, committed)  # [B, k+1], [B], [B]
         if self.recorder:
             self.recorder.record(self.row_ids, kept, scores, logits)
@@ -236,6 +242,12 @@ class DecodeRun:
         this proposal: either way the proposal's time says nothing of a draft's cost."""
         return any(s.is_first_iteration or s.pending_width() > CATCH_UP
                    for s in self.assistants if s not in self.borrowers)
+
+    def _draft(self, asked: torch.Tensor) -> tuple[Proposal, float, tuple[torch.Tensor, ...]]:
+        """Propose and admit -> (proposal, when propose returned, (made, candidates, offered) [B] each)."""
+        proposal = self.session.propose(self.ctx, asked)
+        drafted = time.perf_counter()
+        return proposal, drafted, self._admit(proposal, asked)
 
     def _admit(self, proposal: Proposal, asked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A checked proposal -> (made, candidates, offered) [B] each: the drafts within ``asked``

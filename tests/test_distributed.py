@@ -1,0 +1,405 @@
+"""A target sharded by transformers' tensor and pipeline parallelism, decoded by ``torchrun --nproc-per-node 2``.
+
+Tiny models are saved to a temporary folder; this file, run by ``torchrun`` (the ``__main__``
+part below), loads the target with ``DistributedConfig(tp_size=2)`` or ``(pp_size=2)`` on two
+CPU processes (gloo) and runs every case of its launch in one go, each rank writing what it saw
+to a JSON file; the tests compare that with single-process references computed here. Two
+launches (tensor, then pipeline parallelism) keep the file quick.
+
+* greedy output equals the single-process ``model.generate()``: prompt lookup and a draft model
+  (on one rank, and replicated), batch 1 and a left-padded batch, the static cache (tensor
+  parallelism; refused with a clear error under pipeline parallelism);
+* every rank returns the same tokens, statistics (the decider's), a streamer is fed on one rank
+  only, stop strings and a user stopping criterion that reads a rank-dependent "clock" cut every
+  rank's output where the decider's cut it;
+* seeded sampling gives the same tokens on every rank, and (20,000 rows of a tiny 8-token model,
+  prompt lookup and a draft model) the joint distribution of three generated tokens passes the
+  chi-square test against the target's exact distribution (tests/test_sampling_lossless.py);
+* a failure reaches every rank as one clear error, quickly: the decider's drafter failing (every
+  rank raises, and the next call works: the process group survives), then a failure on the other
+  rank inside the target's forward (both raise within seconds; the groups are aborted).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+TIMEOUT = 300  # seconds a launch may take before the test fails (a hang fails, it does not block the suite)
+ROWS = 20_000
+PROMPT = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]]
+PADDED = [[257, 257, 5, 9, 7, 8, 5, 9, 7, 8], [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]]  # 257: <pad>
+TINY_PROMPT = [[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]]
+NEW = 24
+SAMPLING = {"pl": dict(temperature=0.8, top_k=6), "dm": dict(temperature=1.2, top_p=0.9)}
+
+
+# -- the models, saved -----------------------------------------------------------------------------
+def _save_models(folder: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specdec.tiny import tiny_random
+
+    target, tokenizer = tiny_random("llama", num_hidden_layers=4)
+    draft, _ = tiny_random("llama", seed=1, num_hidden_layers=1)
+    target.save_pretrained(folder / "target"), tokenizer.save_pretrained(folder / "target")
+    draft.save_pretrained(folder / "draft")
+    config = LlamaConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        small = LlamaForCausalLM(config).eval()
+        with torch.no_grad():
+            small.lm_head.weight.mul_(6.0)  # uneven distributions
+            guess = LlamaForCausalLM(config).eval()
+            guess.load_state_dict(small.state_dict())
+            for p in guess.parameters():
+                p.add_(torch.randn(p.shape) * 0.3 * p.std())
+    for model, name in ((small, "small"), (guess, "small_draft")):
+        model.generation_config.eos_token_id = model.generation_config.bos_token_id = None
+        model.generation_config.pad_token_id = 0
+        model.save_pretrained(folder / name)
+
+
+def _exact_joint(model, prompt: torch.Tensor, params) -> torch.Tensor:
+    """[V, V, V] probability of the first three generated tokens of ``prompt [1, P]``."""
+    v = model.config.vocab_size
+    with torch.no_grad():
+        p1 = params.probs(model(prompt).logits[0, -1])
+        one = torch.cat([prompt.repeat(v, 1), torch.arange(v)[:, None]], 1)
+        p2 = params.probs(model(one).logits[:, -1])
+        pairs = torch.cartesian_prod(torch.arange(v), torch.arange(v))
+        p3 = params.probs(model(torch.cat([prompt.repeat(v * v, 1), pairs], 1)).logits[:, -1]).view(v, v, v)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("distributed")
+    _save_models(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def references(saved) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(saved / "target", dtype=torch.float32)
+    out = {}
+    for name, rows in (("one", PROMPT), ("padded", PADDED)):
+        ids = torch.tensor(rows)
+        mask = (ids != 257).long()
+        new = target.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                              pad_token_id=257)
+        out[name] = new[:, ids.shape[1]:].tolist()
+    return out
+
+
+def _launch(kind: str, saved: Path, out: Path) -> list[dict]:
+    """Run this file under torchrun (2 processes) for ``kind``; the two ranks' results."""
+    out.mkdir(exist_ok=True)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               __file__, kind, str(saved), str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def tensor(saved, tmp_path_factory) -> list[dict]:
+    return _launch("tensor", saved, tmp_path_factory.mktemp("tensor_out"))
+
+
+@pytest.fixture(scope="module")
+def pipeline(saved, tmp_path_factory) -> list[dict]:
+    return _launch("pipeline", saved, tmp_path_factory.mktemp("pipeline_out"))
+
+
+# -- the tests -------------------------------------------------------------------------------------
+GREEDY = {"pl_one": "one", "pl_padded": "padded", "dm_one": "one", "dm_padded": "padded",
+          "dm_replicated": "padded", "pl_static": "padded"}
+
+
+@pytest.mark.parametrize("case", list(GREEDY))
+def test_tensor_parallel_greedy_equals_single_process_generate(tensor, references, case):
+    for rank in tensor:
+        assert rank[case] == references[GREEDY[case]], f"rank {rank['rank']}"
+
+
+@pytest.mark.parametrize("case", ["pl_one", "pl_padded", "dm_padded"])
+def test_pipeline_parallel_greedy_equals_single_process_generate(pipeline, references, case):
+    for rank in pipeline:
+        assert rank[case] == references[GREEDY[case]], f"rank {rank['rank']}"
+
+
+def test_pipeline_parallel_refuses_the_static_cache(pipeline):
+    for rank in pipeline:
+        assert "static" in rank["static_refused"] and "pipeline" in rank["static_refused"]
+
+
+def test_every_rank_returns_the_deciders_statistics_and_one_streamer_is_fed(tensor):
+    first, second = tensor
+    assert first["stats"] == second["stats"]
+    assert first["stats"]["committed_tokens"] == NEW
+    coordination = first["stats"]["coordination"]
+    # greedy prompt lookup: one message a step (the drafts), and one at the start
+    assert coordination["messages"] == coordination["steps"] + 1
+    assert 0 < coordination["bytes"] / coordination["messages"] < 200
+    assert first["streamed"] == first["pl_one"][0] and second["streamed"] == []
+
+
+def test_stop_strings_and_user_criteria_cut_every_rank_where_the_decider_did(tensor, references):
+    for rank in tensor:
+        assert rank["stop_string"] == references["one"][0][: rank["stop_at"]]
+        # the criterion stops at 5 new tokens on the decider and at 9 on the other rank: the decider's holds
+        assert rank["clock"] == references["one"][0][:5]
+
+
+def test_seeded_sampling_gives_every_rank_the_same_tokens(tensor, pipeline):
+    for launch in (tensor, pipeline):
+        assert launch[0]["sampled"] == launch[1]["sampled"]
+        assert len(launch[0]["sampled"]) == 4 and launch[0]["sampled"][0] != launch[0]["sampled"][1]
+
+
+@pytest.mark.parametrize("drafter", ["pl", "dm"])
+def test_sampling_under_tensor_parallelism_is_lossless(tensor, saved, drafter):
+    from transformers import AutoModelForCausalLM
+
+    from helpers import chi_square_pooled
+    from specdec.sampling import SamplingParams
+
+    small = AutoModelForCausalLM.from_pretrained(saved / "small", dtype=torch.float32)
+    expected = _exact_joint(small, torch.tensor(TINY_PROMPT), SamplingParams(True, **SAMPLING[drafter]))
+    counts = torch.tensor(tensor[0][f"joint_{drafter}"], dtype=torch.float64)
+    assert counts.sum() == ROWS and tensor[0][f"joint_{drafter}"] == tensor[1][f"joint_{drafter}"]
+    assert 0 < tensor[0][f"accepted_{drafter}"] < tensor[0][f"drafted_{drafter}"]  # speculation happened
+    p_value, tv = chi_square_pooled(counts, expected)
+    assert p_value > 1e-3 and tv < 0.05, (p_value, tv)
+
+
+def test_a_failing_decider_fails_every_rank_and_the_next_call_works(tensor, references):
+    decider, other = tensor
+    assert decider["decider_failure"] == "ValueError: boom at step 3"
+    assert other["decider_failure"].startswith("RankFailedError: rank 0 failed during generate(): ValueError: boom")
+    for rank in tensor:
+        assert rank["decider_failure_seconds"] < 30
+        assert rank["after_failure"] == references["one"]
+
+
+def test_a_rank_failing_inside_the_forward_fails_every_rank_within_seconds(tensor):
+    decider, other = tensor
+    assert other["forward_failure"] == "RuntimeError: rank 1 broke in its forward"
+    assert decider["forward_failure"].startswith("RankFailedError: rank 1 failed during generate(): RuntimeError")
+    for rank in tensor:
+        assert rank["forward_failure_seconds"] < 30
+
+
+
+# -- one process: what needs no launch -------------------------------------------------------------
+def test_a_target_held_whole_needs_no_coordination_and_bad_options_are_refused():
+    from specdec import SpecDecoder
+    from specdec.distributed import DistributedOptions, Ranks, sharding
+    from specdec.tiny import tiny_random
+
+    target, _ = tiny_random("llama")
+    assert sharding(target) == () and Ranks.of(target) is None
+    assert SpecDecoder(target, "prompt_lookup", distributed={"draft_placement": "replicated"}).ranks is None
+    with pytest.raises(ValueError, match="draft_placement must be one of"):
+        SpecDecoder(target, "prompt_lookup", distributed={"draft_placement": "everywhere"})
+    with pytest.raises(ValueError, match="timeout must be"):
+        DistributedOptions(timeout=0)
+    with pytest.raises(TypeError, match="distributed must be"):
+        SpecDecoder(target, "prompt_lookup", distributed=2)
+
+
+def test_an_offloaded_device_map_decodes_as_the_whole_model(saved, references, tmp_path):
+    """A device_map that offloads layers (accelerate keeps them on the meta device between forwards
+    and loads them for each): one process, nothing to coordinate, the same greedy output."""
+    from transformers import AutoModelForCausalLM
+
+    from specdec import SpecDecoder
+
+    layout = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.layers.2": "cpu",
+              "model.layers.3": "disk", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    target = AutoModelForCausalLM.from_pretrained(saved / "target", dtype=torch.float32, device_map=layout,
+                                                  offload_folder=str(tmp_path))
+    ids = torch.tensor(PADDED)
+    output = SpecDecoder(target, "prompt_lookup").generate(ids, (ids != 257).long(), max_new_tokens=NEW,
+                                                           eos_token_id=None)
+    assert output.sequences[:, ids.shape[1]:].tolist() == references["padded"]
+
+
+def test_the_bench_schema_takes_a_distributed_target(tmp_path):
+    import yaml
+
+    from specdec.bench.config import ConfigError, load_config
+
+    root = Path(__file__).resolve().parent.parent / "benchmarks" / "configs"
+    for name in ("quick_tp.yaml", "gpu_tp_smollm2.yaml"):
+        assert load_config(root / name).distributed.world_size == 2
+    data = yaml.safe_load((root / "quick_tp.yaml").read_text())
+    for distributed, problem in (({"tp_size": 1}, "at least 2"), ({"tp_size": 2, "pp": 2}, "pp")):
+        (tmp_path / "c.yaml").write_text(yaml.safe_dump({**data, "distributed": distributed}))
+        with pytest.raises(ConfigError, match=problem):
+            load_config(tmp_path / "c.yaml")
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({**data, "target": "tiny-random:llama"}))
+    with pytest.raises(ConfigError, match="packaged model or a local folder"):
+        load_config(tmp_path / "c.yaml")
+
+# -- the ranks' side (run by torchrun) -------------------------------------------------------------
+def _worker(kind: str, folder: str, out: str) -> None:
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.distributed import DistributedConfig
+
+    from specdec import SpecDecoder
+
+    torch.set_num_threads(1)
+    sizes = {"tensor": dict(tp_size=2), "pipeline": dict(pp_size=2)}[kind]
+    load = lambda name, **kw: AutoModelForCausalLM.from_pretrained(f"{folder}/{name}", dtype=torch.float32, **kw)  # noqa: E731
+    target = load("target", distributed_config=DistributedConfig(**sizes))
+    draft = load("draft")
+    rank = dist.get_rank()
+    result = {"rank": rank}
+    one, padded = torch.tensor(PROMPT), torch.tensor(PADDED)
+    run = lambda decoder, ids, **kw: decoder.generate(  # noqa: E731
+        ids, (ids != 257).long(), max_new_tokens=NEW, eos_token_id=None, **kw)
+    new = lambda output, ids: output.sequences[:, ids.shape[1]:].tolist()  # noqa: E731
+    lookup, drafting = SpecDecoder(target, "prompt_lookup"), SpecDecoder(target, draft)
+    result["pl_one"], result["pl_padded"] = new(run(lookup, one), one), new(run(lookup, padded), padded)
+    result["dm_one"], result["dm_padded"] = new(run(drafting, one), one), new(run(drafting, padded), padded)
+    result["sampled"] = new(run(drafting, padded.repeat(2, 1), do_sample=True, temperature=0.9,
+                                generator=torch.Generator().manual_seed(rank)), padded.repeat(2, 1))
+    if kind == "tensor":
+        replicated = SpecDecoder(target, draft, distributed={"draft_placement": "replicated"})
+        result["dm_replicated"] = new(run(replicated, padded), padded)
+        result["pl_static"] = new(run(SpecDecoder(target, "prompt_lookup", cache_implementation="static"), padded),
+                                  padded)
+        _one_rank_things(target, folder, result)
+        _lossless(load, result)
+        _failures(target, result)
+    else:
+        try:
+            SpecDecoder(target, "prompt_lookup", cache_implementation="static")
+        except ValueError as exc:
+            result["static_refused"] = str(exc)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def _one_rank_things(target, folder: str, result: dict) -> None:
+    """Statistics, the streamer, stop strings and a user criterion that reads a rank's own "clock"."""
+    import torch.distributed as dist
+    from transformers import AutoTokenizer, StoppingCriteria
+
+    from specdec import SpecDecoder
+
+    tokenizer = AutoTokenizer.from_pretrained(f"{folder}/target")
+    decoder = SpecDecoder(target, "prompt_lookup", tokenizer=tokenizer)
+    ids = torch.tensor(PROMPT)
+
+    class Recorder:
+        def __init__(self):
+            self.tokens = []
+
+        def put(self, value):
+            self.tokens.append(value.flatten().tolist())
+
+        def end(self):
+            pass
+
+    streamer = Recorder()
+    output = decoder.generate(ids, max_new_tokens=NEW, eos_token_id=None, streamer=streamer)
+    result["streamed"] = [t for chunk in streamer.tokens[1:] for t in chunk]  # the prompt first, then new tokens
+    result["stats"] = output.stats.as_dict() | {"total_seconds": 0, "draft_seconds": 0, "verify_seconds": 0}
+    result["stats"]["coordination"] = {k: v for k, v in output.stats.coordination.items() if k != "seconds"}
+    text = tokenizer.decode(output.sequences[0, ids.shape[1]:])
+    stop = text[6:8]  # ends within the 7th or 8th new token
+    stopped = decoder.generate(ids, max_new_tokens=NEW, eos_token_id=None, stop_strings=stop)
+    result["stop_string"] = stopped.sequences[0, ids.shape[1]:].tolist()
+    result["stop_at"] = len(result["stop_string"])
+    rank = dist.get_rank()
+
+    class RankClock(StoppingCriteria):  # a criterion whose answer differs between ranks, as a clock's would
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= ids.shape[1] + (5 if rank == 0 else 9))
+
+    clocked = decoder.generate(ids, max_new_tokens=NEW, eos_token_id=None, stopping_criteria=[RankClock()])
+    result["clock"] = clocked.sequences[0, ids.shape[1]:].tolist()
+
+
+def _lossless(load, result: dict) -> None:
+    """20,000 sampled rows of three tokens from the tiny 8-token model, sharded: joint counts."""
+    from transformers.distributed import DistributedConfig
+
+    from specdec import SpecDecoder
+
+    small = load("small", distributed_config=DistributedConfig(tp_size=2))
+    for name, draft in (("pl", "prompt_lookup"), ("dm", load("small_draft"))):
+        decoder = SpecDecoder(small, draft, num_tokens=3, schedule="fixed")
+        output = decoder.generate(torch.tensor(TINY_PROMPT).repeat(ROWS, 1), max_new_tokens=3, do_sample=True,
+                                  generator=torch.Generator().manual_seed(0), **SAMPLING[name])
+        new = output.sequences[:, len(TINY_PROMPT[0]):]
+        codes = new[:, 0] * 64 + new[:, 1] * 8 + new[:, 2]
+        result[f"joint_{name}"] = torch.bincount(codes, minlength=512).view(8, 8, 8).tolist()
+        result[f"drafted_{name}"], result[f"accepted_{name}"] = output.stats.drafted_tokens, output.stats.accepted_tokens
+
+
+def _failures(target, result: dict) -> None:
+    """The decider's drafter fails at its third step; then rank 1 fails inside a forward (last:
+    that aborts the process groups)."""
+    import torch.distributed as dist
+
+    from specdec import SpecDecoder
+    from specdec.generators import CandidateGenerator, DraftingInfo, Proposal
+
+    class Boom(CandidateGenerator):
+        def __init__(self):
+            self.steps = 0
+
+        def drafting(self):
+            return DraftingInfo(max_drafts=None)
+
+        def propose(self, ctx, max_drafts):
+            self.steps += 1
+            if self.steps == 3:
+                raise ValueError("boom at step 3")
+            return Proposal.empty(ctx.batch_size)
+
+    ids = torch.tensor(PROMPT)
+    for case, decoder, hook in (("decider_failure", SpecDecoder(target, Boom()), None),
+                                ("forward_failure", SpecDecoder(target, "prompt_lookup"), _breaker(dist.get_rank()))):
+        handle = target.register_forward_pre_hook(hook) if hook else None
+        started = time.perf_counter()
+        try:
+            decoder.generate(ids, max_new_tokens=NEW, eos_token_id=None)
+            result[case] = "no error"
+        except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+            result[case] = f"{type(exc).__name__}: {exc}"
+        result[f"{case}_seconds"] = time.perf_counter() - started
+        if handle is None:  # the process group survived: the next call decodes
+            result["after_failure"] = SpecDecoder(target, "prompt_lookup").generate(
+                ids, max_new_tokens=NEW, eos_token_id=None).sequences[:, ids.shape[1]:].tolist()
+
+
+def _breaker(rank: int):
+    calls = []
+
+    def hook(module, args):
+        calls.append(1)
+        if rank == 1 and len(calls) == 3:
+            raise RuntimeError("rank 1 broke in its forward")
+
+    return hook
+
+
+if __name__ == "__main__":
+    _worker(*sys.argv[1:4])
