@@ -22,7 +22,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 from specdec import SpecDecoder
 from specdec.models import tiny_random
 
-from helpers import left_pad
+from helpers import left_pad, reference
 
 PROMPT_TEXT = "The quick brown fox jumps over the lazy dog. The quick brown"
 HORIZON = 40
@@ -76,7 +76,7 @@ def test_one_eos_id_inside_blocks(setup, kind):
     for j in firsts[:24]:
         eos = new[j]
         out = decoder.generate(ids, max_new_tokens=HORIZON, eos_token_id=eos)
-        ref = model.generate(ids, max_new_tokens=HORIZON, do_sample=False, eos_token_id=eos)
+        ref = reference(model, ids, HORIZON, eos_token_id=eos)
         assert torch.equal(out.sequences, ref), f"eos at new position {j}"
         assert out.sequences.shape[1] == ids.shape[1] + j + 1 and int(out.sequences[0, -1]) == eos
 
@@ -144,7 +144,7 @@ def test_stop_strings_inside_blocks(setup, kind):
     assert len({stop for _, stop in cases}) >= 4
     for strings, stop in cases:
         out = decoder.generate(ids, max_new_tokens=HORIZON, stop_strings=strings)
-        ref = model.generate(ids, max_new_tokens=HORIZON, do_sample=False, stop_strings=strings, tokenizer=tok)
+        ref = reference(model, ids, HORIZON, stop_strings=strings, tokenizer=tok)
         assert torch.equal(out.sequences, ref), strings
         assert out.sequences.shape[1] == ids.shape[1] + stop + 1, strings
 
@@ -153,6 +153,9 @@ def test_stop_strings_inside_blocks(setup, kind):
 class StopOnToken(StoppingCriteria):
     def __init__(self, token: int):
         self.token = token
+
+    def __repr__(self) -> str:  # what helpers.reference keys its memo on
+        return f"StopOnToken({self.token})"
 
     def __call__(self, input_ids, scores, **kwargs):
         return input_ids[:, -1] == self.token  # [B]
@@ -178,7 +181,7 @@ def test_user_stopping_criteria_inside_blocks(setup, kind):
     for j in firsts[1:20:2]:
         criteria = StoppingCriteriaList([StopOnToken(new[j])])
         out = decoder.generate(ids, max_new_tokens=HORIZON, stopping_criteria=criteria)
-        ref = model.generate(ids, max_new_tokens=HORIZON, do_sample=False, stopping_criteria=criteria)
+        ref = reference(model, ids, HORIZON, stopping_criteria=criteria)
         assert torch.equal(out.sequences, ref)
         assert out.sequences.shape[1] == ids.shape[1] + j + 1
 
