@@ -155,14 +155,15 @@ def _reference_runner(method: MethodConfig, target, tokenizer, draft, gen: Gener
 
 
 # -- SpecDecoder ---------------------------------------------------------------------------------
-def _spec_runner(method: MethodConfig, target, tokenizer, draft, gen: GenerationSettings) -> MethodRunner:
+def _spec_runner(method: MethodConfig, target, tokenizer, draft, gen: GenerationSettings,
+                 distributed: dict | None = None) -> MethodRunner:
     cls = generator_class(method.generator)
     draft_model, draft_tokenizer = draft if draft is not None else (None, None)
     try:
         instance = cls(draft_model, **method.options) if draft_model is not None else cls(**method.options)
         decoder = SpecDecoder(target, instance, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer,
                               cache_implementation=method.cache_implementation, compile=method.compile,
-                              fast_head=method.fast_head)
+                              fast_head=method.fast_head, distributed=distributed)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"methods: {method.name!r}: bad options for {method.generator!r}: {exc}") from None
 
@@ -197,7 +198,8 @@ def load_drafts(config: BenchConfig, device: torch.device, log: Callable[[str], 
 
 def build_methods(config: BenchConfig, target, tokenizer, drafts: dict) -> list[MethodRunner]:
     """Every method of the config, in config order, ready to run on ``target``."""
-    build = lambda m: _reference_runner if m.is_reference else _spec_runner  # noqa: E731
+    shards = config.distributed.options() if config.distributed is not None else None  # SpecDecoder(distributed=)
+    build = lambda m: _reference_runner if m.is_reference else partial(_spec_runner, distributed=shards)  # noqa: E731
     return [build(m)(m, target, tokenizer, drafts.get(m.draft) if m.draft else None, config.generation)
             for m in config.methods]
 
