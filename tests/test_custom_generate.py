@@ -165,3 +165,20 @@ def test_what_cannot_be_reproduced_is_refused_by_name(model, settings, name):
     with pytest.raises(ValueError, match=name):
         target.generate(repetitive_prompt(4), max_new_tokens=4, custom_generate=specdec.generate,
                         draft="prompt_lookup", **settings)
+
+
+def test_a_draft_with_another_tokenizer_takes_both_tokenizers():
+    """generate() keeps its own tokenizer argument from a callable: the cross-tokenizer draft gets
+    them as target_tokenizer= and draft_tokenizer=."""
+    from specdec.models import byte_tokenizer
+
+    target_tok = byte_tokenizer([("Ġ", "t"), ("h", "e"), ("Ġt", "he")])
+    draft_tok = byte_tokenizer([("t", "h"), ("th", "e"), ("Ġ", "the")])
+    target = pin_costs(tiny_random("llama", seed=7, tokenizer=target_tok)[0])
+    draft = perturbed_copy(target, 0.1, seed=8)  # the byte ids mean the same in both tokenizers
+    ids = target_tok("the theme of the theme of the", return_tensors="pt").input_ids
+    want = target.generate(ids, max_new_tokens=NEW, do_sample=False, **MIX)
+    out = target.generate(ids, max_new_tokens=NEW, custom_generate=specdec.generate, draft=draft,
+                          target_tokenizer=target_tok, draft_tokenizer=draft_tok,
+                          draft_options={"num_tokens": 4, "schedule": "fixed"}, return_dict_in_generate=True, **MIX)
+    assert torch.equal(out.sequences, want) and out.stats.generator["steps"] > 0  # the cross-tokenizer generator ran
