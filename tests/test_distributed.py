@@ -8,7 +8,8 @@ launches (tensor, then pipeline parallelism) keep the file quick.
 
 * greedy output equals the single-process ``model.generate()``: prompt lookup and a draft model
   (on one rank, and replicated), batch 1 and a left-padded batch, the static cache (tensor
-  parallelism; refused with a clear error under pipeline parallelism);
+  parallelism; refused with a clear error under pipeline parallelism), and
+  ``model.generate(custom_generate=specdec.generate)`` on the sharded model;
 * every rank returns the same tokens, statistics (the decider's), a streamer is fed on one rank
   only, stop strings and a user stopping criterion that reads a rank-dependent "clock" cut every
   rank's output where the decider's cut it;
@@ -126,7 +127,7 @@ def pipeline(saved, tmp_path_factory) -> list[dict]:
 
 # -- the tests -------------------------------------------------------------------------------------
 GREEDY = {"pl_one": "one", "pl_padded": "padded", "dm_one": "one", "dm_padded": "padded",
-          "dm_replicated": "padded", "pl_static": "padded"}
+          "dm_replicated": "padded", "pl_static": "padded", "custom_generate": "padded"}
 
 
 @pytest.mark.parametrize("case", list(GREEDY))
@@ -284,6 +285,11 @@ def _worker(kind: str, folder: str, out: str) -> None:
         result["dm_replicated"] = new(run(replicated, padded), padded)
         result["pl_static"] = new(run(SpecDecoder(target, "prompt_lookup", cache_implementation="static"), padded),
                                   padded)
+        import specdec
+
+        result["custom_generate"] = target.generate(  # model.generate(custom_generate=...) enters the same run
+            padded, attention_mask=(padded != 257).long(), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+            pad_token_id=257, custom_generate=specdec.generate, draft="prompt_lookup")[:, padded.shape[1]:].tolist()
         _one_rank_things(target, folder, result)
         _lossless(load, result)
         _failures(target, result)
