@@ -152,7 +152,8 @@ class SpecDecoder:
             max_new_tokens=call.max_new_tokens, sampling=call.sampling, generator=generator, pad=call.pad,
             streamer=ranks.streamer(streamer), cache=self.cache, ranks=ranks,
             processors=BlockProcessors(processors, prompt.input_ids) or None,
-            output_scores=call.return_dict and call.output_scores, output_logits=call.return_dict and call.output_logits,
+            output_scores=call.return_dict and call.output_scores,
+            output_logits=call.return_dict and call.output_logits,
             stream_prompt=stream_prompt,
             stopper=ranks.stopper(Stopper(
                 max_new_tokens=call.max_new_tokens, eos_token_ids=call.eos, stop_strings=call.stop_strings,

@@ -11,7 +11,8 @@ One :meth:`DecodeRun.step`, the algorithm::
     plan      policy.plan(remaining [B], pending, context)   -> asked [B]  (all a row may take without a policy)
     propose   session.propose(ctx, asked)                    -> Proposal: token_ids [B, K], lengths [B], probs
     admit     check_proposal; made [B] = min(lengths, asked), admissible, cut before a lookup's draft a
-              processor forbids; candidates [B] = cut after a drafted end of sequence; offered [B] = policy.admit(candidates)
+              processor forbids; candidates [B] = cut after a drafted end of sequence;
+              offered [B] = policy.admit(candidates)
     forward   target.append(drafts [B, k]); target.forward() -> logits [B, k+1, V]  (first step: prefill too)
     verify    processors.apply -> scores [B, k+1, V] (generate()'s at each position, specdec/processors.py);
               greedy_verify | speculative_sample             -> accepted [B], next_token [B]

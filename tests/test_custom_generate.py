@@ -72,8 +72,8 @@ def test_the_dict_output_is_generates_with_the_statistics(model, prompts):
     target, draft, _ = model
     ids, mask = prompts[0]["batch"]
     kwargs = dict(attention_mask=mask, max_new_tokens=NEW, return_dict_in_generate=True, output_scores=True, **MIX)
-    out = target.generate(ids, custom_generate=specdec.generate, draft=draft, draft_options={"num_tokens": 3,
-                                                                                            "schedule": "fixed"}, **kwargs)
+    out = target.generate(ids, custom_generate=specdec.generate, draft=draft,
+                          draft_options={"num_tokens": 3, "schedule": "fixed"}, **kwargs)
     ref = target.generate(ids, do_sample=False, **kwargs)
     assert isinstance(out, GenerateDecoderOnlyOutput) and torch.equal(out.sequences, ref.sequences)
     assert out.stats.steps > 0 and out.stats.drafted_tokens > 0

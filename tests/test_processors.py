@@ -154,7 +154,7 @@ SETTINGS = {
                       "min_new_tokens": 6, "bad_words_ids": [[t[1]], [t[3], t[4]]]},
 }
 UNCHANGED = {"renormalize_logits"}  # log-softmax keeps the argmax
-GENERATORS = ["none", "prompt_lookup", "draft_model", "self_draft", "self_draft_lookup", "cross_tokenizer"]
+GENERATORS = ["none", "prompt_lookup", "draft_model", "self_draft", "cross_tokenizer"]  # every built-in
 
 
 @pytest.fixture(scope="module")
@@ -204,6 +204,15 @@ def test_greedy_with_processors_equals_generate(world, setting, generator, shape
     if shape == "single" and setting not in UNCHANGED:  # the setting matters here
         assert want[0, ids.shape[1]:].tolist() != plain[: want.shape[1] - ids.shape[1]], setting
     out = decoders[generator].generate(ids, mask, max_new_tokens=NEW, **kwargs)
+    assert torch.equal(out.sequences, want)
+
+
+@pytest.mark.parametrize("shape", ["single", "batch"])
+def test_greedy_with_processors_equals_generate_with_the_hybrid_self_draft(world, shape):
+    """self_draft with lookup: lookup's drafts (checked against the processors) and the copy's."""
+    target, decoders, prompts, plain, reference = world
+    kwargs, want = reference("mix", shape)
+    out = decoders["self_draft_lookup"].generate(*prompts[shape], max_new_tokens=NEW, **kwargs)
     assert torch.equal(out.sequences, want)
 
 
@@ -337,10 +346,12 @@ def test_defaults_come_from_the_generation_config_and_arguments_override_them():
     decoder = SpecDecoder(target, "prompt_lookup", num_tokens=3, schedule="fixed")  # no timing in the decisions
     greedy = decoder.generate(ids, max_new_tokens=12).sequences
     target.generation_config.update(do_sample=True, temperature=1.5, max_new_tokens=12)
-    seeded = lambda **kw: decoder.generate(ids, generator=torch.Generator().manual_seed(3), **kw).sequences  # noqa: E731
+    def seeded(**kw):
+        return decoder.generate(ids, generator=torch.Generator().manual_seed(3), **kw).sequences
     sampled = seeded()
     assert sampled.shape == greedy.shape and not torch.equal(sampled, greedy)  # samples, 12 new tokens
-    assert torch.equal(sampled, seeded(do_sample=True, temperature=1.5, top_k=50, max_new_tokens=12))  # 50: generate()'s
+    # top_k=50: generate()'s default, which a config's None leaves in place
+    assert torch.equal(sampled, seeded(do_sample=True, temperature=1.5, top_k=50, max_new_tokens=12))
     assert torch.equal(seeded(do_sample=False), greedy)
     target.generation_config.update(do_sample=False, max_new_tokens=None)
     assert decoder.generate(ids).sequences.shape[1] == ids.shape[1] + 20  # generate()'s default max_length
