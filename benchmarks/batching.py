@@ -1,105 +1,157 @@
-"""Batched speculative decoding vs plain batched decoding, side by side in one process.
+"""Batched speculative decoding vs transformers' batched ``generate``, side by side in one process.
 
-    python benchmarks/batching.py [--batch-sizes 1 4 8 16] [--max-new-tokens 96] [--categories summarization rag]
+    python benchmarks/batching.py [--batch-sizes 1 2 4 8 16] [--max-new-tokens 32] [--methods ...]
 
-For each batch size, the same left-padded batches of Spec-Bench prompts run through plain
-batched ``target.generate(do_sample=False)`` and ``SpecDecoder(target, "prompt_lookup")`` (and
-``SpecDecoder(target, draft)`` when ``--draft`` names a model). Throughput counts each row's
-real new tokens (up to and including its EOS). Exactness is checked per row against decoding
-that row alone with ``target.generate`` (computed once per prompt). Results go to
-benchmarks/results/batching/.
+For each batch size, one left-padded batch of that many Spec-Bench prompts (grounded and
+open-ended ones, taken in turn from ``--categories``) runs through transformers' batched
+``target.generate(do_sample=False)`` and through ``SpecDecoder`` with each method's defaults:
+``plain`` (no drafter: specdec's own loop, which isolates its cost from drafting's),
+``prompt_lookup`` and ``self_draft``. Before anything is timed each method makes one short
+untimed call on the batch (its one-time work: calibrating the policy's costs, building or
+choosing a copy; reported apart); then every method runs once a round, the order rotating from
+round to round (the machine may be shared), and the median of ``--repeats`` rounds is kept.
+Throughput counts each row's real new tokens (up to and including its EOS); every method's rows
+are compared with transformers' batched output.
+
+The results (``results.json`` and ``report.md`` in ``--out``) name the machine
+(``specdec.machine.describe()``) and the load it carried.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from specdec import SpecDecoder, load_model
+from specdec import SpecDecoder, load_model, machine
 from specdec.bench.runner import real_new_tokens
 from specdec.modelinfo import eos_token_ids, pad_token_id
 from specdec.prompts import DEFAULT_SPEC_BENCH, encode_chat, left_pad, load_questions
+
+METHODS = {"plain": None, "prompt_lookup": "prompt_lookup", "self_draft": "self_draft"}
+
+
+def prompts_for(tokenizer, dataset: str, categories: list[str], count: int, longest: int) -> list[torch.Tensor]:
+    """``count`` chat-formatted prompts, the categories taken in turn, each cut to its last ``longest`` tokens."""
+    questions = load_questions(dataset)
+    per = {c: [q for q in questions if q["category"] == c] for c in categories}
+    picked = [per[c][i] for i in range(count) for c in categories if i < len(per[c])][:count]
+    return [encode_chat(tokenizer, [{"role": "user", "content": q["turns"][0]}])[0][-longest:] for q in picked]
+
+
+def summarise(batch: int, results: dict, reference_rows: list, rows_of: dict) -> dict:
+    base = statistics.median(results["transformers"]["seconds"])
+    out = {"batch_size": batch}
+    for name, r in results.items():
+        seconds = statistics.median(r["seconds"])
+        entry = {"seconds": seconds, "all_seconds": r["seconds"], "new_tokens": r["new_tokens"],
+                 "tokens_per_second": r["new_tokens"] / seconds, "speedup": base / seconds,
+                 "one_time_seconds": r["one_time_seconds"],
+                 "rows_identical_to_transformers": sum(a == b for a, b in zip(rows_of[name], reference_rows))}
+        stats = r.get("stats")
+        if stats is not None:
+            entry.update(mean_accepted_length=stats.mean_accepted_length, skipped_share=stats.skipped_share,
+                         drafts_verified=stats.drafts_verified, choices=stats.choices,
+                         forwards_by_tokens={str(k): v[0] for k, v in sorted(stats.forward_costs.items())})
+        out[name] = entry
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="smollm2-135m")
-    parser.add_argument("--draft", default=None, help="optional draft model name for draft_model")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16])
-    parser.add_argument("--categories", nargs="+", default=["summarization", "rag"])
-    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--categories", nargs="+", default=["summarization", "mt_bench", "rag", "qa"])
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--prompt-tokens", type=int, default=384, help="each prompt cut to its last N tokens")
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dataset", default=str(DEFAULT_SPEC_BENCH))
-    parser.add_argument("--out", default="benchmarks/results/batching")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/batching"))
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
+    load = {"start": os.getloadavg()[0]}
     target, tokenizer = load_model(args.target)
-    eos = set(eos_token_ids(target))
-    pad = pad_token_id(target)
-    questions = load_questions(args.dataset)
-    largest = max(args.batch_sizes)
-    per_category = -(-largest // len(args.categories))
-    picked = [q for c in args.categories for q in [q for q in questions if q["category"] == c][:per_category]]
-    prompts = [encode_chat(tokenizer, [{"role": "user", "content": q["turns"][0]}])[0] for q in picked][:largest]
-    methods = {"specdec_prompt_lookup": SpecDecoder(target, "prompt_lookup", tokenizer=tokenizer)}
-    if args.draft:
-        draft, _ = load_model(args.draft)
-        methods["specdec_draft_model"] = SpecDecoder(target, draft, tokenizer=tokenizer)
+    eos, pad = set(eos_token_ids(target)), pad_token_id(target)
+    prompts = prompts_for(tokenizer, args.dataset, args.categories, max(args.batch_sizes), args.prompt_tokens)
+    decoders = {name: SpecDecoder(target, METHODS[name], tokenizer=tokenizer) for name in args.methods}
+    meta = {"machine": machine.describe(), "cpu_model": machine.cpu_model(), "cpu_capability": machine.cpu_capability(),
+            "cpu_flags": machine.cpu_flags(), "isa_caps": machine.isa_caps(), "torch": torch.__version__,
+            "target": args.target, "categories": args.categories, "max_new_tokens": args.max_new_tokens,
+            "prompt_tokens": args.prompt_tokens, "repeats": args.repeats, "threads": args.threads,
+            "cores": os.cpu_count(), "load_average": load,
+            "command": " ".join(["python benchmarks/batching.py", *sys.argv[1:]])}
+    print(meta["machine"], flush=True)
+    rows = []
+    for batch in args.batch_sizes:
+        ids, mask = left_pad(prompts[:batch], pad)
+        results, rows_of = measure(target, decoders, ids, mask, args.max_new_tokens, args.repeats, eos)
+        rows.append(summarise(batch, results, rows_of["transformers"], rows_of))
+        load["end"] = os.getloadavg()[0]
+        print(json.dumps({k: (round(v["speedup"], 3) if isinstance(v, dict) else v) for k, v in rows[-1].items()}),
+              flush=True)
+        write(args.out, meta, rows)
 
-    print(f"reference: each of {len(prompts)} prompts decoded alone with target.generate", flush=True)
-    alone = [target.generate(p[None], max_new_tokens=args.max_new_tokens, do_sample=False)[0, p.numel():]
-             for p in prompts]
-    alone = [real_new_tokens(a[None], eos)[0] for a in alone]
 
-    results = []
-    for batch_size in args.batch_sizes:
-        batches = [prompts[i: i + batch_size] for i in range(0, largest, batch_size)]
-        timings = {"plain_batched_generate": 0.0, **{m: 0.0 for m in methods}}
-        tokens = {m: 0 for m in timings}
-        exact = {m: 0 for m in timings}
-        mal = {}
-        for batch_index, batch in enumerate(batches):
-            ids, mask = left_pad(batch, pad)
-            warm_ids, warm_mask = ids[:, -8:], mask[:, -8:].clone().fill_(1)
-            target.generate(warm_ids, attention_mask=warm_mask, max_new_tokens=2, do_sample=False)
-            start = time.perf_counter()
-            plain = target.generate(ids, attention_mask=mask, max_new_tokens=args.max_new_tokens, do_sample=False)
-            timings["plain_batched_generate"] += time.perf_counter() - start
-            outputs = {"plain_batched_generate": real_new_tokens(plain[:, ids.shape[1]:], eos)}
-            for name, decoder in methods.items():
-                start = time.perf_counter()
-                out = decoder.generate(ids, mask, max_new_tokens=args.max_new_tokens)
-                timings[name] += time.perf_counter() - start
-                outputs[name] = real_new_tokens(out.sequences[:, ids.shape[1]:], eos)
-                mal[name] = mal[name] + out.stats if name in mal else out.stats
-            for name, rows in outputs.items():
-                tokens[name] += sum(len(r) for r in rows)
-                exact[name] += sum(r == alone[batch_index * batch_size + i] for i, r in enumerate(rows))
-        row = {"batch_size": batch_size, "rows": largest}
-        for name in timings:
-            row[name] = {"tokens_per_second": tokens[name] / timings[name], "seconds": timings[name],
-                         "new_tokens": tokens[name], "rows_identical_to_alone": exact[name] / largest}
-            if name in mal:
-                row[name]["mean_accepted_length"] = mal[name].mean_accepted_length
-                row[name]["speedup_over_plain_batched"] = (tokens[name] / timings[name]) / (
-                    tokens["plain_batched_generate"] / timings["plain_batched_generate"])
-        results.append(row)
-        print(json.dumps(row), flush=True)
+def measure(target, decoders: dict, ids, mask, new_tokens: int, repeats: int, eos: set) -> tuple[dict, dict]:
+    """(results, rows_of): per method the seconds of each round, new tokens, one-time seconds and
+    last stats; and each method's rows of real new tokens (see the module doc)."""
+    def call(name: str, n: int):
+        if name == "transformers":
+            return target.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False)[:, ids.shape[1]:], None
+        out = decoders[name].generate(ids, mask, max_new_tokens=n)
+        return out.sequences[:, ids.shape[1]:], out.stats
 
-    out = Path(args.out)
+    names = ["transformers", *decoders]
+    results, rows_of = {}, {}
+    for name in names:  # one-time work, untimed in the rounds
+        started = time.perf_counter()
+        call(name, 2)
+        results[name] = {"seconds": [], "one_time_seconds": time.perf_counter() - started}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            started = time.perf_counter()
+            new, stats = call(name, new_tokens)
+            results[name]["seconds"].append(time.perf_counter() - started)
+            rows_of[name] = real_new_tokens(new, eos)
+            results[name]["new_tokens"] = sum(len(row) for row in rows_of[name])
+            if stats is not None:
+                results[name]["stats"] = stats
+    return results, rows_of
+
+
+def write(out: Path, meta: dict, rows: list) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"target": args.target, "categories": args.categories,
-                                                  "max_new_tokens": args.max_new_tokens, "threads": args.threads,
-                                                  "results": results}, indent=1))
-    print(f"\n{'batch':>5} {'plain tok/s':>12} " + " ".join(f"{m + ' tok/s':>28} {'speedup':>8}" for m in methods))
-    for row in results:
-        print(f"{row['batch_size']:>5} {row['plain_batched_generate']['tokens_per_second']:>12.1f} " + " ".join(
-            f"{row[m]['tokens_per_second']:>28.1f} {row[m]['speedup_over_plain_batched']:>7.2f}x" for m in methods))
+    (out / "results.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1, default=str))
+    methods = [k for k in rows[0] if k not in ("batch_size", "transformers")]
+    load = meta["load_average"]
+    lines = ["# Batched decoding: specdec's defaults against transformers' batched generate", "",
+             f"Machine: {meta['machine']}; shared with other jobs (1-minute load average {load['start']:.1f} at the "
+             f"start, {load.get('end', float('nan')):.1f} at the end, on {meta['cores']} cores). torch {meta['torch']}; "
+             f"{meta['threads']} threads; {meta['target']}; prompts from {', '.join(meta['categories'])} (last "
+             f"{meta['prompt_tokens']} tokens each), {meta['max_new_tokens']} new tokens; median of "
+             f"{meta['repeats']} rounds, the methods taking turns; each method's one-time work done first, untimed.", "",
+             f"Command: `{meta['command']}`", "",
+             "Speedup = transformers' batched generate time / the method's (same batch, same settings); rows = "
+             "rows identical to transformers' batched output.", "",
+             "| batch | transformers tokens/s | " + " | ".join(f"{m} speedup (MAL, rows)" for m in methods) + " |",
+             "|---" * (len(methods) + 2) + "|"]
+    for row in rows:
+        cells = []
+        for m in methods:
+            r = row[m]
+            mal = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "-"
+            cells.append(f"{r['speedup']:.2f}x ({mal}, {r['rows_identical_to_transformers']}/{row['batch_size']})")
+        lines.append(f"| {row['batch_size']} | {row['transformers']['tokens_per_second']:.1f} | " + " | ".join(cells) + " |")
+    (out / "report.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -101,6 +101,10 @@ class DecodeRun:
         prefill, positions = prompt.spec.for_model(target) if prompt.prefix is None else (None, None)
         self.target = ModelState(target, prompt.rows, prompt.lengths, pad_token_id=settings.pad,
                                  prefill_inputs=prefill, positions=positions, **self._cache_args(target))
+        # a re-fed token widens every row's next forward: a plain step of a batch would then cost
+        # several, so the target's rows that end apart are shifted into line instead (a copy of the
+        # lagging rows' cache; docs/performance.md, "Batches")
+        self.target.refeed_limit = 0
         if prompt.prefix is not None:
             self.target.continue_from(prompt.prefix)
         self.followers: list[ModelState] = []  # assistants in the target's token space

@@ -79,7 +79,9 @@ def cache_problem(model, batch_size: int) -> str | None:
 
 
 class ModelState:
-    #: rows whose cached ends differ by at most this many slots re-feed instead of shifting
+    #: rows whose cached ends differ by at most this many slots re-feed instead of shifting (the
+    #: default of ``refeed_limit``; a state that makes every row's next forward wider by re-feeding,
+    #: as the target's does, sets it lower: docs/performance.md, "Batches")
     REFEED_LIMIT = 16
 
     #: token columns (and static cache slots) allocated beyond the prompt at first; both grow as they fill
@@ -116,6 +118,7 @@ class ModelState:
         self.vocab_limit = int(table.shape[0]) if table is not None else vocab_size(model)
         self._cache_kwarg = cache_argument(model)
         self._mirrored: tuple[torch.Tensor, int] | None = None  # see mirror()
+        self.refeed_limit = self.REFEED_LIMIT  # ends at most this far apart re-feed; farther ones shift
 
     @property
     def batch_size(self) -> int:
@@ -323,8 +326,8 @@ class ModelState:
     def _realign(self, valid_ends: torch.Tensor) -> None:
         """Restore the invariant given each row's valid slot end ``valid_ends [B]``."""
         lo, hi = int(valid_ends.min()), int(valid_ends.max())
-        if hi - lo <= self.REFEED_LIMIT:
-            target = lo  # rows past `lo` re-feed at most REFEED_LIMIT tokens
+        if hi - lo <= self.refeed_limit:
+            target = lo  # rows past `lo` re-feed at most refeed_limit tokens
         else:
             target = hi
             shifts = hi - valid_ends  # [B] lagging rows move right
