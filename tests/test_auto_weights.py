@@ -166,3 +166,17 @@ def test_torchs_dynamic_int8_copy_drafts_eagerly_and_exactly(target):
     assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=16, do_sample=False))
     assert out.stats.accepted_tokens > 0 and out.stats.compile_seconds == 0  # its packed layers never compile
     assert out.stats.choices["weights"] == "dynamic_int8"
+
+
+def test_the_bench_report_says_what_each_method_chose(tmp_path):
+    from specdec.bench.report import write_report
+    from test_bench import _synthetic_run
+
+    chose = AcceptanceStats(steps=2, committed_tokens=4, total_seconds=0.5,
+                            choices={"weights": "w8a8", "weights_choice": "w8a8: the best expected rate on a CPU"})
+    out = _synthetic_run(tmp_path, [chose.as_dict(), AcceptanceStats(steps=2, committed_tokens=4).as_dict(),
+                                    AcceptanceStats(steps=2, committed_tokens=4).as_dict()])
+    write_report(out, log=None)
+    section = (out / "report.md").read_text().split("## Choices made on this machine", 1)[1].split("\n## ", 1)[0]
+    assert "| `auto` | `weights` | w8a8 |" in section
+    assert "| `auto` | `weights_choice` | w8a8: the best expected rate on a CPU |" in section

@@ -233,6 +233,20 @@ def _warmup_section(meta: dict) -> list[str]:
     return out + _table(["method", "warm-up (compile)"], body)
 
 
+def _choices_section(meta: dict, rows: list[dict]) -> list[str]:
+    """Per method, the one-time choices its calls made and why (``AcceptanceStats.choices``: e.g.
+    the precision ``self_draft``'s ``weights="auto"`` measured best on this machine)."""
+    made = {name: stats.choices for name, stats in method_stats(meta, rows).items() if stats.choices}
+    if not made:
+        return []
+    out = ["", "## Choices made on this machine", "",
+           "What each method chose for itself, and why (`AcceptanceStats.choices`); the measuring was done in the "
+           "untimed warm-up call, so no tokens/s above includes it.", ""]
+    body = [[f"`{name}`", f"`{key}`", value.replace("|", "/")] for name, choices in made.items()
+            for key, value in choices.items()]
+    return out + _table(["method", "choice", "value"], body)
+
+
 def _draft_lengths_section(meta: dict, rows: list[dict], all_summaries: list[Summary],
                            figures: list[str]) -> list[str]:
     """Per drafting method: mean K, the K distribution, the skipped-drafting share, calibration time."""
@@ -345,7 +359,8 @@ def render_markdown(meta: dict, rows: list[dict], all_summaries: list[Summary], 
     subtasks = [g for g in SUBTASKS if any(s.subtask == g for s in all_summaries)]
     single = [r for r in rows if not is_batched(r)]
     out = (_header(meta, rows) + _subtask_tables(meta, all_summaries, subtasks) + _warmup_section(meta)
-           + _draft_lengths_section(meta, rows, all_summaries, figures) + _batch_section(meta, rows)
+           + _choices_section(meta, rows) + _draft_lengths_section(meta, rows, all_summaries, figures)
+           + _batch_section(meta, rows)
            + _pairs_section(meta, single, all_summaries, subtasks) + _notes(meta, figures, plots_skipped))
     return "\n".join(out) + "\n"
 
