@@ -41,18 +41,25 @@ def prompts_for(tokenizer, dataset: str, categories: list[str], count: int, long
     """``count`` chat-formatted prompts, the categories taken in turn, each cut to its last ``longest`` tokens."""
     questions = load_questions(dataset)
     per = {c: [q for q in questions if q["category"] == c] for c in categories}
+    empty = [c for c, found in per.items() if not found]
+    if empty:
+        raise SystemExit(f"no Spec-Bench questions in categories {empty}")
     picked = [per[c][i] for i in range(count) for c in categories if i < len(per[c])][:count]
     return [encode_chat(tokenizer, [{"role": "user", "content": q["turns"][0]}])[0][-longest:] for q in picked]
 
 
 def summarise(batch: int, results: dict, reference_rows: list, rows_of: dict) -> dict:
-    base = statistics.median(results["transformers"]["seconds"])
+    """One batch size's row: per method its median seconds and tokens/s, and its speedup over
+    transformers as the median of the rounds' ratios (each round ran both, close in time: a ratio
+    within a round is the least touched by the machine's changing load), with their range."""
+    base = results["transformers"]["seconds"]
     out = {"batch_size": batch}
     for name, r in results.items():
         seconds = statistics.median(r["seconds"])
+        ratios = [b / s for b, s in zip(base, r["seconds"])]
         entry = {"seconds": seconds, "all_seconds": r["seconds"], "new_tokens": r["new_tokens"],
-                 "tokens_per_second": r["new_tokens"] / seconds, "speedup": base / seconds,
-                 "one_time_seconds": r["one_time_seconds"],
+                 "tokens_per_second": r["new_tokens"] / seconds, "speedup": statistics.median(ratios),
+                 "speedup_range": [min(ratios), max(ratios)], "one_time_seconds": r["one_time_seconds"],
                  "rows_identical_to_transformers": sum(a == b for a, b in zip(rows_of[name], reference_rows))}
         stats = r.get("stats")
         if stats is not None:
@@ -68,7 +75,8 @@ def main() -> None:
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    parser.add_argument("--categories", nargs="+", default=["summarization", "mt_bench", "rag", "qa"])
+    parser.add_argument("--categories", nargs="+", default=["summarization", "writing", "rag", "qa"],
+                        help="Spec-Bench categories (mt_bench's are writing, roleplay, reasoning, ...)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=384, help="each prompt cut to its last N tokens")
     parser.add_argument("--repeats", type=int, default=3)
@@ -140,16 +148,20 @@ def write(out: Path, meta: dict, rows: list) -> None:
              f"{meta['prompt_tokens']} tokens each), {meta['max_new_tokens']} new tokens; median of "
              f"{meta['repeats']} rounds, the methods taking turns; each method's one-time work done first, untimed.", "",
              f"Command: `{meta['command']}`", "",
-             "Speedup = transformers' batched generate time / the method's (same batch, same settings); rows = "
-             "rows identical to transformers' batched output.", "",
-             "| batch | transformers tokens/s | " + " | ".join(f"{m} speedup (MAL, rows)" for m in methods) + " |",
+             "Speedup = transformers' batched generate time / the method's (same batch, same settings), the median "
+             "of the rounds' ratios [their range]; MAL = mean accepted length; rows = rows identical to transformers' "
+             "batched output.", "",
+             "| batch | transformers tokens/s | " + " | ".join(f"{m} speedup [range] (MAL, rows)" for m in methods)
+             + " |",
              "|---" * (len(methods) + 2) + "|"]
     for row in rows:
         cells = []
         for m in methods:
             r = row[m]
             mal = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "-"
-            cells.append(f"{r['speedup']:.2f}x ({mal}, {r['rows_identical_to_transformers']}/{row['batch_size']})")
+            lo, hi = r["speedup_range"]
+            cells.append(f"{r['speedup']:.2f}x [{lo:.2f}-{hi:.2f}] ({mal}, "
+                         f"{r['rows_identical_to_transformers']}/{row['batch_size']})")
         lines.append(f"| {row['batch_size']} | {row['transformers']['tokens_per_second']:.1f} | " + " | ".join(cells) + " |")
     (out / "report.md").write_text("\n".join(lines) + "\n")
 

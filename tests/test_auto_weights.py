@@ -35,25 +35,25 @@ def target():
 
 
 def fake_timings(monkeypatch, steps: dict, agreements: dict, target_seconds: float = 0.010):
-    """Measurements as given: {weights: step seconds}, {weights: agreement}; the target's forward
-    ``target_seconds`` at one token and 1.5 times that at ``VERIFY_WIDTH``."""
-    def interleaved(timers, rounds):
-        out = {"target": target_seconds, "target-wide": 1.5 * target_seconds}
-        return {**out, **{name: steps[name] for name in timers if name in steps}}
-
-    def agreement(reference, copy, ids):
-        return next(agreements[w] for w, made in built.items() if made is copy)
-
-    built = {}
+    """Measurements as given: {weights: step seconds}, {weights: agreement}; the target's step
+    ``target_seconds`` and its forward of ``VERIFY_WIDTH`` tokens 1.5 times that. Returns a builder
+    that fails for weights without a step (a candidate this machine cannot build)."""
+    def interleaved(timers, count):
+        reference = list(range(100))  # the target's greedy tokens
+        tops = {"target": reference}
+        for name in timers:
+            if name in agreements:
+                same = round(agreements[name] * 100)
+                tops[name] = reference[:same] + [-1] * (100 - same)
+        seconds = {"target": target_seconds, **{name: steps[name] for name in timers if name in steps}}
+        return seconds, tops, 1.5 * target_seconds
 
     def build(model, weights):
         if weights not in steps:
             raise ImportError(f"no kernel for {weights} here")
-        built[weights] = build_copy(model, "bfloat16")
-        return built[weights]
+        return build_copy(model, "bfloat16")
 
     monkeypatch.setattr(choose, "interleaved", interleaved)
-    monkeypatch.setattr(choose, "agreement", agreement)
     return build
 
 
@@ -180,3 +180,13 @@ def test_the_bench_report_says_what_each_method_chose(tmp_path):
     section = (out / "report.md").read_text().split("## Choices made on this machine", 1)[1].split("\n## ", 1)[0]
     assert "| `auto` | `weights` | w8a8 |" in section
     assert "| `auto` | `weights_choice` | w8a8: the best expected rate on a CPU |" in section
+
+
+def test_steps_are_timed_and_compared_one_token_at_a_time(target):
+    """Every model steps through the same tokens; a copy identical to the target agrees everywhere."""
+    ids = torch.arange(5, 25)[None, :]
+    timers = {"target": choose.StepTimer(target, ids, 6), "same": choose.StepTimer(target, ids, 6)}
+    seconds, tops, wide = choose.interleaved(timers, 6)
+    assert len(tops["target"]) == 6 and tops["same"] == tops["target"] and wide > 0
+    assert choose.agreement(tops["target"], tops["same"]) == 1.0 and seconds["same"] > 0
+    assert timers["target"].position == ids.shape[1]  # each step fed the next token and kept it

@@ -7,12 +7,13 @@ own on one with AVX2 only, where a bfloat16 copy or torch's fbgemm layers (``dyn
 and model:
 
 1. each candidate copy this machine can build (:func:`candidates`) is built;
-2. the target's forwards of 1 and :data:`VERIFY_WIDTH` tokens and each copy's one-token draft
-   step are timed eagerly after a short calibration text, on caches of the kinds they run on:
-   every model once a round, the order rotating from round to round (the machine may be shared),
-   medians of :data:`ROUNDS` rounds;
-3. each copy's agreement with the target: both models' greedy next token, teacher-forced over the
-   calibration text;
+2. the target and each copy step through the last :data:`STEPS` tokens of a short calibration
+   text one token at a time, eagerly, on caches of the kinds they run on (a draft's step, and a
+   plain decoding step): every model once a round, the order rotating from round to round (the
+   machine may be shared), medians; the target's forward of :data:`VERIFY_WIDTH` tokens is timed
+   every few rounds too (the cost of verifying);
+3. each copy's agreement with the target: the share of those steps where both models' greedy next
+   token is the same (teacher-forced);
 4. each copy's expected rate by the draft-length policy's own model: the best K of
    ``E(K) / (K d + T(K + 1))``, E from the agreement (:func:`specdec.policy.plan.expected_tokens`),
    d the copy's step, T the target's forward (linear in its width between the two timed); the
@@ -45,8 +46,12 @@ import torch
 
 #: tokens the target's wider timed forward feeds: verifying a few drafts (the cost's slope)
 VERIFY_WIDTH = 8
-#: timing rounds (each times every model once)
-ROUNDS = 7
+#: calibration tokens each model steps through one at a time, timed and compared: a draft steps one
+#: token at a time, and a copy whose activations are quantized per tensor (torch's dynamic int8)
+#: agrees with the target far less over a many-token forward than in one-token steps
+STEPS = 16
+#: the target's forward of VERIFY_WIDTH tokens is timed every this many steps
+WIDE_EVERY = 4
 #: the most drafts a step may verify when pricing a copy (the policy's default cap)
 MAX_DRAFTS = 16
 #: a text to measure agreement on, when a tokenizer can encode it (else the call's prompt)
@@ -100,70 +105,87 @@ class Choice:
 
 
 def candidates(model) -> tuple[str, ...]:
-    """The copies worth measuring for ``model`` on its device: on a CPU w8a8, bfloat16 and
-    torch's dynamic int8, and torchao's weight-only int8 where torchao is installed."""
-    extra = ("int8",) if importlib.util.find_spec("torchao") is not None else ()
-    return ("w8a8", "bfloat16", "dynamic_int8", *extra)
+    """The copies worth measuring for ``model`` on a CPU: w8a8, bfloat16 and torch's dynamic int8.
+    torchao's weight-only int8 is not among them: its eager step costs more than the fp32 target's
+    on every CPU measured (benchmarks/results/forward_cost_isa/README.md), and a call drafts eagerly
+    unless warmed up; name it (``weights="int8"``) to draft with it compiled."""
+    return ("w8a8", "bfloat16", "dynamic_int8")
 
 
 # -- timing -------------------------------------------------------------------------------------
 class StepTimer:
-    """A model on a cache holding ``ids [1, L]``: times forwards of any width after them (each
-    rolled back), through the cache backends decoding uses (``specdec.kv``)."""
+    """A model stepping through the calibration tokens ``ids [1, L]`` one at a time, as a draft
+    does, through the cache backends decoding uses (``specdec.kv``): prefilled with all but the
+    last ``steps`` tokens, then :meth:`step` feeds the next one (timed, its greedy next token
+    kept); :meth:`time` times a wider forward and rolls it back."""
 
-    def __init__(self, model, ids: torch.Tensor, cache=None, room: int = VERIFY_WIDTH):
+    def __init__(self, model, ids: torch.Tensor, steps: int, cache=None):
         from ..kv import make_kv
         from ..modelinfo import cache_argument
 
-        self.model, self.context = model, ids.shape[1]
-        self.ids = torch.cat([ids, ids[:, :room].expand(1, -1)], dim=1)[:, : self.context + room]  # [1, L + room]
+        self.model, self.position = model, ids.shape[1] - steps
+        self.ids = torch.cat([ids, ids[:, :VERIFY_WIDTH]], dim=1)  # [1, L + VERIFY_WIDTH]: room for a wide forward
         self.kv = make_kv(model, 1, self.ids.shape[1] + 1, cache)
         self.cache_kwarg = cache_argument(model)
         with torch.no_grad():
-            self.forward(0, self.context, True)
+            self._forward(0, self.position, True)
 
-    def forward(self, start: int, width: int, first: bool) -> None:
+    def _forward(self, start: int, width: int, first: bool = False) -> torch.Tensor:
         fed = self.kv.padded_width(width, first)
         kwargs = {"input_ids": self.ids[:, start: start + fed], "position_ids": torch.arange(start, start + fed)[None, :],
                   self.cache_kwarg: self.kv.cache, "use_cache": True, "logits_to_keep": 1 if first else width}
         mask = lambda slots: (torch.arange(slots) < start + width).long()[None, :]  # noqa: E731
-        self.kv.forward(self.model, kwargs, first_slot=start, width=width, first=first, mask=mask, needs_mask=False,
-                        direct=True)
+        return self.kv.forward(self.model, kwargs, first_slot=start, width=width, first=first, mask=mask,
+                               needs_mask=False, direct=True)
 
-    def time(self, width: int) -> float:
-        """Seconds of one forward of ``width`` tokens after the context (then rolled back)."""
+    def step(self) -> tuple[float, int]:
+        """Feed the next calibration token: (seconds, the greedy next token after it)."""
         started = time.perf_counter()
         with torch.no_grad():
-            self.forward(self.context, width, False)
+            logits = self._forward(self.position, 1)  # [1, 1, V]
         seconds = time.perf_counter() - started
-        self.kv.crop(self.context + width, self.context)
+        self.position += 1
+        return seconds, int(logits[0, -1].argmax())
+
+    def time(self, width: int) -> float:
+        """Seconds of one forward of ``width`` tokens at the current position (then rolled back)."""
+        started = time.perf_counter()
+        with torch.no_grad():
+            self._forward(self.position, width)
+        seconds = time.perf_counter() - started
+        self.kv.crop(self.position + width, self.position)
         return seconds
 
     def release(self) -> None:
         self.kv.release()
 
 
-def interleaved(timers: dict[str, tuple[StepTimer, int]], rounds: int) -> dict[str, float]:
-    """{name: median seconds} of ``timers`` ({name: (timer, width)}), each timed once a round
-    (after one untimed forward each), the order rotating from round to round."""
+def interleaved(timers: dict[str, StepTimer], steps: int) -> tuple[dict[str, float], dict[str, list[int]], float]:
+    """Every model of ``timers`` (the target's named ``"target"``) steps through ``steps`` tokens,
+    one step each a round, the order rotating from round to round; the target's wider forward is
+    timed every :data:`WIDE_EVERY` rounds. -> ({name: median step seconds}, {name: greedy tokens},
+    median seconds of the target's forward of :data:`VERIFY_WIDTH` tokens)."""
     names = list(timers)
-    for timer, width in timers.values():
-        timer.time(width)  # first-use work (kernel selection, allocation) is not a step's cost
+    for timer in timers.values():
+        timer.time(1)  # first-use work (kernel selection, allocation) is not a step's cost
+    timers["target"].time(VERIFY_WIDTH)
     times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
+    tops: dict[str, list[int]] = {name: [] for name in names}
+    wide = []
+    for r in range(steps):
         for name in names[r % len(names):] + names[: r % len(names)]:
-            timer, width = timers[name]
-            times[name].append(timer.time(width))
-    return {name: statistics.median(t) for name, t in times.items()}
+            seconds, top = timers[name].step()
+            times[name].append(seconds)
+            tops[name].append(top)
+        if r % WIDE_EVERY == 0:
+            wide.append(timers["target"].time(VERIFY_WIDTH))
+    return {name: statistics.median(t) for name, t in times.items()}, tops, statistics.median(wide)
 
 
 # -- the choice ---------------------------------------------------------------------------------
-def agreement(target, copy, ids: torch.Tensor) -> float:
-    """Share of the positions of ``ids [1, L]`` where the copy's greedy next token is the target's."""
-    with torch.no_grad():
-        want = target(input_ids=ids).logits.argmax(-1)  # [1, L]
-        got = copy(input_ids=ids).logits.argmax(-1)
-    return float((want == got).float().mean())
+def agreement(reference: list[int], tops: list[int]) -> float:
+    """Share of the positions where a copy's greedy next token is the target's."""
+    return sum(a == b for a, b in zip(reference, tops)) / max(len(reference), 1)
 
 
 def expected_speedup(accept: float, step: float, target_seconds: Callable[[int], float]) -> tuple[float, int]:
@@ -179,13 +201,14 @@ def expected_speedup(accept: float, step: float, target_seconds: Callable[[int],
 
 
 def measure(target, sample: torch.Tensor, build: Callable, draft_cache=None,
-            weights: tuple[str, ...] | None = None, rounds: int = ROUNDS) -> tuple[Choice, dict]:
+            weights: tuple[str, ...] | None = None, steps: int = STEPS) -> tuple[Choice, dict]:
     """Build, time and compare the candidate copies of ``target`` (see the module doc) on the
     calibration tokens ``sample [1, L]``. Returns the choice and the copies built ({weights: copy})."""
     from .. import machine
     from ..kv import CacheSettings
 
     started = time.perf_counter()
+    steps = max(1, min(steps, sample.shape[1] - 1))
     built, found = {}, []
     for name in weights or candidates(target):
         try:
@@ -193,20 +216,19 @@ def measure(target, sample: torch.Tensor, build: Callable, draft_cache=None,
             found.append(Candidate(name))
         except Exception as exc:  # a candidate this machine cannot build (a missing kernel or package)
             found.append(Candidate(name, problem=f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"))
-    plain = StepTimer(target, sample, CacheSettings())
-    steps = {name: StepTimer(copy, sample, draft_cache) for name, copy in built.items()}
+    timers = {"target": StepTimer(target, sample, steps, CacheSettings()),
+              **{name: StepTimer(copy, sample, steps, draft_cache) for name, copy in built.items()}}
     try:
-        seconds = interleaved({"target": (plain, 1), "target-wide": (plain, VERIFY_WIDTH),
-                               **{name: (timer, 1) for name, timer in steps.items()}}, rounds)
+        seconds, tops, wide = interleaved(timers, steps)
     finally:
-        for timer in (plain, *steps.values()):
+        for timer in timers.values():
             timer.release()
-    one, wide = seconds["target"], seconds["target-wide"]
+    one = seconds["target"]
     slope = max(wide - one, 0.0) / (VERIFY_WIDTH - 1)
     cost = lambda width: one + slope * (width - 1)  # noqa: E731  the target's forward of ``width`` tokens
     for c in found:
         if c.problem is None:
-            c.step_seconds, c.agreement = seconds[c.weights], agreement(target, built[c.weights], sample)
+            c.step_seconds, c.agreement = seconds[c.weights], agreement(tops["target"], tops[c.weights])
             c.expected_speedup, c.drafts = expected_speedup(c.agreement, c.step_seconds, cost)
     usable = [c for c in found if c.problem is None]
     if not usable:
