@@ -1,5 +1,4 @@
-"""The test session: one torch thread, the tests' own weight cache, real models de-quantized in the
-background, real-model tests last.
+"""The test session: one torch thread, the tests' own weight cache, two processes, a prefetch.
 
 * **Threads.** One intra-op thread by default: tiny models gain nothing from more, and on a 2-core
   machine shared with other work two spinning threads per op were much slower
@@ -9,52 +8,179 @@ background, real-model tests last.
   ``.test-cache/`` at the repository root (``SPECDEC_TEST_CACHE`` overrides it), never in the
   user's cache. It is passed on as ``SPECDEC_CACHE``, so subprocesses the tests start find it too.
   A fresh clone fills it once; later sessions load in seconds. ``tests/test_cli.py`` tests the
-  cache itself in temporary folders.
-* **Prefetch.** When the session collects real-model tests whose models are not cached yet, one
-  subprocess de-quantizes them into that folder at collection time, on the core the
-  single-threaded tests leave idle, and the real-model tests run last: each waits for the
-  subprocess before it starts (if it failed, the test's own ``load_model`` reports why).
-* **Once per session.** ``smollm2`` and ``gemma3`` are session fixtures: each real model is
-  loaded once.
+  cache itself in temporary folders. ``smollm2`` and ``gemma3`` are session fixtures: each real
+  model is loaded once per process.
+* **Two processes.** The tests are single-threaded, so on a machine of two or more cores the
+  session runs the long tests that depend on nothing else, the real-model tests and the modules
+  that compile (those using ``fresh_dynamo``), in a second pytest process started as soon as the
+  tests are collected, while this one runs the rest. They are ordered last here, and when this
+  process reaches them it reports what the second one reported (pytest's own report
+  serialization), so selection, ``-x``, ``--durations`` and the exit status work as in one
+  process. ``SPECDEC_TEST_PROCESSES=1`` runs everything in this process (as does a one-core
+  machine, or a selection with nothing, or nothing but, for the second process).
+* **Prefetch.** When the process that runs the real-model tests finds their models not cached
+  yet, it starts one more subprocess at collection that de-quantizes them into that folder while
+  the other tests run; the real-model tests run last and each waits for it before it starts (if
+  it failed, the test's own ``load_model`` reports why).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+from pytest import TestReport
 
 ROOT = Path(__file__).resolve().parent.parent
 torch.set_num_threads(int(os.environ.get("SPECDEC_TEST_THREADS", "1")))
 os.environ["SPECDEC_CACHE"] = os.environ.get("SPECDEC_TEST_CACHE") or str(ROOT / ".test-cache")
 
+#: set in the second process: the file it writes its reports to (one JSON object a line)
+REPORTS_ENV = "SPECDEC_TEST_REPORTS"
+#: "1": run every test in this process
+PROCESSES_ENV = "SPECDEC_TEST_PROCESSES"
 #: session fixture -> the packaged model it loads
 REAL_MODELS = {"smollm2": "smollm2-135m", "gemma3": "gemma3-270m"}
 #: what the prefetch subprocess runs: load (de-quantize and cache) each model named on its command line
 PREFETCH = ("import os, sys, torch; os.nice(5); torch.set_num_threads(1)\n"
             "from specdec import load_model\n"
             "for name in sys.argv[1:]: load_model(name)\n")
-_prefetch: subprocess.Popen | None = None
+
+
+class _Session:
+    """This process's helpers: the second test process (its tests, their reports once it has
+    ended, its folder) and the prefetch subprocess."""
+
+    config: pytest.Config | None = None
+    second: subprocess.Popen | None = None
+    folder: Path | None = None
+    second_ids: set[str] = set()
+    reports: dict[str, list[TestReport]] | None = None
+    prefetch: subprocess.Popen | None = None
 
 
 def _is_real(item) -> bool:
     return item.get_closest_marker("real_model") is not None
 
 
-@pytest.hookimpl(trylast=True)  # after pytest's own reordering by parametrized fixtures
+def _goes_second(item) -> bool:
+    """Long, and independent of the other modules: a real model, or a module that compiles."""
+    return _is_real(item) or "fresh_dynamo" in getattr(item, "fixturenames", ())
+
+
+def pytest_configure(config):
+    _Session.config = config
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own reordering (parametrized fixtures) and deselection
 def pytest_collection_modifyitems(session, config, items):
-    """Real-model tests last (a stable sort: their order among themselves is kept)."""
+    """Real-model tests last; in a split session, everything the second process runs last
+    (stable sorts: the order among those is kept). Then start the other processes."""
     items.sort(key=_is_real)
+    if _split(items):
+        items.sort(key=_goes_second)
+        _start_second(config, [item for item in items if _goes_second(item)])
+    else:
+        _start_prefetch([item for item in items if _is_real(item)])
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for process in (_Session.second, _Session.prefetch):
+        if process is not None and process.poll() is None:  # stopped early (-x, Ctrl-C)
+            process.terminate()
+            process.wait()
+    if _Session.folder is not None:
+        shutil.rmtree(_Session.folder, ignore_errors=True)
+
+
+# -- the second process ------------------------------------------------------------------------
+def _split(items) -> bool:
+    """Whether this session runs some of ``items`` in a second process."""
+    if os.environ.get(REPORTS_ENV) or os.environ.get(PROCESSES_ENV) == "1" or (os.cpu_count() or 1) < 2:
+        return False
+    second = sum(map(_goes_second, items))
+    return 0 < second < len(items)
+
+
+def _start_second(config, items) -> None:
+    _Session.folder = Path(tempfile.mkdtemp(prefix="specdec-tests-"))
+    _Session.second_ids = {item.nodeid for item in items}
+    env = {**os.environ, REPORTS_ENV: str(_Session.folder / "reports.jsonl")}
+    with open(_Session.folder / "output.log", "w") as log:
+        _Session.second = subprocess.Popen(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *[item.nodeid for item in items]],
+            cwd=config.rootpath, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def pytest_runtest_logreport(report):
+    """In the second process: write each report for the first one."""
+    path = os.environ.get(REPORTS_ENV)
+    if path:
+        config = _Session.config
+        with open(path, "a") as out:
+            out.write(json.dumps(config.hook.pytest_report_to_serializable(config=config, report=report)) + "\n")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test of the second process: report what it reported, instead of running it here."""
+    if item.nodeid not in _Session.second_ids:
+        return None
+    reports = _second_reports(item.config).get(item.nodeid, [])
+    if not reports or reports[-1].when != "teardown":  # the second process died before it finished the test
+        reports = [*reports, _unfinished(item)]
+    item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+    for report in reports:
+        item.ihook.pytest_runtest_logreport(report=report)
+    item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+    return True
+
+
+def _second_reports(config) -> dict[str, list[TestReport]]:
+    """The second process's reports by test id, once it has ended."""
+    if _Session.reports is None:
+        _Session.second.wait()
+        path, reports = _Session.folder / "reports.jsonl", {}
+        for line in path.read_text().splitlines() if path.is_file() else []:
+            report = config.hook.pytest_report_from_serializable(config=config, data=json.loads(line))
+            reports.setdefault(report.nodeid, []).append(report)
+        _Session.reports = reports
+    return _Session.reports
+
+
+def _unfinished(item) -> TestReport:
+    """A failure for a test the second process did not finish (it crashed, say)."""
+    output = (_Session.folder / "output.log").read_text(errors="replace")[-4000:]
+    return TestReport(item.nodeid, item.location, {}, "failed", when="call",
+                      longrepr=f"the second test process (exit status {_Session.second.returncode}) did not "
+                               f"finish this test; its output ends with:\n{output}")
+
+
+# -- the prefetch ------------------------------------------------------------------------------
+def _start_prefetch(real_items) -> None:
+    """De-quantize the real models ``real_items`` need that are not cached yet, in a subprocess."""
+    wanted = [name for fixture, name in REAL_MODELS.items()
+              if any(fixture in getattr(item, "fixturenames", ()) for item in real_items)]
+    names = _uncached(wanted)
+    if names:
+        log = Path(os.environ["SPECDEC_CACHE"]) / "prefetch.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "w") as err:
+            _Session.prefetch = subprocess.Popen([sys.executable, "-c", PREFETCH, *names], cwd=ROOT,
+                                                 stdout=subprocess.DEVNULL, stderr=err)
 
 
 def _uncached(names: list[str]) -> list[str]:
     """Those of the packaged models ``names`` whose de-quantized weights are not cached yet (and
     whose package is installed: a missing one is the test's to report)."""
-    from specdec.models import ModelNotAvailableError, check_model_name, weight_cache_path
+    from specdec.models import check_model_name, weight_cache_path
     from specdec.weight_cache import is_complete
 
     missing = []
@@ -62,62 +188,34 @@ def _uncached(names: list[str]) -> list[str]:
         try:
             check_model_name(name)
             folder = weight_cache_path(name)
-        except ModelNotAvailableError:
+        except Exception:  # noqa: BLE001 - a model that cannot be located is its tests' to report
             continue
         if folder is not None and not is_complete(folder):
             missing.append(name)
     return missing
 
 
-def pytest_collection_finish(session):
-    """Start de-quantizing the real models the collected tests need, if any are not cached."""
-    global _prefetch
-    wanted = [name for fixture, name in REAL_MODELS.items()
-              if any(fixture in getattr(item, "fixturenames", ()) for item in session.items if _is_real(item))]
-    names = _uncached(wanted) if wanted else []
-    if names:
-        log = Path(os.environ["SPECDEC_CACHE"]) / "prefetch.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "w") as err:
-            _prefetch = subprocess.Popen([sys.executable, "-c", PREFETCH, *names], cwd=ROOT,
-                                         stdout=subprocess.DEVNULL, stderr=err)
-
-
-def wait_for_prefetch() -> None:
-    """Block until the prefetch subprocess (if any) has finished."""
-    if _prefetch is not None:
-        _prefetch.wait()
-
-
 @pytest.hookimpl(tryfirst=True)  # before the item's fixtures are set up
 def pytest_runtest_setup(item):
-    if _is_real(item):
-        wait_for_prefetch()  # before the test's fixtures load a model the subprocess is still writing
+    if _is_real(item) and _Session.prefetch is not None:
+        _Session.prefetch.wait()  # before the test's fixtures load a model the subprocess is still writing
 
 
-def pytest_sessionfinish(session, exitstatus):
-    if _prefetch is not None and _prefetch.poll() is None:  # an interrupted session: stop our subprocess
-        _prefetch.terminate()
-        _prefetch.wait()
-
-
-def _load(name: str):
-    from specdec import load_model
-
-    wait_for_prefetch()
-    return load_model(name)
-
-
+# -- fixtures ----------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def smollm2():
-    """SmolLM2-135M-Instruct from its PyPI package (loaded once per test session)."""
-    return _load(REAL_MODELS["smollm2"])
+    """SmolLM2-135M-Instruct from its PyPI package (loaded once per test process)."""
+    from specdec import load_model
+
+    return load_model(REAL_MODELS["smollm2"])
 
 
 @pytest.fixture(scope="session")
 def gemma3():
-    """Gemma-3-270M (base) from its PyPI package (loaded once per test session)."""
-    return _load(REAL_MODELS["gemma3"])
+    """Gemma-3-270M (base) from its PyPI package (loaded once per test process)."""
+    from specdec import load_model
+
+    return load_model(REAL_MODELS["gemma3"])
 
 
 @pytest.fixture(scope="session")

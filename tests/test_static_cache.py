@@ -22,6 +22,7 @@ from specdec import SpecDecoder
 from specdec.kv import WIDTHS, compiled_forward
 
 from helpers import FAST_COMPILE, left_pad, repetitive_prompt, tiny_llava, tiny_pair
+from helpers import reference as greedy
 
 ARCHS = ["llama", "qwen3", "gemma2", "mistral"]  # gemma2 and mistral: sliding window 8
 
@@ -34,7 +35,8 @@ def pairs():
 
 
 def reference(target, rows: list[torch.Tensor], max_new_tokens: int) -> list[torch.Tensor]:
-    return [target.generate(r[None, :], max_new_tokens=max_new_tokens, do_sample=False)[0, r.numel():] for r in rows]
+    """Each row's own ``target.generate`` (computed once per model and row: ``helpers.reference``)."""
+    return [greedy(target, r[None, :], max_new_tokens)[0, r.numel():] for r in rows]
 
 
 def batch_rows(seed: int = 0) -> list[torch.Tensor]:
@@ -62,7 +64,7 @@ def test_static_cache_is_exact(pairs, arch, drafter):
     decoder = SpecDecoder(target, draft if drafter == "draft_model" else drafter, cache_implementation="static")
     ids = repetitive_prompt(12)
     out = decoder.generate(ids, max_new_tokens=40)  # longer than every sliding window
-    assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=40, do_sample=False))
+    assert torch.equal(out.sequences, greedy(target, ids, 40))
     check_rows(decoder, target, batch_rows())
 
 
@@ -74,7 +76,7 @@ def test_compiled_static_path_is_exact(pairs, arch, drafter):
                           compile=FAST_COMPILE, schedule="fixed", num_tokens=3)
     ids = repetitive_prompt(12)
     out = decoder.generate(ids, max_new_tokens=40)
-    assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=40, do_sample=False))
+    assert torch.equal(out.sequences, greedy(target, ids, 40))
     assert sum(out.stats.drafts_verified[1:]) > 0  # blocks of drafts went through the compiled verify
     out = check_rows(decoder, target, batch_rows(3))
     assert out.stats.accepted_tokens > 0
@@ -109,7 +111,7 @@ def test_no_graph_compiles_after_warmup(pairs, drafter):
         for seed, length in [(0, 5), (1, 30), (2, 60), (3, 17), (4, 120)]:  # 120: a 300-token prompt
             ids = repetitive_prompt(length, seed=seed)
             out = decoder.generate(ids, max_new_tokens=50)
-            assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=50, do_sample=False))
+            assert torch.equal(out.sequences, greedy(target, ids, 50))
     finally:
         handle.remove()
     assert counters["stats"]["unique_graphs"] == graphs
