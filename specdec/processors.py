@@ -93,6 +93,8 @@ def positions(prompt_ids: torch.Tensor, tokens: torch.Tensor, lengths: torch.Ten
 
 
 # -- one processor over a block: scores [B, J, V] -> [B, J, V] ---------------------------------------
+# The scores an applier gets are the block's own copy (BlockProcessors.apply made it): the ones
+# vectorized here change the few entries they touch in place, instead of copying the block again.
 def _scores_only(processor, scores: torch.Tensor, pos: Positions) -> torch.Tensor:
     batch, j, vocab = scores.shape
     flat = scores.reshape(batch * j, vocab)
@@ -116,9 +118,8 @@ def _repetition(processor: lp.RepetitionPenaltyLogitsProcessor, scores: torch.Te
     b, p, m = seen.nonzero(as_tuple=True)
     tokens = ids[b, m]
     score = scores[b, p, tokens]
-    out = scores.clone()
-    out[b, p, tokens] = torch.where(score < 0, score * processor.penalty, score / processor.penalty)
-    return out
+    scores[b, p, tokens] = torch.where(score < 0, score * processor.penalty, score / processor.penalty)
+    return scores
 
 
 def _no_repeat(processor: lp.NoRepeatNGramLogitsProcessor, scores: torch.Tensor, pos: Positions) -> torch.Tensor:
@@ -137,9 +138,8 @@ def _no_repeat(processor: lp.NoRepeatNGramLogitsProcessor, scores: torch.Tensor,
         match &= (windows[:, None, :, :-1] == prefix[:, :, None, :]).all(-1)
     match &= (windows[:, None, :, -1] < vocab)  # ids past the scores' width ban nothing
     b, p, w = match.nonzero(as_tuple=True)
-    out = scores.clone()
-    out[b, p, windows[b, w, -1]] = -float("inf")
-    return out
+    scores[b, p, windows[b, w, -1]] = -float("inf")
+    return scores
 
 
 def _encoder_repetition(processor: lp.EncoderRepetitionPenaltyLogitsProcessor, scores: torch.Tensor,
@@ -149,7 +149,7 @@ def _encoder_repetition(processor: lp.EncoderRepetitionPenaltyLogitsProcessor, s
     flat = scores.reshape(batch * j, vocab)
     score = torch.gather(flat, 1, encoder)
     score = torch.where(score < 0, score * processor.penalty, score / processor.penalty)
-    return flat.scatter(1, encoder, score).reshape(batch, j, vocab)
+    return flat.scatter_(1, encoder, score).reshape(batch, j, vocab)
 
 
 def _prefix_constrained(processor: lp.PrefixConstrainedLogitsProcessor, scores: torch.Tensor,
@@ -248,6 +248,7 @@ class BlockProcessors:
     def apply(self, scores: torch.Tensor, pos: Positions) -> torch.Tensor:
         """scores [B, J, V] float32 at ``pos`` -> the processed scores, as ``generate()`` computes them."""
         started = time.perf_counter()
+        scores = scores.clone()  # the block's own: appliers may write in place
         for processor, apply in self.steps:
             scores = apply(processor, scores, pos)
         self.seconds += time.perf_counter() - started
