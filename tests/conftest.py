@@ -49,7 +49,7 @@ PROCESSES_ENV = "SPECDEC_TEST_PROCESSES"
 #: session fixture -> the packaged model it loads
 REAL_MODELS = {"smollm2": "smollm2-135m", "gemma3": "gemma3-270m"}
 #: what the prefetch subprocess runs: load (de-quantize and cache) each model named on its command line
-PREFETCH = ("import os, sys, torch; os.nice(5); torch.set_num_threads(1)\n"
+PREFETCH = ("import sys, torch; torch.set_num_threads(1)\n"
             "from specdec import load_model\n"
             "for name in sys.argv[1:]: load_model(name)\n")
 
