@@ -16,8 +16,9 @@
   tests are collected, while this one runs the rest. They are ordered last here, and when this
   process reaches them it reports what the second one reported (pytest's own report
   serialization), so selection, ``-x``, ``--durations`` and the exit status work as in one
-  process. ``SPECDEC_TEST_PROCESSES=1`` runs everything in this process (as does a one-core
-  machine, or a selection with nothing, or nothing but, for the second process).
+  process. ``SPECDEC_TEST_PROCESSES=1`` runs everything in this process (as do a one-core
+  machine, ``-s``, ``--pdb`` and ``--trace``, and a selection with nothing, or nothing but, for
+  the second process).
 * **Prefetch.** When the process that runs the real-model tests finds their models not cached
   yet, it starts one more subprocess at collection that de-quantizes them into that folder while
   the other tests run; the real-model tests run last and each waits for it before it starts (if
@@ -84,7 +85,9 @@ def pytest_collection_modifyitems(session, config, items):
     """Real-model tests last; in a split session, everything the second process runs last
     (stable sorts: the order among those is kept). Then start the other processes."""
     items.sort(key=_is_real)
-    if _split(items):
+    if config.option.collectonly:
+        return
+    if _split(config, items):
         items.sort(key=_goes_second)
         _start_second(config, [item for item in items if _goes_second(item)])
     else:
@@ -101,9 +104,13 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 # -- the second process ------------------------------------------------------------------------
-def _split(items) -> bool:
-    """Whether this session runs some of ``items`` in a second process."""
+def _split(config, items) -> bool:
+    """Whether this session runs some of ``items`` in a second process: not in the second process
+    itself, on one core, when asked not to, or when a test's output or debugger is wanted here
+    (``-s``, ``--pdb``, ``--trace``)."""
     if os.environ.get(REPORTS_ENV) or os.environ.get(PROCESSES_ENV) == "1" or (os.cpu_count() or 1) < 2:
+        return False
+    if config.getvalue("capture") == "no" or config.getvalue("usepdb") or config.getvalue("trace"):
         return False
     second = sum(map(_goes_second, items))
     return 0 < second < len(items)
