@@ -88,8 +88,9 @@ _REFERENCES: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKe
 def reference(model, ids: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:
     """``model.generate(ids [B, P], max_new_tokens=..., do_sample=False, **kwargs)`` [B, P+N],
     computed once per model, prompt, settings and generation config (greedy output is a function
-    of those) and kept while the model lives. A test that changes a model's weights in place
-    calls ``generate`` itself."""
+    of those) and kept while the model lives. Settings are told apart by their ``repr`` (give a
+    stopping criterion one that names what it does); a test that changes a model's weights in
+    place calls ``generate`` itself."""
     key = (tuple(ids.shape), tuple(ids.flatten().tolist()), max_new_tokens, repr(sorted(kwargs.items())),
            model.generation_config.to_json_string())
     known = _REFERENCES.setdefault(model, {})
