@@ -27,14 +27,16 @@ import time
 from dataclasses import replace
 
 import torch
+from transformers import LogitsProcessorList
 from transformers.generation.stopping_criteria import MaxTimeCriteria
 
 from .compiled import warming
 from .distributed import SOLO, RankCall, Ranks, call_fingerprint
 from .generation import Resolved, build_processors, resolve_config, resolved, split_settings
 from .generators import CandidateGenerator
+from .grammar import GrammarConstraint, compile_grammar
 from .kv import CacheSettings, length_ladder, static_problem
-from .modelinfo import UNSET, pad_token_id, token_id_list
+from .modelinfo import UNSET, pad_token_id, token_id_list, vocab_size
 from .multimodal import PrefillSpec, Prefix, check_call, declared_inputs
 from .outputs import SpecOutput
 from .processors import BlockProcessors
@@ -90,7 +92,7 @@ class SpecDecoder:
                  top_k=UNSET, top_p=UNSET, min_p=UNSET, generator: torch.Generator | None = None, eos_token_id=UNSET,
                  stop_strings=None, stopping_criteria=None, streamer=None, logits_processor=None,
                  prefix_allowed_tokens_fn=None, generation_config=None, prefix: Prefix | None = None,
-                 **kwargs) -> SpecOutput:
+                 grammar=None, **kwargs) -> SpecOutput:
         """Decode up to ``max_new_tokens`` per row; output as ``target.generate`` would give it.
 
         Settings not given come from ``generation_config`` or else the target's
@@ -104,7 +106,9 @@ class SpecDecoder:
         []) means "no EOS", as in ``transformers``. Other keyword arguments are prefill-only
         model inputs (pixel values, grids, token type ids, ...). With ``prefix`` (from
         :meth:`prefill`) the prompt rows must extend the prefix rows and carry no such inputs.
-        ``generator`` (a ``torch.Generator``) draws the sampling's randomness."""
+        ``generator`` (a ``torch.Generator``) draws the sampling's randomness. ``grammar`` (a JSON
+        schema as a dict or pydantic class, a :class:`~specdec.grammar.Grammar`, a compiled xgrammar
+        grammar) constrains every row's output to it (docs/structured.md); it needs ``tokenizer``."""
         started = time.perf_counter()
         settings, model_inputs = split_settings(kwargs)
         prompt = self._prompt(input_ids, attention_mask, model_inputs, prefix)
@@ -114,10 +118,17 @@ class SpecDecoder:
         call = resolved(config, prompt.input_ids.shape[1])
         if stop_strings:
             call.stop_strings = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings)
+        if grammar is not None:  # placed as a user's processor: after the config's, before the warpers
+            logits_processor = [*(logits_processor or []), self.constraint(grammar, call.eos)]
         processors = build_processors(self.target, config, prompt.input_ids, prompt.mask(),
-                                      prefix_allowed_tokens_fn, logits_processor)
+                                      prefix_allowed_tokens_fn, LogitsProcessorList(logits_processor or []))
         criteria = [*(stopping_criteria or []), *([MaxTimeCriteria(config.max_time)] if config.max_time else [])]
         return self.run(prompt, call, processors, criteria, streamer=streamer, generator=generator, started=started)
+
+    def constraint(self, grammar, eos: list[int], tokenizer=None) -> GrammarConstraint:
+        """``grammar`` compiled for the target's tokenizer (once per tokenizer and grammar), ending at ``eos``."""
+        compiled = compile_grammar(grammar, tokenizer or self.tokenizer, vocab_size(self.target), eos)
+        return GrammarConstraint(compiled)
 
     @staticmethod
     def _explicit(max_new_tokens, do_sample, temperature, top_k, top_p, min_p, eos_token_id) -> dict:

@@ -46,6 +46,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from .decoder import SpecDecoder
 from .generation import resolved
 from .generators import CandidateGenerator
+from .processors import with_user_processor
 from .validation import check_generation_config
 
 #: model_kwargs that generate() prepares for its own loop and a decode run makes itself
@@ -106,18 +107,19 @@ def release(model=None) -> None:
 def generate(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
              streamer=None, draft=None, draft_options: dict | None = None, target_tokenizer=None,
              draft_tokenizer=None, generator: torch.Generator | None = None, decoder_options: dict | None = None,
-             **model_kwargs) -> Any:
+             grammar=None, **model_kwargs) -> Any:
     """``model.generate(..., custom_generate=specdec.generate, draft=...)``: the decoding loop, speculative.
 
     ``draft`` is anything ``SpecDecoder`` takes (a registered generator name, a draft model, a
     ``CandidateGenerator``; None decodes plainly through the same loop), ``draft_options`` its
     options (``{"num_tokens": 4}``); ``decoder_options`` ``SpecDecoder``'s own
     (``cache_implementation``, ``compile``, ``fast_head``); ``generator`` a ``torch.Generator`` for
-    the sampling's randomness. Returns what ``generate()`` returns."""
+    the sampling's randomness; ``grammar`` what ``SpecDecoder.generate`` takes (compiled for
+    ``target_tokenizer``). Returns what ``generate()`` returns."""
     if synced_gpus:
         raise ValueError("synced_gpus=True (DeepSpeed ZeRO-3 / FSDP) is not supported by specdec's custom_generate")
     check_generation_config(generation_config)
-    streamer = streamer if streamer is not None else _streamer_of_generate()
+    streamer = streamer if streamer is not None else _of_generate("streamer")
     decoder = DRAFTERS.decoder(model, draft, dict(draft_options or {}), target_tokenizer, draft_tokenizer,
                                dict(decoder_options or {}))
     _refuse_filled_cache(model_kwargs)
@@ -126,6 +128,8 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
     max_length, eos, criteria = _split_criteria(stopping_criteria)
     call = resolved(generation_config, input_ids.shape[1], max_length, eos)
     call.stop_strings = None  # generate()'s StopStringCriteria is among the criteria
+    if grammar is not None:
+        logits_processor = with_user_processor(logits_processor, decoder.constraint(grammar, call.eos))
     out = decoder.run(prompt, call, logits_processor, criteria, streamer=streamer, generator=generator,
                       stream_prompt=False)
     return out if call.return_dict else out.sequences
@@ -153,14 +157,14 @@ def _refuse_filled_cache(model_kwargs: dict) -> None:
                          "its own caches (SpecDecoder.prefill() keeps a prefix's)")
 
 
-def _streamer_of_generate():
-    """The ``streamer`` of the ``GenerationMixin.generate`` call that called us: transformers 5.24
-    gives it the prompt, then leaves it out of a custom_generate callable's arguments."""
+def _of_generate(name: str):
+    """A local of the ``GenerationMixin.generate`` call that called us (transformers 5.24 gives the
+    ``streamer`` the prompt, then leaves it out of a custom_generate callable's arguments)."""
     frame = sys._getframe(1)
     for _ in range(4):  # generate() calls the callable directly; allow a wrapper or two
         frame = frame.f_back
         if frame is None:
             return None
         if frame.f_code.co_name == "generate" and frame.f_globals.get("__name__") == "transformers.generation.utils":
-            return frame.f_locals.get("streamer")
+            return frame.f_locals.get(name)
     return None

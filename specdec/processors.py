@@ -40,6 +40,8 @@ from typing import Callable
 import torch
 from transformers.generation import logits_process as lp
 
+from .grammar import FORCED_LIMIT, GrammarConstraint
+
 #: processors whose output row depends on that row's scores only (never on input_ids)
 SCORES_ONLY = (lp.TemperatureLogitsWarper, lp.TopKLogitsWarper, lp.TopPLogitsWarper, lp.MinPLogitsWarper,
                lp.TypicalLogitsWarper, lp.EpsilonLogitsWarper, lp.EtaLogitsWarper, lp.TopHLogitsWarper,
@@ -68,6 +70,7 @@ class Positions:
     valid: torch.Tensor  # [B, J] bool
     rows: torch.Tensor  # [B] each row's index in the prompt as given
     batch: int  # rows of the prompt as given
+    width: int = 0  # columns of the prompt as given: generated tokens start there
 
 
 def positions(prompt_ids: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor, prompt_lengths: torch.Tensor,
@@ -89,7 +92,7 @@ def positions(prompt_ids: torch.Tensor, tokens: torch.Tensor, lengths: torch.Ten
     if k:
         ids = ids.scatter(1, base[:, None] + torch.arange(k, device=device)[None, :], block.to(device))
     j = torch.arange(first, k + 1, device=device)[None, :]  # [1, J]
-    return Positions(ids, base[:, None] + j, j < counts[:, None], rows, prompt_ids.shape[0])
+    return Positions(ids, base[:, None] + j, j < counts[:, None], rows, prompt_ids.shape[0], width)
 
 
 # -- one processor over a block: scores [B, J, V] -> [B, J, V] ---------------------------------------
@@ -209,9 +212,15 @@ def _aligned(processor, scores: torch.Tensor, pos: Positions) -> torch.Tensor:
     return _by_length(processor, scores, pos, aligned=True)
 
 
+def _grammar(processor: GrammarConstraint, scores: torch.Tensor, pos: Positions) -> torch.Tensor:
+    return processor.block(scores, pos)
+
+
 def applier(processor) -> Callable[[object, torch.Tensor, Positions], torch.Tensor]:
     """How to apply ``processor`` over a block (by exact class: a subclass may change anything)."""
     kind = type(processor)
+    if kind is GrammarConstraint:
+        return _grammar
     if kind in REFUSED:
         raise ValueError(f"{REFUSED[kind]}: {kind.__name__} keeps state from one generate() step to the next, "
                          "so it cannot score speculative positions; unset it to decode speculatively")
@@ -234,8 +243,14 @@ class BlockProcessors:
     ``seconds`` adds up the time spent processing, for the statistics."""
 
     def __init__(self, processors, prompt_ids: torch.Tensor):
+        processors = [_position_aware(p, prompt_ids.shape[1]) for p in processors]
         self.steps = [(p, applier(p)) for p in processors]
         self.hard = [(p, a) for p, a in self.steps if type(p) in HARD]
+        grammars = [p for p in processors if type(p) is GrammarConstraint]
+        if len(grammars) > 1:
+            raise ValueError("one grammar per call: the logits processors hold "
+                             f"{len(grammars)} grammar constraints")
+        self.grammar: GrammarConstraint | None = grammars[0] if grammars else None
         self.prompt_ids = prompt_ids  # [B0, P] as given
         self.seconds = 0.0
 
@@ -268,3 +283,41 @@ class BlockProcessors:
         first = torch.where(banned.any(1), banned.float().argmax(1), k).to(counts.device)
         self.seconds += time.perf_counter() - started
         return torch.minimum(counts, first)
+
+    def extend(self, drafts: torch.Tensor, offered: torch.Tensor, committed: list[list[int]], rows: list[int],
+               room: list[int]) -> tuple[list[list[int]], list[int]]:
+        """The grammar's walk over each row's drafts (:meth:`GrammarConstraint.extend`): at most
+        ``FORCED_LIMIT`` forced tokens past a row's offered drafts, and never past its ``room``."""
+        started = time.perf_counter()
+        limit = [min(r, o + FORCED_LIMIT) for r, o in zip(room, offered.tolist())]
+        out = self.grammar.extend(drafts, offered, committed, rows, limit)
+        self.seconds += time.perf_counter() - started
+        return out
+
+
+#: what ``generate()`` appends after a user's processors: the warpers (when sampling), watermarking, normalization
+AFTER_USERS = (lp.TemperatureLogitsWarper, lp.TopHLogitsWarper, lp.TopKLogitsWarper, lp.TopPLogitsWarper,
+               lp.MinPLogitsWarper, lp.TypicalLogitsWarper, lp.EpsilonLogitsWarper, lp.EtaLogitsWarper,
+               lp.WatermarkLogitsProcessor, lp.SynthIDTextWatermarkLogitsProcessor, lp.LogitNormalization)
+
+
+def with_user_processor(processors, extra) -> list:
+    """``generate()``'s built list with ``extra`` where ``generate()`` puts a user's processor:
+    before the warpers, watermarking and normalization it appends after them."""
+    processors = list(processors or [])
+    at = len(processors)
+    while at and type(processors[at - 1]) in AFTER_USERS:
+        at -= 1
+    return [*processors[:at], extra, *processors[at:]]
+
+
+def _position_aware(processor, width: int):
+    """``generate()``'s xgrammar processor (it counts its calls to know which token is new) as a
+    :class:`GrammarConstraint` that reads every position from its input ids; a fresh copy of a
+    GrammarConstraint given as a processor (it keeps the matchers of the call)."""
+    kind = type(processor)
+    if kind.__module__ == "xgrammar.contrib.hf" and kind.__name__ == "LogitsProcessor":
+        return GrammarConstraint.from_hf(processor, width)
+    if kind is GrammarConstraint:
+        return GrammarConstraint(processor.compiled, width)
+    return processor

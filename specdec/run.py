@@ -46,6 +46,7 @@ from .modelinfo import kv_layout, vocab_size
 from .multimodal import PrefillSpec, Prefix, check_assistant
 from .outputs import ScoreRecorder, SpecOutput
 from .policy import DraftPolicy
+from .grammar import with_forced
 from .processors import BlockProcessors
 from .sampling import SamplingParams
 from .state import ModelState, cache_problem
@@ -205,7 +206,7 @@ class DecodeRun:
         first, catching_up = target.is_first_iteration, self._catching_up()
         asked = self._plan(room, pending, context)  # [B]
         proposal, drafted, (made, candidates, offered) = self.ranks.drafts(  # the decider's, on every rank
-            lambda: self._draft(asked), room, self.drafting.max_drafts, target)  # [B] each
+            lambda: self._draft(asked, room), room, self.drafting.max_drafts, target)  # [B] each
         k = int(offered.max())
         draft_ids = proposal.token_ids[:, :k].to(target.device)  # [B, k]
         committed = target.lengths.clone()  # [B]
@@ -223,7 +224,7 @@ class DecodeRun:
             confidence=proposal.confidence, fed=(pending + k) * target.batch_size, context=context,
             first=first, catching_up=catching_up, waiting=first and bool(self.borrowers),
             compiling=compile_seconds() - compiled_before, started=started, drafting=drafted - started,
-            forward=forwarded - drafted, verifying=time.perf_counter() - drafted)
+            forward=forwarded - drafted, verifying=time.perf_counter() - drafted, forced=proposal.forced)
         self._observe(record, block, committed)
         if bool(finished.any()):
             self._retire(finished)
@@ -248,11 +249,15 @@ class DecodeRun:
         return any(s.is_first_iteration or s.pending_width() > CATCH_UP
                    for s in self.assistants if s not in self.borrowers)
 
-    def _draft(self, asked: torch.Tensor) -> tuple[Proposal, float, tuple[torch.Tensor, ...]]:
-        """Propose and admit -> (proposal, when propose returned, (made, candidates, offered) [B] each)."""
+    def _draft(self, asked: torch.Tensor, room: torch.Tensor) -> tuple[Proposal, float, tuple[torch.Tensor, ...]]:
+        """Propose and admit -> (proposal, when propose returned, (made, candidates, offered) [B] each);
+        under a grammar, the drafts it forbids cut and the tokens it forces added."""
         proposal = self.session.propose(self.ctx, asked)
         drafted = time.perf_counter()
-        return proposal, drafted, self._admit(proposal, asked)
+        made, candidates, offered = self._admit(proposal, asked)
+        if self.processors is not None and self.processors.grammar is not None:
+            proposal, offered = self._constrain(proposal, offered, room)
+        return proposal, drafted, (made, candidates, offered)
 
     def _admit(self, proposal: Proposal, asked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A checked proposal -> (made, candidates, offered) [B] each: the drafts within ``asked``
@@ -269,6 +274,20 @@ class DecodeRun:
             return made, candidates, candidates
         sources = proposal.sources.cpu() if proposal.sources is not None else None  # [B] or None: source 0
         return made, candidates, self.policy.admit(candidates, sources, proposal.confidence)
+
+    def _constrain(self, proposal: Proposal, offered: torch.Tensor, room: torch.Tensor) -> tuple[Proposal, torch.Tensor]:
+        """The grammar's walk over the offered drafts (specdec/grammar.py) -> the proposal to verify
+        (``forced`` [B]: the trailing drafts it forced), its drafts per row [B]."""
+        target = self.target
+        committed = [target.tokens[b, p:n].tolist() for b, (p, n) in
+                     enumerate(zip(self.prompt_lengths.tolist(), target.lengths.tolist()))]
+        room = room.clamp_min(0)
+        if self.drafting.max_drafts is not None:  # the most a sharded target's ranks exchange
+            room = room.clamp_max(self.drafting.max_drafts)
+        rows, taken = self.processors.extend(proposal.token_ids, offered, committed, self.row_ids.tolist(),
+                                             room.tolist())
+        proposal = with_forced(proposal, rows, taken, self.vocab)
+        return proposal, proposal.lengths.to(offered.device)
 
     def _forward(self, draft_ids: torch.Tensor, offered: torch.Tensor, committed: torch.Tensor) -> torch.Tensor:
         """Feed the pending tokens and row b's first ``offered[b]`` drafts -> logits [B, k+1, V] from
@@ -350,15 +369,19 @@ class DecodeRun:
                 state.mirror(self.target)
             else:
                 state.sync(self.target.tokens, self.target.lengths, since=committed)
-        self.session.observe(self.ctx, record)
+        drafter = record.drafter_view()  # the generator's drafts only
+        self.session.observe(self.ctx, drafter)
         if self.policy is not None:
-            self.policy.observe(record)
+            self.policy.observe(drafter)
         # keeping drafts in step is drafting work
         self.stats.draft_seconds += time.perf_counter() - record.started - record.drafting - record.verifying
 
     def _count(self, record: StepRecord) -> None:
         stats = self.stats
         stats.record_step(record.offered.tolist(), record.accepted.tolist(), record.kept.tolist())
+        if record.forced is not None:
+            stats.record_forced(record.forced.tolist(), record.offered.tolist(), record.accepted.tolist())
+        record = record.drafter_view()
         stats.draft_seconds += record.drafting
         stats.verify_seconds += record.verifying
         stats.compile_seconds += record.compiling

@@ -1,0 +1,280 @@
+"""Grammar-constrained decoding (specdec/grammar.py, docs/structured.md).
+
+* **Greedy matrix.** A nested JSON schema (enums, arrays, a nested object), a regular expression
+  and a small EBNF grammar x every built-in generator, one prompt and a left-padded batch: the
+  output equals ``model.generate()`` with xgrammar's own ``transformers`` logits processor on the
+  same compiled grammar, and every finished output is valid (JSON that validates against its
+  schema; the grammar's matcher accepts the whole output).
+* **Forced tokens.** The grammar's forced tokens are drafted (and accepted) with every generator,
+  and alone they cut the target's forwards; a forced token that differs from a lookup's draft
+  replaces it.
+* **Rollback.** After a block of drafts the grammar's state, brought back to the committed
+  tokens, is the state of never having drafted.
+* **Sampling.** On a tiny 8-token Llama whose tokens are letters, a regular expression with a
+  forced token: the joint distribution of three sampled tokens passes the chi-square test against
+  the exact masked distribution.
+* **Doors and errors.** ``model.generate(custom_generate=...)`` with ``grammar=`` or with
+  xgrammar's processor in ``logits_processor=``; the compiled grammar is cached per tokenizer and
+  grammar; a missing tokenizer, an ambiguous string and a grammar that does not compile are
+  refused with messages that say what to do.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+xgr = pytest.importorskip("xgrammar", reason='grammar tests need xgrammar: pip install "specdec[grammar]"')
+jsonschema = pytest.importorskip("jsonschema")
+
+import specdec  # noqa: E402
+from specdec import SpecDecoder  # noqa: E402
+from specdec.grammar import Grammar, GrammarConstraint, compile_grammar, only_token  # noqa: E402
+from specdec.models import byte_tokenizer, tiny_random  # noqa: E402
+
+from helpers import left_pad, perturbed_copy, pin_costs  # noqa: E402
+from test_processors import DRAFT_MERGES, TARGET_MERGES, TEXTS  # noqa: E402
+from test_sampling_lossless import PROMPT, TINY_VOCAB, assert_same_distribution, joint_counts, tiny_vocab_llama  # noqa: E402
+
+NEW = 96
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "kind": {"enum": ["cat", "dog", "bird"]},
+        "tags": {"type": "array", "items": {"enum": ["red", "blue"]}, "maxItems": 3},
+        "owner": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99},
+                                                   "city": {"enum": ["Oslo", "Lima"]}},
+                  "required": ["id", "city"], "additionalProperties": False},
+    },
+    "required": ["name", "kind", "tags", "owner"],
+    "additionalProperties": False,
+}
+GRAMMARS = {
+    "json_schema": Grammar.json_schema(SCHEMA),
+    "regex": Grammar.regex(r"(the|a) (world|word)s? of [0-9]{1,3}( and [0-9]{1,3}){0,2}\."),
+    "ebnf": Grammar.ebnf('root ::= "(" item (" " item){0,3} ")"\nitem ::= [a-z]{1,4} | "<" [0-9]{1,2} ">"'),
+}
+GENERATORS = ["none", "prompt_lookup", "draft_model", "self_draft", "self_draft_lookup", "cross_tokenizer"]
+
+
+@pytest.fixture(scope="module")
+def world():
+    target_tok, draft_tok = byte_tokenizer(TARGET_MERGES), byte_tokenizer(DRAFT_MERGES)
+    target, _ = tiny_random("llama", seed=7, tokenizer=target_tok)
+    pin_costs(target)
+    draft = perturbed_copy(target, 0.1, seed=8)
+    fixed = {"num_tokens": 4, "schedule": "fixed"}
+    copy = {"weights": "bfloat16", "compile_draft": False, **fixed}
+    decoders = {
+        "none": SpecDecoder(target, tokenizer=target_tok),
+        "prompt_lookup": SpecDecoder(target, "prompt_lookup", tokenizer=target_tok, **fixed),
+        "draft_model": SpecDecoder(target, draft, tokenizer=target_tok, **fixed),
+        "self_draft": SpecDecoder(target, "self_draft", tokenizer=target_tok, **copy),
+        "self_draft_lookup": SpecDecoder(target, "self_draft", lookup=True, tokenizer=target_tok, **copy),
+        "cross_tokenizer": SpecDecoder(target, draft, tokenizer=target_tok, draft_tokenizer=draft_tok,
+                                       min_confidence=0.0, **fixed),
+    }
+    single = target_tok(TEXTS[0], return_tensors="pt").input_ids
+    batch = left_pad([target_tok(t, return_tensors="pt").input_ids[0] for t in TEXTS], target_tok.pad_token_id)
+    prompts = {"single": (single, torch.ones_like(single)), "batch": batch}
+    eos = [target_tok.eos_token_id]
+    compiled = {name: compile_grammar(g, target_tok, target.config.vocab_size, eos) for name, g in GRAMMARS.items()}
+    references = {}
+
+    def reference(grammar: str, shape: str) -> torch.Tensor:
+        if (grammar, shape) not in references:
+            ids, mask = prompts[shape]
+            processor = xgr.contrib.hf.LogitsProcessor(compiled[grammar])
+            references[grammar, shape] = target.generate(ids, attention_mask=mask, max_new_tokens=NEW,
+                                                         do_sample=False, logits_processor=[processor])
+        return references[grammar, shape]
+
+    return target, target_tok, decoders, prompts, compiled, reference
+
+
+def new_rows(sequences: torch.Tensor, width: int, tokenizer) -> list[list[int]]:
+    """Each row's new tokens up to and including its first EOS (all of them when it has none)."""
+    rows = []
+    for row in sequences[:, width:].tolist():
+        end = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
+        rows.append(row[:end])
+    return rows
+
+
+def assert_valid(grammar: str, compiled, rows: list[list[int]], tokenizer) -> None:
+    """Every row that ended is in the grammar (its matcher accepts it, EOS included); JSON rows
+    parse and validate against the schema."""
+    ended = [row for row in rows if row and row[-1] == tokenizer.eos_token_id]
+    assert ended, "no row finished within the budget: the test checks nothing"
+    for row in ended:
+        matcher = xgr.GrammarMatcher(compiled)
+        assert all(matcher.accept_token(t) for t in row) and matcher.is_terminated(), tokenizer.decode(row)
+        if grammar == "json_schema":
+            jsonschema.validate(json.loads(tokenizer.decode(row[:-1])), SCHEMA)
+
+
+@pytest.mark.parametrize("shape", ["single", "batch"])
+@pytest.mark.parametrize("generator", GENERATORS)
+@pytest.mark.parametrize("grammar", sorted(GRAMMARS))
+def test_greedy_with_a_grammar_equals_generate_with_xgrammars_processor(world, grammar, generator, shape):
+    target, tok, decoders, prompts, compiled, reference = world
+    want = reference(grammar, shape)
+    ids, mask = prompts[shape]
+    out = decoders[generator].generate(ids, mask, max_new_tokens=NEW, grammar=GRAMMARS[grammar])
+    assert torch.equal(out.sequences, want), (tok.batch_decode(out.sequences), tok.batch_decode(want))
+    assert_valid(grammar, compiled[grammar], new_rows(out.sequences, ids.shape[1], tok), tok)
+    if generator in ("none", "prompt_lookup"):  # drafters that do not see the grammar: it adds what it forces
+        assert out.stats.forced_tokens > 0 and out.stats.forced_accepted > 0
+
+
+def test_forced_tokens_alone_cut_the_targets_forwards(world):
+    """No drafter: the JSON schema's forced punctuation and key names are verified in blocks."""
+    target, tok, decoders, prompts, compiled, reference = world
+    ids, mask = prompts["single"]
+    out = decoders["none"].generate(ids, mask, max_new_tokens=NEW, grammar=GRAMMARS["json_schema"])
+    new = len(new_rows(out.sequences, ids.shape[1], tok)[0])
+    assert out.stats.forced_accepted == out.stats.forced_tokens  # a forced token is the only one allowed
+    assert out.stats.committed_tokens == new and out.stats.steps < new * 0.7
+    assert out.stats.steps + out.stats.forced_accepted in (new, new + 1)  # + 1: the step that drafted EOS
+    assert out.stats.forced_share == out.stats.forced_accepted / out.stats.committed_tokens > 0.3
+
+
+def test_a_lookup_draft_the_grammar_forbids_is_cut_and_a_forced_token_replaces_a_wrong_one(world):
+    target, tok, decoders, prompts, compiled, reference = world
+    constraint = GrammarConstraint(compiled["json_schema"], prompt_width=0)
+    opening = tok('{"name": "', add_special_tokens=False).input_ids
+    drafts = torch.tensor([[opening[0], opening[1] + 1, 5, 6], [opening[0], 7, 7, 7], [9, 9, 9, 9]])
+    rows, taken = constraint.extend(drafts, torch.tensor([4, 1, 4]), [[], [], []], [0, 1, 2], [40, 40, 2])
+    assert rows[0][:len(opening)] == opening and taken[0] == 1  # the second draft differed from the forced token
+    assert rows[1][:len(opening)] == opening and taken[1] == 1  # the forced tokens follow the generator's one
+    assert rows[2] == opening[:2] and taken[2] == 0  # replaced at once, within the row's limit of 2
+    free = GrammarConstraint(compiled["regex"], prompt_width=0)
+    rows, taken = free.extend(torch.tensor([[ord("x"), 0]]), torch.tensor([2]), [[]], [0], [8])
+    assert rows == [[]] and taken == [0]  # "x" cannot start the regex: cut with what follows
+
+
+def test_a_rollback_after_a_rejected_block_leaves_the_state_of_never_drafting(world):
+    target, tok, decoders, prompts, compiled, reference = world
+    ids, _ = prompts["single"]
+    text = reference("json_schema", "single")[0, ids.shape[1]:].tolist()
+    used, fresh = (GrammarConstraint(compiled["json_schema"], prompt_width=0) for _ in range(2))
+    vocab = used.vocab
+    for cut in (3, 9, 17):
+        committed = text[:cut]
+        used.extend(torch.tensor([text[cut: cut + 6]]), torch.tensor([6]), [committed], [0], [40])  # a block drafted
+        wrong = [t for t in range(vocab) if allows_token(compiled["json_schema"], committed, t)][-1:]
+        used.row(0).move(committed + wrong)  # a position after a draft the target rejected
+        masks = []
+        for constraint in (used, fresh):
+            bitmask = xgr.allocate_token_bitmask(1, vocab)
+            constraint.row(0).fill(committed, bitmask, 0)
+            masks.append(bitmask)
+        assert torch.equal(masks[0], masks[1]), cut
+        assert used.row(0).matcher.is_completed() == fresh.row(0).matcher.is_completed()
+        assert used.row(0).accepted == fresh.row(0).accepted == cut
+
+
+def allows_token(compiled, prefix: list[int], token: int) -> bool:
+    matcher = xgr.GrammarMatcher(compiled)
+    assert all(matcher.accept_token(t) for t in prefix)
+    bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+    matcher.fill_next_token_bitmask(bitmask)
+    return bool((int(bitmask[0, token // 32]) >> (token % 32)) & 1)
+
+
+def test_only_token_reads_the_bitmask():
+    words = torch.zeros(3, dtype=torch.int32)
+    assert only_token(words, 96) is None
+    words[2] = -(2 ** 31)  # bit 31 of word 2: token 95
+    assert only_token(words, 96) == 95 and only_token(words, 90) is None
+    words[0] = 1
+    assert only_token(words, 96) is None
+    assert only_token(torch.tensor([0, 0b1100], dtype=torch.int32), 64) is None
+
+
+# -- sampling -------------------------------------------------------------------------------------------
+N = 20_000
+LETTERS = [chr(ord("a") + i) for i in range(TINY_VOCAB)]  # token i is the letter a + i
+SAMPLING_REGEX = r"([abc]|dh|e[fg])+"  # after "d" the grammar forces "h"
+
+
+def letters_grammar():
+    info = xgr.TokenizerInfo(LETTERS, vocab_type=xgr.VocabType.RAW, vocab_size=TINY_VOCAB, stop_token_ids=[])
+    return xgr.GrammarCompiler(info).compile_regex(SAMPLING_REGEX)
+
+
+def exact_masked_joint(model, prompt: torch.Tensor, compiled) -> torch.Tensor:
+    """[V, V, V] probability of the first three sampled tokens under the grammar's masks."""
+    v = TINY_VOCAB
+    joint = torch.zeros(v, v, v)
+    with torch.no_grad():
+        for tail in [()] + [(a,) for a in range(v)] + [(a, b) for a in range(v) for b in range(v)]:
+            matcher = xgr.GrammarMatcher(compiled)
+            if not all(matcher.accept_token(t) for t in tail):
+                continue
+            bitmask = xgr.allocate_token_bitmask(1, v)
+            matcher.fill_next_token_bitmask(bitmask)
+            logits = model(torch.cat([prompt, torch.tensor([tail], dtype=torch.long)], 1)).logits[:, -1].float()
+            xgr.apply_token_bitmask_inplace(logits, bitmask)
+            p = torch.softmax(logits[0], -1)
+            if len(tail) == 0:
+                joint += p[:, None, None]
+            elif len(tail) == 1:
+                joint[tail[0]] *= p[:, None]
+            else:
+                joint[tail[0], tail[1]] *= p
+    return joint
+
+
+@pytest.mark.parametrize("drafter", ["prompt_lookup", "draft_model"])
+def test_sampling_with_a_grammar_is_lossless(drafter):
+    target = tiny_vocab_llama(0)
+    draft = perturbed_copy(target, 0.3, seed=1)
+    compiled = letters_grammar()
+    decoder = SpecDecoder(target, draft if drafter == "draft_model" else drafter, num_tokens=3, schedule="fixed")
+    out = decoder.generate(PROMPT.repeat(N, 1), max_new_tokens=3, generator=torch.Generator().manual_seed(0),
+                           do_sample=True, grammar=compiled)
+    new = out.sequences[:, PROMPT.shape[1]:]
+    assert new.shape == (N, 3)
+    assert out.stats.forced_tokens > 0 or drafter == "draft_model"  # a draft model drafts the forced tokens itself
+    assert 0 < out.stats.accepted_tokens < out.stats.drafted_tokens
+    assert_same_distribution(joint_counts(new, TINY_VOCAB), exact_masked_joint(target, PROMPT, compiled))
+
+
+# -- doors and errors -----------------------------------------------------------------------------------
+def test_custom_generate_takes_a_grammar_or_xgrammars_processor(world):
+    target, tok, decoders, prompts, compiled, reference = world
+    ids, mask = prompts["batch"]
+    want = reference("json_schema", "batch")
+    got = target.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, target_tokenizer=tok,
+                          custom_generate=specdec.generate, draft="prompt_lookup", grammar=SCHEMA)
+    assert torch.equal(got, want)
+    got = target.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                          custom_generate=specdec.generate, draft="prompt_lookup",
+                          logits_processor=[xgr.contrib.hf.LogitsProcessor(compiled["json_schema"])])
+    assert torch.equal(got, want)
+
+
+def test_the_compiled_grammar_is_cached_per_tokenizer_and_grammar(world):
+    target, tok, decoders, prompts, compiled, reference = world
+    again = compile_grammar(Grammar.json_schema(dict(SCHEMA)), tok, target.config.vocab_size, [tok.eos_token_id])
+    assert again is compiled["json_schema"]
+    other = byte_tokenizer(TARGET_MERGES)
+    assert compile_grammar(SCHEMA, other, target.config.vocab_size, [tok.eos_token_id]) is not again
+
+
+def test_grammar_errors_say_what_to_do(world):
+    target, tok, decoders, prompts, compiled, reference = world
+    ids, mask = prompts["single"]
+    with pytest.raises(ValueError, match="needs the target's tokenizer"):
+        SpecDecoder(target).generate(ids, max_new_tokens=4, grammar=SCHEMA)
+    with pytest.raises(TypeError, match="Grammar.regex"):
+        decoders["none"].generate(ids, max_new_tokens=4, grammar="[a-z]+")
+    with pytest.raises(ValueError, match="does not compile"):
+        decoders["none"].generate(ids, max_new_tokens=4, grammar=Grammar.regex("(unclosed"))
+    with pytest.raises(ValueError, match="one of"):
+        Grammar.from_config({"regex": "a", "ebnf": "root ::= \"a\""})
+    assert Grammar.from_config({"json_schema": SCHEMA}) == Grammar.json_schema(SCHEMA)
