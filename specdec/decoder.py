@@ -108,7 +108,8 @@ class SpecDecoder:
         :meth:`prefill`) the prompt rows must extend the prefix rows and carry no such inputs.
         ``generator`` (a ``torch.Generator``) draws the sampling's randomness. ``grammar`` (a JSON
         schema as a dict or pydantic class, a :class:`~specdec.grammar.Grammar`, a compiled xgrammar
-        grammar) constrains every row's output to it (docs/structured.md); it needs ``tokenizer``."""
+        grammar, or a list of one per row) constrains the output to it (docs/structured.md); it needs
+        ``tokenizer``."""
         started = time.perf_counter()
         settings, model_inputs = split_settings(kwargs)
         prompt = self._prompt(input_ids, attention_mask, model_inputs, prefix)
@@ -125,10 +126,12 @@ class SpecDecoder:
         criteria = [*(stopping_criteria or []), *([MaxTimeCriteria(config.max_time)] if config.max_time else [])]
         return self.run(prompt, call, processors, criteria, streamer=streamer, generator=generator, started=started)
 
-    def constraint(self, grammar, eos: list[int], tokenizer=None) -> GrammarConstraint:
-        """``grammar`` compiled for the target's tokenizer (once per tokenizer and grammar), ending at ``eos``."""
-        compiled = compile_grammar(grammar, tokenizer or self.tokenizer, vocab_size(self.target), eos)
-        return GrammarConstraint(compiled)
+    def constraint(self, grammar, eos: list[int]) -> GrammarConstraint:
+        """``grammar`` (or a list of one per row) compiled for the target's tokenizer (once per
+        tokenizer and grammar), ending at ``eos``."""
+        compile_one = lambda g: compile_grammar(g, self.tokenizer, vocab_size(self.target), eos)  # noqa: E731
+        return GrammarConstraint([compile_one(g) for g in grammar] if isinstance(grammar, (list, tuple))
+                                 else compile_one(grammar))
 
     @staticmethod
     def _explicit(max_new_tokens, do_sample, temperature, top_k, top_p, min_p, eos_token_id) -> dict:

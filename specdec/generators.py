@@ -190,7 +190,6 @@ class DecodeContext:
             return self.sampling.probs(scores)
         return torch.softmax(scores.float(), dim=-1)
 
-
     @property
     def tokens(self) -> torch.Tensor:
         """[B, L] committed tokens (read only), row b valid in ``[:lengths[b]]`` (prompt included)."""

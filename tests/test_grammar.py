@@ -31,7 +31,7 @@ jsonschema = pytest.importorskip("jsonschema")
 
 import specdec  # noqa: E402
 from specdec import SpecDecoder  # noqa: E402
-from specdec.grammar import Grammar, GrammarConstraint, compile_grammar, only_token  # noqa: E402
+from specdec.grammar import Grammar, GrammarConstraint, check_output, compile_grammar, only_token  # noqa: E402
 from specdec.models import byte_tokenizer, tiny_random  # noqa: E402
 
 from helpers import left_pad, perturbed_copy, pin_costs  # noqa: E402
@@ -278,3 +278,58 @@ def test_grammar_errors_say_what_to_do(world):
     with pytest.raises(ValueError, match="one of"):
         Grammar.from_config({"regex": "a", "ebnf": "root ::= \"a\""})
     assert Grammar.from_config({"json_schema": SCHEMA}) == Grammar.json_schema(SCHEMA)
+
+
+# -- the benchmark ----------------------------------------------------------------------------------------
+def test_a_bench_run_with_per_question_grammars_and_a_batch(tmp_path):
+    """Each question's own grammar (and the config's for the others) in a tiny run: every output
+    identical to constrained transformers', valid, and the report's structured-output table."""
+    import yaml
+
+    from specdec.bench.config import load_config
+    from specdec.bench.report import load_run
+    from specdec.bench.runner import run_benchmark
+
+    questions = [
+        {"question_id": 501, "category": "rag", "turns": ["Context: Paris is in France. Where is Paris?"],
+         "grammar": {"json_schema": {"type": "object", "properties": {"city": {"enum": ["Paris", "Lyon"]},
+                                                                      "country": {"type": "string",
+                                                                                  "pattern": "^[A-Za-z ]{1,8}$"}},
+                                     "required": ["city", "country"]}}},
+        {"question_id": 502, "category": "rag", "turns": ["Context: the sea is blue. What colour is the sea?"],
+         "grammar": {"regex": "(blue|green|red)\\."}},
+    ]
+    dataset = tmp_path / "questions.jsonl"
+    dataset.write_text("".join(json.dumps(q) + "\n" for q in questions))
+    config = tmp_path / "bench.yaml"
+    config.write_text(yaml.safe_dump({
+        "target": "tiny-random:llama", "dataset": {"path": str(dataset), "subtasks": ["rag"]},
+        "generation": {"max_new_tokens": 48}, "threads": 1, "warmup_new_tokens": 2, "batch_sizes": [1, 2],
+        "methods": [{"name": "baseline", "generator": "baseline"}, {"name": "forced", "generator": "none"},
+                    {"name": "pl", "generator": "prompt_lookup", "options": {"num_tokens": 3}}]}))
+    run_benchmark(load_config(config), config_file=config, out_dir=tmp_path / "out", progress=False, log=lambda _: None)
+    meta, rows = load_run(tmp_path / "out")
+    singles = [r for r in rows if "batch_size" not in r]
+    assert len(singles) == 6 and all(r["grammar"]["valid"] for r in singles)
+    by = {(r["method"], r["question_id"]): r["output_ids"] for r in singles}
+    assert all(by[m, q] == by["baseline", q] for m in ("forced", "pl") for q in (501, 502))
+    batches = {r["method"]: r["output_ids"] for r in rows if r.get("batch_size") == 2}
+    assert batches["forced"] == batches["pl"] == batches["baseline"]
+    assert json.loads(next(r for r in singles if r["question_id"] == 501)["text"])["city"] in ("Paris", "Lyon")
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "## Structured output" in report and "| `forced` | 2 of 2 |" in report
+
+
+def test_json_strings_with_raw_control_characters_are_not_valid_json(world):
+    """xgrammar's JSON strings admit raw control characters, which JSON itself forbids: the
+    benchmark's check parses strictly, so such an output is counted invalid."""
+    target, tok, decoders, prompts, compiled, reference = world
+    schema = Grammar.json_schema({"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]})
+    grammar = compile_grammar(schema, tok, target.config.vocab_size, [tok.eos_token_id])
+    ids = tok('{"s": "a\x07b"}', add_special_tokens=False).input_ids + [tok.eos_token_id]
+    text = tok.decode(ids, skip_special_tokens=True)
+    matcher = xgr.GrammarMatcher(grammar)
+    assert "\x07" in text and all(matcher.accept_token(t) for t in ids)  # the grammar takes it
+    assert check_output(grammar, schema, ids, text)["valid"] is False
+    good = tok('{"s": "ab"}', add_special_tokens=False).input_ids + [tok.eos_token_id]
+    assert check_output(grammar, schema, good, tok.decode(good, skip_special_tokens=True))["valid"] is True

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ..generators import NoDraft
 from ..models import DTYPES, PACKAGED_MODELS, TINY_ARCHS, device_name_problem
 from ..names import did_you_mean
+from ..grammar import Grammar
 from ..prompts import DEFAULT_SPEC_BENCH, MT_BENCH_CATEGORIES, SUBTASKS
 from ..registry import UnknownGeneratorError, available_generators, fit_options, get_candidate_generator, needs_model
 
@@ -187,6 +188,16 @@ class GenerationSettings(_Strict):
     min_new_tokens: int | None = Field(None, ge=0)
     bad_words_ids: list[list[int]] | None = None
     suppress_tokens: list[int] | None = None
+    grammar: dict[str, Any] | None = Field(None, description="constrain every output: {json_schema: {...}}, "
+                                           "{regex: ...} or {ebnf: ...} (docs/structured.md); a question's own "
+                                           "`grammar` field takes precedence")
+
+    @field_validator("grammar")
+    @classmethod
+    def _grammar(cls, value: dict | None) -> dict | None:
+        if value is not None:
+            Grammar.from_config(value)  # raises ValueError / TypeError with what is wrong
+        return value
 
     def processor_settings(self) -> dict[str, Any]:
         """The logits-processor settings this config sets (those left None: none)."""

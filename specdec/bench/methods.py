@@ -32,9 +32,10 @@ HF_WARMUP_NEW_TOKENS = 16
 
 @dataclass
 class MethodRunner:
-    """One method, ready to run: ``run(input_ids [1, L], seed, max_new_tokens=None) -> (new token ids,
-    stats or None)``; ``run_batch(input_ids [B, P], attention_mask [B, P], seed, max_new_tokens=None)
-    -> ([B, N] new ids, stats or None)`` (None for the methods transformers runs only at batch size 1);
+    """One method, ready to run: ``run(input_ids [1, L], seed, max_new_tokens=None, grammar=None) -> (new
+    token ids, stats or None)``; ``run_batch(input_ids [B, P], attention_mask [B, P], seed,
+    max_new_tokens=None, grammar=None) -> ([B, N] new ids, stats or None)`` (``grammar``: a compiled
+    grammar, or one per row) (None for the methods transformers runs only at batch size 1);
     ``warmup(batch_size, max_length) -> seconds`` compiles what the method will run (None when it
     does not compile). ``max_new_tokens`` overrides the config's (the warm-up's short calls)."""
 
@@ -95,23 +96,35 @@ def hf_warmup(target, cache: dict, batch_size: int, max_length: int, new_tokens:
     return time.perf_counter() - started
 
 
+def hf_grammar_kwargs(grammar) -> dict:
+    """``generate()``'s arguments for a compiled grammar (or one per row): xgrammar's own logits
+    processor, a fresh one per call (it counts its calls); nothing without a grammar."""
+    if grammar is None:
+        return {}
+    from xgrammar.contrib.hf import LogitsProcessor
+
+    return {"logits_processor": [LogitsProcessor(grammar)]}
+
+
 def _hf_runner(target, gen: GenerationSettings, extra: Callable[[], dict], cache: dict):
-    def run(input_ids, seed, max_new_tokens=None):  # input_ids [1, L]
+    def run(input_ids, seed, max_new_tokens=None, grammar=None):  # input_ids [1, L]
         if seed is not None:
             torch.manual_seed(seed)
         out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                              **hf_generation_kwargs(gen, target, max_new_tokens), **cache, **extra())
+                              **hf_generation_kwargs(gen, target, max_new_tokens), **cache, **extra(),
+                              **hf_grammar_kwargs(grammar))
         return out[0, input_ids.shape[1]:].tolist(), None
     return run
 
 
 def _hf_batch_runner(target, gen: GenerationSettings, cache: dict):
     """Plain batched ``target.generate`` on a left-padded batch (the ``baseline`` of a batched pass)."""
-    def run_batch(input_ids, attention_mask, seed, max_new_tokens=None):  # [B, P] each
+    def run_batch(input_ids, attention_mask, seed, max_new_tokens=None, grammar=None):  # [B, P] each
         if seed is not None:
             torch.manual_seed(seed)
         out = target.generate(input_ids, attention_mask=attention_mask,
-                              **hf_generation_kwargs(gen, target, max_new_tokens), **cache)
+                              **hf_generation_kwargs(gen, target, max_new_tokens), **cache,
+                              **hf_grammar_kwargs(grammar))
         return out[:, input_ids.shape[1]:], None  # [B, N]
     return run_batch
 
@@ -167,20 +180,20 @@ def _spec_runner(method: MethodConfig, target, tokenizer, draft, gen: Generation
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"methods: {method.name!r}: bad options for {method.generator!r}: {exc}") from None
 
-    def call(input_ids, attention_mask, seed, max_new_tokens):
+    def call(input_ids, attention_mask, seed, max_new_tokens, grammar):
         generator = None
         if seed is not None:
             torch.manual_seed(seed)
             generator = torch.Generator(device=target.device).manual_seed(seed)
-        return decoder.generate(input_ids, attention_mask, generator=generator,
+        return decoder.generate(input_ids, attention_mask, generator=generator, grammar=grammar,
                                 **generation_kwargs(gen, target, max_new_tokens))
 
-    def run(input_ids, seed, max_new_tokens=None):  # input_ids [1, L]
-        out = call(input_ids, None, seed, max_new_tokens)
+    def run(input_ids, seed, max_new_tokens=None, grammar=None):  # input_ids [1, L]
+        out = call(input_ids, None, seed, max_new_tokens, grammar)
         return out.sequences[0, input_ids.shape[1]:].tolist(), out.stats
 
-    def run_batch(input_ids, attention_mask, seed, max_new_tokens=None):  # [B, P] each
-        out = call(input_ids, attention_mask, seed, max_new_tokens)
+    def run_batch(input_ids, attention_mask, seed, max_new_tokens=None, grammar=None):  # [B, P] each
+        out = call(input_ids, attention_mask, seed, max_new_tokens, grammar)
         return out.sequences[:, input_ids.shape[1]:], out.stats  # [B, N]
     # every SpecDecoder method warms up: a generator may compile its own draft (self_draft) even
     # where the method's target does not; warmup() returns 0.0 when nothing compiles

@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..grammar import Grammar
 from ..prompts import encode_chat, load_questions, subtask_of
 from .config import BenchConfig, ConfigError, DatasetConfig
 
@@ -23,6 +24,7 @@ class Question:
     category: str
     subtask: str
     turns: tuple[str, ...]
+    grammar: str | None = None  # the question's own grammar (a bench config's form, as JSON text)
 
 
 def spread(items: list, count: int | None) -> list:
@@ -34,7 +36,11 @@ def spread(items: list, count: int | None) -> list:
 
 def _question(row: dict, max_turns: int | None) -> Question:
     turns = tuple(row["turns"])[:max_turns]
-    return Question(int(row["question_id"]), row["category"], subtask_of(row["category"]), turns)
+    grammar = row.get("grammar")
+    if grammar is not None:
+        Grammar.from_config(grammar)
+        grammar = json.dumps(grammar)
+    return Question(int(row["question_id"]), row["category"], subtask_of(row["category"]), turns, grammar)
 
 
 def select_questions(rows: list[dict], subtasks: list[str], categories: list[str] | None,

@@ -219,6 +219,34 @@ def _identical_section(meta: dict, overall: list[Summary]) -> list[str]:
     return out + _table(["method", "identical", "first difference: earliest", "median"], body)
 
 
+def _structured_section(meta: dict, rows: list[dict]) -> list[str]:
+    """Grammar-constrained rows: per method, valid outputs, the share of output tokens the grammar
+    forced (a property of the text), the share committed as the grammar's own drafts, and the
+    acceptance of the other drafts (docs/structured.md)."""
+    constrained = [r for r in rows if r.get("grammar") and not is_batched(r)]
+    if not constrained:
+        return []
+    stats = method_stats(meta, constrained)
+    out = ["", "## Structured output", "",
+           "Every method decodes under the same compiled grammar (transformers with xgrammar's logits processor). "
+           "*Forced*: output tokens at positions where the grammar allowed exactly one token. *Grammar drafts*: "
+           "tokens committed as the grammar's own drafts (forced tokens specdec proposed after the generator's), "
+           "of all committed tokens. *Other drafts accepted*: acceptance of the remaining drafts.", ""]
+    body = []
+    for m in meta["config"]["methods"]:
+        mine = [r for r in constrained if r["method"] == m["name"]]
+        if not mine:
+            continue
+        st = stats.get(m["name"])
+        tokens = sum(r["new_tokens"] for r in mine)
+        body.append([f"`{m['name']}`", f"{sum(r['grammar']['valid'] for r in mine)} of {len(mine)}",
+                     _f(sum(r["grammar"]["forced"] for r in mine) / tokens if tokens else None, ".1%"),
+                     _f(st.forced_share if st is not None else None, ".1%"),
+                     _f(st.drafter_acceptance_rate if st is not None and st.drafted_tokens > st.forced_tokens
+                        else None, ".1%")])
+    return out + _table(["method", "valid outputs", "forced", "grammar drafts", "other drafts accepted"], body)
+
+
 def _warmup_section(meta: dict) -> list[str]:
     """Seconds each compiled method spent compiling before the timed runs, per session."""
     sessions = [s.get("warmup_seconds") or {} for s in meta.get("sessions", [])]
@@ -358,7 +386,8 @@ def render_markdown(meta: dict, rows: list[dict], all_summaries: list[Summary], 
                     plots_skipped: bool = False) -> str:
     subtasks = [g for g in SUBTASKS if any(s.subtask == g for s in all_summaries)]
     single = [r for r in rows if not is_batched(r)]
-    out = (_header(meta, rows) + _subtask_tables(meta, all_summaries, subtasks) + _warmup_section(meta)
+    out = (_header(meta, rows) + _subtask_tables(meta, all_summaries, subtasks) + _structured_section(meta, single)
+           + _warmup_section(meta)
            + _choices_section(meta, rows) + _draft_lengths_section(meta, rows, all_summaries, figures)
            + _batch_section(meta, rows)
            + _pairs_section(meta, single, all_summaries, subtasks) + _notes(meta, figures, plots_skipped))

@@ -23,7 +23,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..modelinfo import ForwardTimer, eos_token_ids, pad_token_id
+from ..grammar import Grammar, check_output, compile_grammar
+from ..modelinfo import ForwardTimer, eos_token_ids, pad_token_id, vocab_size
 from ..models import load_model, resolve_device
 from ..prompts import encode_chat, left_pad
 from .config import BenchConfig, ConfigError, DatasetConfig, GenerationSettings, MethodConfig
@@ -52,7 +53,10 @@ def config_hash(config: BenchConfig, questions: list[Question]) -> str:
         dumped["batch_size"] = 1
     else:
         dumped["batch_sizes"] = config.batch_sizes
-    payload = json.dumps({"config": dumped, "questions": [q.question_id for q in questions]}, sort_keys=True)
+    content = {"config": dumped, "questions": [q.question_id for q in questions]}
+    if any(q.grammar for q in questions):  # questions that carry their own grammar
+        content["grammars"] = [q.grammar for q in questions]
+    payload = json.dumps(content, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
@@ -62,7 +66,7 @@ _LATER_FIELDS = {"config": ("device", "dtype", "reference", "repeats", "distribu
                  "dataset": ("first_per_category", "max_turns"),
                  "method": ("cache_implementation", "compile", "fast_head"),
                  "generation": ("min_p", "repetition_penalty", "encoder_repetition_penalty", "no_repeat_ngram_size",
-                                "min_new_tokens", "bad_words_ids", "suppress_tokens")}
+                                "min_new_tokens", "bad_words_ids", "suppress_tokens", "grammar")}
 
 
 def _without_later_defaults(dumped: dict) -> dict:
@@ -173,6 +177,30 @@ class _Models:
     eos: set[int]
     device: torch.device
     warmup_seconds: dict[str, float] = field(default_factory=dict)  # compiled methods only
+    compiled: dict[str, object] = field(default_factory=dict)  # grammar (JSON text) -> compiled for the target
+
+    def grammar_of(self, q: Question, gen: GenerationSettings) -> str | None:
+        """The grammar a question is decoded under (JSON text of a config's form), or None."""
+        return q.grammar or (json.dumps(gen.grammar) if gen.grammar else None)
+
+    def compile(self, spec: str | None):
+        """The grammar ``spec`` compiled for the target (once), or None; with the target's EOS ids as its end."""
+        if spec is None:
+            return None
+        if spec not in self.compiled:
+            self.compiled[spec] = compile_grammar(Grammar.from_config(json.loads(spec)), self.tokenizer,
+                                                  vocab_size(self.target), sorted(self.eos))
+        return self.compiled[spec]
+
+    def grammars(self, questions: list[Question], gen: GenerationSettings):
+        """A batch's grammar: None, the one all its rows share, or a list of one per row."""
+        specs = [self.grammar_of(q, gen) for q in questions]
+        if all(s is None for s in specs):
+            return None
+        if any(s is None for s in specs):
+            raise ConfigError("a batch mixes questions with and without a grammar; give every question one "
+                              "(or generation.grammar)")
+        return self.compile(specs[0]) if len(set(specs)) == 1 else [self.compile(s) for s in specs]
 
 
 def _load_and_warm_up(config: BenchConfig, questions: list[Question], log: Callable[[str], None]) -> _Models:
@@ -353,16 +381,21 @@ def _run_one(runner: MethodRunner, q: Question, turn: int, answers: list[str], m
     tokenizer = models.tokenizer
     input_ids = encode_chat(tokenizer, build_messages(q.turns[:turn], answers)).to(models.device)  # [1, L]
     seed = question_seed(gen.seed, q.question_id, turn) if gen.do_sample else None
+    spec = models.grammar_of(q, gen)
+    grammar = models.compile(spec)
     with _forward_counter(models.target, runner.config) as forwards:
         started = time.perf_counter()
-        new_ids, stats = runner.run(input_ids, seed)  # a list: on the host
+        new_ids, stats = runner.run(input_ids, seed, grammar=grammar)  # a list: on the host
         seconds = time.perf_counter() - started
+    text = tokenizer.decode(new_ids, skip_special_tokens=True)
+    checked = {} if grammar is None else {"grammar": check_output(
+        grammar, Grammar.from_config(json.loads(spec)), new_ids, text)}
     return {
         "method": runner.config.name, "generator": runner.config.generator, "question_id": q.question_id,
         "category": q.category, "subtask": q.subtask, "turn": turn, "prompt_tokens": int(input_ids.shape[1]),
         "new_tokens": len(new_ids), "seconds": seconds, "target_forwards": _calls(forwards), "seed": seed,
         "stats": stats.as_dict() if stats is not None else None,
-        "output_ids": new_ids, "text": tokenizer.decode(new_ids, skip_special_tokens=True),
+        "output_ids": new_ids, "text": text, **checked,
     }
 
 
@@ -384,7 +417,7 @@ def _run_batch(runner: MethodRunner, group: list[Question], prompts: list[torch.
     seed = batch_seed(gen.seed, batch_size, batch_index) if gen.do_sample else None
     with _forward_counter(models.target, runner.config) as forwards:
         started = time.perf_counter()
-        new, stats = runner.run_batch(input_ids, attention_mask, seed)
+        new, stats = runner.run_batch(input_ids, attention_mask, seed, grammar=models.grammars(group, gen))
         new = new.cpu()  # waits for the device: its kernels are part of the call
         seconds = time.perf_counter() - started
     outputs = real_new_tokens(new, models.eos)
