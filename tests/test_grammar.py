@@ -321,10 +321,11 @@ def test_a_bench_run_with_per_question_grammars_and_a_batch(tmp_path):
 
 
 def test_json_strings_with_raw_control_characters_are_not_valid_json(world):
-    """xgrammar's JSON strings admit raw control characters, which JSON itself forbids: the
-    benchmark's check parses strictly, so such an output is counted invalid."""
+    """xgrammar's JSON strings with a maxLength admit raw control characters, which JSON itself
+    forbids: the benchmark's check parses strictly, so such an output is counted invalid."""
     target, tok, decoders, prompts, compiled, reference = world
-    schema = Grammar.json_schema({"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]})
+    schema = Grammar.json_schema({"type": "object", "properties": {"s": {"type": "string", "maxLength": 8}},
+                                  "required": ["s"]})
     grammar = compile_grammar(schema, tok, target.config.vocab_size, [tok.eos_token_id])
     ids = tok('{"s": "a\x07b"}', add_special_tokens=False).input_ids + [tok.eos_token_id]
     text = tok.decode(ids, skip_special_tokens=True)
