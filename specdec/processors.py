@@ -26,6 +26,10 @@ below gives exactly the scores ``generate()`` computes:
 * **any other** (the user's own): one call per distinct input length, on a batch laid out as the
   prompt's (each row at its own index; rows without a position of that length hold a copy).
 
+* **a grammar** (``grammar=``, or xgrammar's own processor in ``logits_processor=``): a
+  :class:`~specdec.grammar.GrammarConstraint`, whose matchers follow each position's ids
+  (specdec/grammar.py).
+
 Two processors remember earlier calls and cannot be replayed at a speculative position:
 classifier-free guidance (``guidance_scale``) and SynthID watermarking; they are refused by name.
 What the processing costs per step: docs/generation.md.

@@ -334,3 +334,32 @@ def test_json_strings_with_raw_control_characters_are_not_valid_json(world):
     assert check_output(grammar, schema, ids, text)["valid"] is False
     good = tok('{"s": "ab"}', add_special_tokens=False).input_ids + [tok.eos_token_id]
     assert check_output(grammar, schema, good, tok.decode(good, skip_special_tokens=True))["valid"] is True
+
+
+# -- a real model ------------------------------------------------------------------------------------------
+@pytest.mark.real_model
+def test_smollm2_answers_in_its_schema_exactly_and_validly(smollm2):
+    """SmolLM2-135M-Instruct answers a Spec-Bench RAG question of the extraction set in a short
+    schema: identical to transformers with xgrammar's processor, valid JSON of the schema."""
+    from pathlib import Path
+
+    from specdec.modelinfo import eos_token_ids
+    from specdec.prompts import encode_chat
+
+    model, tok = smollm2
+    data = Path(__file__).resolve().parent.parent / "benchmarks" / "data" / "extraction.jsonl"
+    question = json.loads(data.read_text().splitlines()[1])
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 60},
+                                               "confidence": {"enum": ["high", "medium", "low"]}},
+              "required": ["answer", "confidence"], "additionalProperties": False}
+    ids = encode_chat(tok, [{"role": "user", "content": question["turns"][0]}])
+    grammar = Grammar.json_schema(schema)
+    compiled = compile_grammar(grammar, tok, model.config.vocab_size, eos_token_ids(model))
+    want = model.generate(ids, max_new_tokens=48, do_sample=False,
+                          logits_processor=[xgr.contrib.hf.LogitsProcessor(compiled)])
+    out = SpecDecoder(model, "prompt_lookup", tokenizer=tok).generate(ids, max_new_tokens=48, grammar=grammar)
+    assert torch.equal(out.sequences, want)
+    new = out.sequences[0, ids.shape[1]:].tolist()
+    checked = check_output(compiled, grammar, new, tok.decode(new, skip_special_tokens=True))
+    assert new[-1] in eos_token_ids(model) and checked["valid"] and checked["forced"] > 0
+    assert out.stats.forced_accepted > 0
