@@ -363,3 +363,20 @@ def test_smollm2_answers_in_its_schema_exactly_and_validly(smollm2):
     checked = check_output(compiled, grammar, new, tok.decode(new, skip_special_tokens=True))
     assert new[-1] in eos_token_ids(model) and checked["valid"] and checked["forced"] > 0
     assert out.stats.forced_accepted > 0
+
+
+def test_without_xgrammar_the_error_says_how_to_install_it(world, monkeypatch):
+    import builtins
+
+    target, tok, decoders, prompts, compiled, reference = world
+    real_import = builtins.__import__
+
+    def no_xgrammar(name, *args, **kwargs):
+        if name == "xgrammar" or name.startswith("xgrammar."):
+            raise ImportError("No module named 'xgrammar'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_xgrammar)
+    ids, mask = prompts["single"]
+    with pytest.raises(ImportError, match=r'pip install "specdec\[grammar\]"'):
+        SpecDecoder(target, tokenizer=byte_tokenizer()).generate(ids, max_new_tokens=4, grammar=SCHEMA)
