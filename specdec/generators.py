@@ -58,8 +58,8 @@ class Proposal:
     #: [B, K] float: the drafter's own probability of each draft (NaN where it has none), for the
     #: policy to weigh each draft by; None = none
     confidence: torch.Tensor | None = None
-    #: [B] long: set by the run, not a generator: the trailing drafts a grammar forced (specdec/grammar.py)
-    forced: torch.Tensor | None = None
+    #: [B] long: set by the run, not a generator: the trailing drafts that are a grammar's own (specdec/grammar.py)
+    grammar_drafts: torch.Tensor | None = None
 
     @classmethod
     def empty(cls, batch: int, device: torch.device | str = "cpu") -> "Proposal":
@@ -131,15 +131,15 @@ class StepRecord(Feedback):
     drafting: float = 0.0  # seconds of propose()
     forward: float = 0.0  # seconds of the target's forward
     verifying: float = 0.0  # seconds from the proposal to the commit (forward, verification, commit)
-    forced: torch.Tensor | None = None  # [B] of the offered drafts, the trailing ones a grammar forced
+    grammar_drafts: torch.Tensor | None = None  # [B] of the offered drafts, the trailing ones a grammar proposed
 
     def drafter_view(self) -> "StepRecord":
-        """The step as the generator's drafts saw it: the drafts a grammar forced after them left
-        out (they are certain and free, and say nothing of the drafter or of the draft length)."""
-        if self.forced is None:
+        """The step as the generator's drafts saw it: the grammar's drafts after them left out (free,
+        nearly certain, they say nothing of the drafter or of the draft length)."""
+        if self.grammar_drafts is None:
             return self
-        offered = self.offered - self.forced.to(self.offered.device)
-        return dataclasses.replace(self, offered=offered, accepted=torch.minimum(self.accepted, offered), forced=None)
+        offered = self.offered - self.grammar_drafts.to(self.offered.device)
+        return dataclasses.replace(self, offered=offered, accepted=torch.minimum(self.accepted, offered), grammar_drafts=None)
 
     def overhead(self) -> float:
         """Seconds of this step so far outside drafting and the target's forward (verification,

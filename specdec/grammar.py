@@ -1,4 +1,4 @@
-"""Structured output: a grammar's constraint at every verified position, its forced tokens as drafts.
+"""Structured output: a grammar's constraint at every verified position, its own tokens as drafts.
 
 ``generate(..., grammar=...)`` takes a JSON schema (a dict, or a pydantic model class), a
 :class:`Grammar` (``Grammar.json_schema``, ``Grammar.regex``, ``Grammar.ebnf``) or an
@@ -16,14 +16,16 @@ rest, so rejected drafts leave exactly the state of never having been drafted. A
 ``xgrammar.contrib.hf.LogitsProcessor`` a user passes in ``logits_processor=`` is applied the same
 way (``specdec/processors.py``).
 
-**Forced tokens as drafts** (:meth:`GrammarConstraint.extend`). Before verification each row's
+**The grammar's own drafts** (:meth:`GrammarConstraint.extend`). Before verification each row's
 drafts walk through its grammar: a draft the grammar forbids is cut with everything after it (the
-target could not accept it); where the mask allows exactly one token, that token is the draft
-(a generator's draft that differs is replaced, and its later drafts dropped), and forced tokens
-keep being appended after the generator's drafts while each next token is forced. Only what the
-mask itself forces is proposed: a forced *string* re-tokenized another way could change the
-output. The drafts stay proposals, verified like any other, so the output is the target's
-whatever they are; a forced draft has probability 1 under the drafter (a point mass).
+target could not accept it); where the mask allows exactly one token, that token is the draft (a
+generator's draft that differs is replaced, and its later drafts dropped); after the generator's
+drafts, forced tokens keep being appended while each next token is forced. Where the grammar
+forces a *string* but not a token (a key name the vocabulary can spell several ways), xgrammar's
+own tokenization of that string (``find_jump_forward_tokens``) is proposed too: never committed
+unverified, since the model may spell it another way, but a guess the target checks like any
+other draft. All drafts stay proposals, verified like any other, so the output is the target's
+whatever they are; a grammar's draft has probability 1 under the drafter (a point mass).
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ from dataclasses import dataclass
 import torch
 from transformers import LogitsProcessor
 
-#: forced tokens a row may take per step beyond its generator's drafts
-FORCED_LIMIT = 32
+#: the grammar's own drafts a row may take per step beyond its generator's
+GRAMMAR_LIMIT = 32
 
 
 def xgrammar():
@@ -159,7 +161,7 @@ class GrammarConstraint(LogitsProcessor):
     rows, or one per row of the prompt as given).
 
     As a plain logits processor (``generate()`` calling it once per step) it masks each row's
-    next token; specdec applies it over whole blocks (:meth:`block`) and proposes its forced
+    next token; specdec applies it over whole blocks (:meth:`block`) and proposes its own
     tokens (:meth:`extend`)."""
 
     def __init__(self, compiled, prompt_width: int | None = None):
@@ -224,8 +226,9 @@ class GrammarConstraint(LogitsProcessor):
                limit: list[int]) -> tuple[list[list[int]], list[int]]:
         """Walk each row's drafts ``drafts [B, K]`` (``offered [B]`` of them) through its grammar
         after its ``committed`` generated tokens -> (each row's drafts: the generator's up to the
-        first the grammar forbids or replaces, then the forced tokens after them, at most
-        ``limit[b]`` in all; how many of those came from the generator)."""
+        first the grammar forbids or replaces, then the grammar's own after them (forced tokens,
+        suggested spellings of a forced string), at most ``limit[b]`` in all; how many of those
+        came from the generator)."""
         out, kept = [], []
         offered_list, draft_rows = offered.tolist(), drafts.tolist()
         for b, row in enumerate(rows):
@@ -280,7 +283,9 @@ class _RowState:
              vocab: int) -> tuple[list[int], int]:
         """-> (the drafts to verify after ``committed``, how many of them are the generator's)."""
         self.move(committed)
-        matcher, out, taken, following = self.matcher, [], 0, True
+        if self.accepted < len(self.history):  # a committed token the grammar refused: nothing to walk from
+            return [], 0
+        matcher, out, taken, following, suggested = self.matcher, [], 0, True, []
         while len(out) < limit and not matcher.is_terminated():
             matcher.fill_next_token_bitmask(scratch, 0)
             forced = only_token(scratch[0], vocab)
@@ -291,10 +296,15 @@ class _RowState:
                 else:
                     following = False
                 token = forced
+                suggested = suggested[1:] if suggested[:1] == [forced] else []
             elif mine is not None and allows(scratch[0], mine):
                 token, taken = mine, taken + 1
-            else:
-                break
+            else:  # the generator has no draft here (or one the grammar forbids): the grammar's suggestion
+                following = False
+                suggested = suggested or matcher.find_jump_forward_tokens()
+                if not suggested or not allows(scratch[0], suggested[0]):
+                    break
+                token, suggested = suggested[0], suggested[1:]
             if not matcher.accept_token(token):
                 break
             out.append(token)
@@ -320,9 +330,9 @@ def allows(words: torch.Tensor, token: int) -> bool:
     return 0 <= token < 32 * words.shape[0] and bool((int(words[token // 32]) >> (token % 32)) & 1)
 
 
-def with_forced(proposal, rows: list[list[int]], taken: list[int], vocab: int):
+def with_grammar_drafts(proposal, rows: list[list[int]], taken: list[int], vocab: int):
     """The proposal to verify: row b's drafts ``rows[b]``, of which the first ``taken[b]`` are the
-    generator's (its probabilities kept) and the rest forced (point masses); ``forced`` [B] set."""
+    generator's (its probabilities kept) and the rest the grammar's (point masses); ``grammar_drafts`` [B] set."""
     from .generators import Proposal
 
     device = proposal.token_ids.device
@@ -341,7 +351,7 @@ def with_forced(proposal, rows: list[list[int]], taken: list[int], vocab: int):
         out[point] = torch.nn.functional.one_hot(made.token_ids[point], probs.shape[-1]).to(out.dtype)
         probs = out
     return dataclasses.replace(proposal, token_ids=made.token_ids, lengths=lengths, probs=probs,
-                               forced=lengths - taken_t)
+                               grammar_drafts=lengths - taken_t)
 
 
 def check_output(compiled, grammar: Grammar | None, ids: list[int], text: str) -> dict:

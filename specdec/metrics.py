@@ -47,9 +47,9 @@ class AcceptanceStats:
     processor_seconds: float = 0.0
     #: a distributed call's messages between ranks: {messages, bytes, seconds, steps} (specdec/distributed/)
     coordination: dict[str, float] = field(default_factory=dict)
-    #: of the drafted and accepted tokens, those a grammar forced (specdec/grammar.py)
-    forced_tokens: int = 0
-    forced_accepted: int = 0
+    #: of the drafted and accepted tokens, the grammar's own drafts (specdec/grammar.py)
+    grammar_drafts: int = 0
+    grammar_accepted: int = 0
 
     # -- recording ---------------------------------------------------------------------------
     def record_step(self, drafted: list[int], accepted: list[int], committed: list[int]) -> None:
@@ -67,11 +67,11 @@ class AcceptanceStats:
                 self.drafts_verified.extend([0] * (d + 1 - len(self.drafts_verified)))
             self.drafts_verified[d] += 1
 
-    def record_forced(self, forced: list[int], drafted: list[int], accepted: list[int]) -> None:
-        """Of one forward's drafts per row, the last ``forced`` were a grammar's forced tokens."""
-        for f, d, a in zip(forced, drafted, accepted):
-            self.forced_tokens += f
-            self.forced_accepted += max(0, a - (d - f))
+    def record_grammar(self, grammar: list[int], drafted: list[int], accepted: list[int]) -> None:
+        """Of one forward's drafts per row, the last ``grammar`` were the grammar's own (forced or suggested)."""
+        for f, d, a in zip(grammar, drafted, accepted):
+            self.grammar_drafts += f
+            self.grammar_accepted += max(0, a - (d - f))
 
     def record_forward(self, tokens: int, seconds: float) -> None:
         """One target forward (not the prefill) that fed ``tokens`` took ``seconds``."""
@@ -98,8 +98,8 @@ class AcceptanceStats:
             choices={**other.choices, **self.choices},
             processor_seconds=self.processor_seconds + other.processor_seconds,
             coordination=_add_dicts(self.coordination, other.coordination, 0),
-            forced_tokens=self.forced_tokens + other.forced_tokens,
-            forced_accepted=self.forced_accepted + other.forced_accepted,
+            grammar_drafts=self.grammar_drafts + other.grammar_drafts,
+            grammar_accepted=self.grammar_accepted + other.grammar_accepted,
         )
 
     __add__ = merge
@@ -121,15 +121,15 @@ class AcceptanceStats:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
     @property
-    def forced_share(self) -> float:
-        """Share of committed tokens that a grammar forced (and the target accepted)."""
-        return self.forced_accepted / self.committed_tokens if self.committed_tokens else 0.0
+    def grammar_share(self) -> float:
+        """Share of committed tokens that were the grammar's own drafts (accepted by the target)."""
+        return self.grammar_accepted / self.committed_tokens if self.committed_tokens else 0.0
 
     @property
     def drafter_acceptance_rate(self) -> float:
-        """Acceptance rate of the drafts a grammar did not force (the generator's)."""
-        drafted = self.drafted_tokens - self.forced_tokens
-        return (self.accepted_tokens - self.forced_accepted) / drafted if drafted else 0.0
+        """Acceptance rate of the drafts that were not the grammar's (the generator's)."""
+        drafted = self.drafted_tokens - self.grammar_drafts
+        return (self.accepted_tokens - self.grammar_accepted) / drafted if drafted else 0.0
 
     @property
     def per_position_acceptance(self) -> list[float]:
@@ -167,9 +167,9 @@ class AcceptanceStats:
             "choices": dict(self.choices),
             "processor_seconds": self.processor_seconds,
             **({"coordination": dict(self.coordination)} if self.coordination else {}),  # distributed calls only
-            **({"forced_tokens": self.forced_tokens, "forced_accepted": self.forced_accepted,
-                "forced_share": self.forced_share, "drafter_acceptance_rate": self.drafter_acceptance_rate}
-               if self.forced_tokens else {}),  # grammar-constrained calls only
+            **({"grammar_drafts": self.grammar_drafts, "grammar_accepted": self.grammar_accepted,
+                "grammar_share": self.grammar_share, "drafter_acceptance_rate": self.drafter_acceptance_rate}
+               if self.grammar_drafts else {}),  # grammar-constrained calls only
             "mean_accepted_length": self.mean_accepted_length,
             "acceptance_rate": self.acceptance_rate,
             "per_position_acceptance": self.per_position_acceptance,
@@ -181,7 +181,7 @@ class AcceptanceStats:
         keys = ("steps", "drafted_tokens", "accepted_tokens", "committed_tokens", "accepted_at_position",
                 "draft_seconds", "verify_seconds", "total_seconds", "generator", "drafts_verified",
                 "skipped_steps", "calibration_seconds", "compile_seconds", "choices", "processor_seconds", "coordination",
-                "forced_tokens", "forced_accepted")
+                "grammar_drafts", "grammar_accepted")
         stats = cls(**{k: d[k] for k in keys if k in d})
         stats.forward_costs = {int(t): list(v) for t, v in d.get("forward_costs", {}).items()}
         return stats

@@ -44,7 +44,7 @@ from typing import Callable
 import torch
 from transformers.generation import logits_process as lp
 
-from .grammar import FORCED_LIMIT, GrammarConstraint
+from .grammar import GRAMMAR_LIMIT, GrammarConstraint
 
 #: processors whose output row depends on that row's scores only (never on input_ids)
 SCORES_ONLY = (lp.TemperatureLogitsWarper, lp.TopKLogitsWarper, lp.TopPLogitsWarper, lp.MinPLogitsWarper,
@@ -291,9 +291,9 @@ class BlockProcessors:
     def extend(self, drafts: torch.Tensor, offered: torch.Tensor, committed: list[list[int]], rows: list[int],
                room: list[int]) -> tuple[list[list[int]], list[int]]:
         """The grammar's walk over each row's drafts (:meth:`GrammarConstraint.extend`): at most
-        ``FORCED_LIMIT`` forced tokens past a row's offered drafts, and never past its ``room``."""
+        ``GRAMMAR_LIMIT`` of the grammar's own drafts past a row's offered drafts, and never past its ``room``."""
         started = time.perf_counter()
-        limit = [min(r, o + FORCED_LIMIT) for r, o in zip(room, offered.tolist())]
+        limit = [min(r, o + GRAMMAR_LIMIT) for r, o in zip(room, offered.tolist())]
         out = self.grammar.extend(drafts, offered, committed, rows, limit)
         self.seconds += time.perf_counter() - started
         return out

@@ -46,7 +46,7 @@ from .modelinfo import kv_layout, vocab_size
 from .multimodal import PrefillSpec, Prefix, check_assistant
 from .outputs import ScoreRecorder, SpecOutput
 from .policy import DraftPolicy
-from .grammar import with_forced
+from .grammar import with_grammar_drafts
 from .processors import BlockProcessors
 from .sampling import SamplingParams
 from .state import ModelState, cache_problem
@@ -224,7 +224,7 @@ class DecodeRun:
             confidence=proposal.confidence, fed=(pending + k) * target.batch_size, context=context,
             first=first, catching_up=catching_up, waiting=first and bool(self.borrowers),
             compiling=compile_seconds() - compiled_before, started=started, drafting=drafted - started,
-            forward=forwarded - drafted, verifying=time.perf_counter() - drafted, forced=proposal.forced)
+            forward=forwarded - drafted, verifying=time.perf_counter() - drafted, grammar_drafts=proposal.grammar_drafts)
         self._observe(record, block, committed)
         if bool(finished.any()):
             self._retire(finished)
@@ -277,7 +277,7 @@ class DecodeRun:
 
     def _constrain(self, proposal: Proposal, offered: torch.Tensor, room: torch.Tensor) -> tuple[Proposal, torch.Tensor]:
         """The grammar's walk over the offered drafts (specdec/grammar.py) -> the proposal to verify
-        (``forced`` [B]: the trailing drafts it forced), its drafts per row [B]."""
+        (``grammar_drafts`` [B]: the trailing drafts it proposed), its drafts per row [B]."""
         target = self.target
         committed = [target.tokens[b, p:n].tolist() for b, (p, n) in
                      enumerate(zip(self.prompt_lengths.tolist(), target.lengths.tolist()))]
@@ -286,7 +286,7 @@ class DecodeRun:
             room = room.clamp_max(self.drafting.max_drafts)
         rows, taken = self.processors.extend(proposal.token_ids, offered, committed, self.row_ids.tolist(),
                                              room.tolist())
-        proposal = with_forced(proposal, rows, taken, self.vocab)
+        proposal = with_grammar_drafts(proposal, rows, taken, self.vocab)
         return proposal, proposal.lengths.to(offered.device)
 
     def _forward(self, draft_ids: torch.Tensor, offered: torch.Tensor, committed: torch.Tensor) -> torch.Tensor:
@@ -379,8 +379,8 @@ class DecodeRun:
     def _count(self, record: StepRecord) -> None:
         stats = self.stats
         stats.record_step(record.offered.tolist(), record.accepted.tolist(), record.kept.tolist())
-        if record.forced is not None:
-            stats.record_forced(record.forced.tolist(), record.offered.tolist(), record.accepted.tolist())
+        if record.grammar_drafts is not None:
+            stats.record_grammar(record.grammar_drafts.tolist(), record.offered.tolist(), record.accepted.tolist())
         record = record.drafter_view()
         stats.draft_seconds += record.drafting
         stats.verify_seconds += record.verifying

@@ -127,7 +127,7 @@ def test_greedy_with_a_grammar_equals_generate_with_xgrammars_processor(world, g
     assert torch.equal(out.sequences, want), (tok.batch_decode(out.sequences), tok.batch_decode(want))
     assert_valid(grammar, compiled[grammar], new_rows(out.sequences, ids.shape[1], tok), tok)
     if generator in ("none", "prompt_lookup"):  # drafters that do not see the grammar: it adds what it forces
-        assert out.stats.forced_tokens > 0 and out.stats.forced_accepted > 0
+        assert out.stats.grammar_drafts > 0 and out.stats.grammar_accepted > 0
 
 
 def test_forced_tokens_alone_cut_the_targets_forwards(world):
@@ -136,10 +136,10 @@ def test_forced_tokens_alone_cut_the_targets_forwards(world):
     ids, mask = prompts["single"]
     out = decoders["none"].generate(ids, mask, max_new_tokens=NEW, grammar=GRAMMARS["json_schema"])
     new = len(new_rows(out.sequences, ids.shape[1], tok)[0])
-    assert out.stats.forced_accepted == out.stats.forced_tokens  # a forced token is the only one allowed
+    assert out.stats.grammar_accepted == out.stats.grammar_drafts  # a forced token is the only one allowed
     assert out.stats.committed_tokens == new and out.stats.steps < new * 0.7
-    assert out.stats.steps + out.stats.forced_accepted in (new, new + 1)  # + 1: the step that drafted EOS
-    assert out.stats.forced_share == out.stats.forced_accepted / out.stats.committed_tokens > 0.3
+    assert out.stats.steps + out.stats.grammar_accepted in (new, new + 1)  # + 1: the step that drafted EOS
+    assert out.stats.grammar_share == out.stats.grammar_accepted / out.stats.committed_tokens > 0.3
 
 
 def test_a_lookup_draft_the_grammar_forbids_is_cut_and_a_forced_token_replaces_a_wrong_one(world):
@@ -239,7 +239,7 @@ def test_sampling_with_a_grammar_is_lossless(drafter):
                            do_sample=True, grammar=compiled)
     new = out.sequences[:, PROMPT.shape[1]:]
     assert new.shape == (N, 3)
-    assert out.stats.forced_tokens > 0 or drafter == "draft_model"  # a draft model drafts the forced tokens itself
+    assert out.stats.grammar_drafts > 0 or drafter == "draft_model"  # a draft model drafts the forced tokens itself
     assert 0 < out.stats.accepted_tokens < out.stats.drafted_tokens
     assert_same_distribution(joint_counts(new, TINY_VOCAB), exact_masked_joint(target, PROMPT, compiled))
 
@@ -362,7 +362,7 @@ def test_smollm2_answers_in_its_schema_exactly_and_validly(smollm2):
     new = out.sequences[0, ids.shape[1]:].tolist()
     checked = check_output(compiled, grammar, new, tok.decode(new, skip_special_tokens=True))
     assert new[-1] in eos_token_ids(model) and checked["valid"] and checked["forced"] > 0
-    assert out.stats.forced_accepted > 0
+    assert out.stats.grammar_accepted > 0
 
 
 def test_without_xgrammar_the_error_says_how_to_install_it(world, monkeypatch):

@@ -241,8 +241,8 @@ def _structured_section(meta: dict, rows: list[dict]) -> list[str]:
         tokens = sum(r["new_tokens"] for r in mine)
         body.append([f"`{m['name']}`", f"{sum(r['grammar']['valid'] for r in mine)} of {len(mine)}",
                      _f(sum(r["grammar"]["forced"] for r in mine) / tokens if tokens else None, ".1%"),
-                     _f(st.forced_share if st is not None else None, ".1%"),
-                     _f(st.drafter_acceptance_rate if st is not None and st.drafted_tokens > st.forced_tokens
+                     _f(st.grammar_share if st is not None else None, ".1%"),
+                     _f(st.drafter_acceptance_rate if st is not None and st.drafted_tokens > st.grammar_drafts
                         else None, ".1%")])
     return out + _table(["method", "valid outputs", "forced", "grammar drafts", "other drafts accepted"], body)
 
