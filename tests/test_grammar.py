@@ -156,6 +156,18 @@ def test_a_lookup_draft_the_grammar_forbids_is_cut_and_a_forced_token_replaces_a
     assert rows == [[]] and taken == [0]  # "x" cannot start the regex: cut with what follows
 
 
+def test_a_forced_string_the_vocabulary_spells_several_ways_is_suggested(world):
+    """After "x" the regex forces " the world." but no single token (" ", " t", " the" are all
+    allowed): the walk proposes xgrammar's spelling of it, and the target verifies it."""
+    target, tok, decoders, prompts, compiled, reference = world
+    grammar = compile_grammar(Grammar.regex(r"x the world\."), tok, target.config.vocab_size, [tok.eos_token_id])
+    constraint = GrammarConstraint(grammar, prompt_width=0)
+    x = tok("x", add_special_tokens=False).input_ids
+    rows, taken = constraint.extend(torch.zeros(1, 0, dtype=torch.long), torch.tensor([0]), [x], [0], [40])
+    assert taken == [0] and rows[0][0] == tok.convert_tokens_to_ids("Ġthe")
+    assert tok.decode(rows[0][:-1]) == " the world." and rows[0][-1] == tok.eos_token_id  # then EOS, forced
+
+
 def test_a_rollback_after_a_rejected_block_leaves_the_state_of_never_drafting(world):
     target, tok, decoders, prompts, compiled, reference = world
     ids, _ = prompts["single"]

@@ -230,8 +230,9 @@ def _structured_section(meta: dict, rows: list[dict]) -> list[str]:
     out = ["", "## Structured output", "",
            "Every method decodes under the same compiled grammar (transformers with xgrammar's logits processor). "
            "*Forced*: output tokens at positions where the grammar allowed exactly one token. *Grammar drafts*: "
-           "tokens committed as the grammar's own drafts (forced tokens specdec proposed after the generator's), "
-           "of all committed tokens. *Other drafts accepted*: acceptance of the remaining drafts.", ""]
+           "committed tokens that were the grammar's own drafts (forced tokens, and xgrammar's spelling of a forced "
+           "string, proposed after the generator's drafts). *Other drafts accepted*: acceptance of the "
+           "generator's drafts.", ""]
     body = []
     for m in meta["config"]["methods"]:
         mine = [r for r in constrained if r["method"] == m["name"]]
