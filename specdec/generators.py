@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import time
 import warnings
-import dataclasses
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol
 
@@ -139,7 +138,7 @@ class StepRecord(Feedback):
         if self.grammar_drafts is None:
             return self
         offered = self.offered - self.grammar_drafts.to(self.offered.device)
-        return dataclasses.replace(self, offered=offered, accepted=torch.minimum(self.accepted, offered), grammar_drafts=None)
+        return replace(self, offered=offered, accepted=torch.minimum(self.accepted, offered), grammar_drafts=None)
 
     def overhead(self) -> float:
         """Seconds of this step so far outside drafting and the target's forward (verification,

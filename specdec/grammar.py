@@ -330,7 +330,7 @@ def allows(words: torch.Tensor, token: int) -> bool:
     return 0 <= token < 32 * words.shape[0] and bool((int(words[token // 32]) >> (token % 32)) & 1)
 
 
-def with_grammar_drafts(proposal, rows: list[list[int]], taken: list[int], vocab: int):
+def with_grammar_drafts(proposal, rows: list[list[int]], taken: list[int]):
     """The proposal to verify: row b's drafts ``rows[b]``, of which the first ``taken[b]`` are the
     generator's (its probabilities kept) and the rest the grammar's (point masses); ``grammar_drafts`` [B] set."""
     from .generators import Proposal

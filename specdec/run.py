@@ -40,13 +40,13 @@ from .compiled import compile_seconds
 from .device import synchronize
 from .distributed import SOLO
 from .generators import CandidateGenerator, DecodeContext, Proposal, StepRecord, declared_drafting
+from .grammar import with_grammar_drafts
 from .kv import CacheSettings, static_problem
 from .metrics import AcceptanceStats
 from .modelinfo import kv_layout, vocab_size
 from .multimodal import PrefillSpec, Prefix, check_assistant
 from .outputs import ScoreRecorder, SpecOutput
 from .policy import DraftPolicy
-from .grammar import with_grammar_drafts
 from .processors import BlockProcessors
 from .sampling import SamplingParams
 from .state import ModelState, cache_problem
@@ -224,7 +224,8 @@ class DecodeRun:
             confidence=proposal.confidence, fed=(pending + k) * target.batch_size, context=context,
             first=first, catching_up=catching_up, waiting=first and bool(self.borrowers),
             compiling=compile_seconds() - compiled_before, started=started, drafting=drafted - started,
-            forward=forwarded - drafted, verifying=time.perf_counter() - drafted, grammar_drafts=proposal.grammar_drafts)
+            forward=forwarded - drafted, verifying=time.perf_counter() - drafted,
+            grammar_drafts=proposal.grammar_drafts)
         self._observe(record, block, committed)
         if bool(finished.any()):
             self._retire(finished)
@@ -286,7 +287,7 @@ class DecodeRun:
             room = room.clamp_max(self.drafting.max_drafts)
         rows, taken = self.processors.extend(proposal.token_ids, offered, committed, self.row_ids.tolist(),
                                              room.tolist())
-        proposal = with_grammar_drafts(proposal, rows, taken, self.vocab)
+        proposal = with_grammar_drafts(proposal, rows, taken)
         return proposal, proposal.lengths.to(offered.device)
 
     def _forward(self, draft_ids: torch.Tensor, offered: torch.Tensor, committed: torch.Tensor) -> torch.Tensor:
