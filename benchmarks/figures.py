@@ -30,6 +30,7 @@ SHOWN = (
     ("spec_bench_smollm2", "pl", "`prompt_lookup`, defaults"),
     ("self_draft_smollm2", "self_w8a8", "`self_draft`, w8a8 copy"),
     ("self_draft_smollm2", "hybrid_w8a8", "`self_draft`, w8a8 copy + lookup"),
+    ("structured_smollm2", "pl", "`prompt_lookup`, defaults, each output in its JSON schema"),
 )
 
 

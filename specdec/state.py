@@ -261,22 +261,8 @@ class ModelState:
         """
         first_slot = self.cached_slots
         ends = self.offsets + self.lengths  # [B] slot after each row's last token
-        width = int(ends.max()) - first_slot
-        first = self.is_first_iteration
-        fed = self.kv.padded_width(width, first)  # columns past `width` are padding (compiled widths)
-        chunk_slots = first_slot + torch.arange(fed, device=self.device)[None, :]  # [1, F]
-        index = chunk_slots - self.offsets[:, None]  # [B, F] token index at each chunk slot
-        real = (index >= 0) & (index < self.lengths[:, None])
-        ids = self.tokens.gather(1, index.clamp(0, self.tokens.shape[1] - 1))
-        # ids a smaller (padded) embedding lacks can only come from the target's tokens: the
-        # model sees padding there, which can only change what an assistant proposes
-        ids = ids.masked_fill(~real | (ids >= self.vocab_limit), self.pad_token_id)  # [B, F]
-        at = index
-        if self.position_limit is not None:  # learned positions: refuse a token past them, keep padding inside
-            self._check_positions()
-            at = index.clamp(max=self.position_limit - 1)  # only padded columns move (real ones are below)
-        positions = self.positions(at)  # [B, F], or [3, B, F] for mRoPE
-
+        width, first = int(ends.max()) - first_slot, self.is_first_iteration
+        index, real, ids, positions = self._chunk(first_slot, width)
         first_needed = self.offsets + start - first_slot  # [B] chunk column of the first logits needed
         if bool((first_needed < 0).any()):
             raise RuntimeError("ModelState.forward asked for logits of a token that is already cached")
@@ -309,6 +295,24 @@ class ModelState:
         cols = first_needed[:, None] - (width - keep) + torch.arange(count, device=self.device)[None, :]
         cols = cols.clamp(max=keep - 1)  # [B, M]
         return logits.gather(1, cols[..., None].expand(-1, -1, logits.shape[-1]))
+
+    def _chunk(self, first_slot: int, width: int) -> tuple[torch.Tensor, ...]:
+        """The columns the next forward feeds, ``width`` of them padded to a compiled width F ->
+        (index [B, F]: each row's token index there, real [B, F], ids [B, F], positions [B, F] or
+        [3, B, F] for mRoPE)."""
+        fed = self.kv.padded_width(width, self.is_first_iteration)  # columns past `width` are padding
+        chunk_slots = first_slot + torch.arange(fed, device=self.device)[None, :]  # [1, F]
+        index = chunk_slots - self.offsets[:, None]  # [B, F] token index at each chunk slot
+        real = (index >= 0) & (index < self.lengths[:, None])
+        ids = self.tokens.gather(1, index.clamp(0, self.tokens.shape[1] - 1))
+        # ids a smaller (padded) embedding lacks can only come from the target's tokens: the
+        # model sees padding there, which can only change what an assistant proposes
+        ids = ids.masked_fill(~real | (ids >= self.vocab_limit), self.pad_token_id)  # [B, F]
+        at = index
+        if self.position_limit is not None:  # learned positions: refuse a token past them, keep padding inside
+            self._check_positions()
+            at = index.clamp(max=self.position_limit - 1)  # only padded columns move (real ones are below)
+        return index, real, ids, self.positions(at)
 
     def _check_positions(self) -> None:
         """Before a forward: no row may feed a token at or past the learned positions. ``generate()``
