@@ -435,9 +435,9 @@ def test_batch_sizes_default_and_old_field_keep_the_hash(tmp_path):
     legacy["methods"] = [{k: v for k, v in m.items() if k not in ("cache_implementation", "compile", "fast_head")}
                          for m in legacy["methods"]]  # the schema before devices, compilation and the fast head
     legacy["dataset"] = {k: v for k, v in legacy["dataset"].items() if k not in ("first_per_category", "max_turns")}
-    legacy["generation"] = {k: v for k, v in legacy["generation"].items()  # before the logits-processor settings
+    legacy["generation"] = {k: v for k, v in legacy["generation"].items()  # before the processor settings and grammars
                             if k not in ("min_p", "repetition_penalty", "encoder_repetition_penalty",
-                                         "no_repeat_ngram_size", "min_new_tokens", "bad_words_ids", "suppress_tokens")}
+                                         "no_repeat_ngram_size", "min_new_tokens", "bad_words_ids", "suppress_tokens", "grammar")}
     payload = json.dumps({"config": legacy, "questions": [q.question_id for q in questions]}, sort_keys=True)
     assert config_hash(plain, questions) == hashlib.sha256(payload.encode()).hexdigest()[:16]
 
