@@ -10,6 +10,8 @@ launches (tensor, then pipeline parallelism) keep the file quick.
   (on one rank, and replicated), batch 1 and a left-padded batch, the static cache (tensor
   parallelism; refused with a clear error under pipeline parallelism), and
   ``model.generate(custom_generate=specdec.generate)`` on the sharded model;
+* a grammar (a regular expression, xgrammar) on the sharded target equals the single-process
+  ``model.generate()`` with xgrammar's processor, on a left-padded batch;
 * every rank returns the same tokens, statistics (the decider's), a streamer is fed on one rank
   only, stop strings and a user stopping criterion that reads a rank-dependent "clock" cut every
   rank's output where the decider's cut it;
@@ -40,6 +42,7 @@ PADDED = [[257, 257, 5, 9, 7, 8, 5, 9, 7, 8], [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]]  #
 TINY_PROMPT = [[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]]
 NEW = 24
 SAMPLING = {"pl": dict(temperature=0.8, top_k=6), "dm": dict(temperature=1.2, top_p=0.9)}
+GRAMMAR_REGEX = r"[a-z]{2,5}( [a-z]{2,5}){1,6}\."  # a grammar= case: words, then a full stop
 
 
 # -- the models, saved -----------------------------------------------------------------------------
@@ -101,6 +104,17 @@ def references(saved) -> dict:
         new = target.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
                               pad_token_id=257)
         out[name] = new[:, ids.shape[1]:].tolist()
+    import xgrammar
+    from transformers import AutoTokenizer
+
+    from specdec.grammar import Grammar, compile_grammar
+
+    ids = torch.tensor(PADDED)
+    compiled = compile_grammar(Grammar.regex(GRAMMAR_REGEX), AutoTokenizer.from_pretrained(saved / "target"), target.config.vocab_size, [])
+    new = target.generate(ids, attention_mask=(ids != 257).long(), max_new_tokens=NEW, do_sample=False,
+                          eos_token_id=None, pad_token_id=257,
+                          logits_processor=[xgrammar.contrib.hf.LogitsProcessor(compiled)])
+    out["grammar"] = new[:, ids.shape[1]:].tolist()
     return out
 
 
@@ -163,6 +177,12 @@ def test_stop_strings_and_user_criteria_cut_every_rank_where_the_decider_did(ten
         assert rank["stop_string"] == references["one"][0][: rank["stop_at"]]
         # the criterion stops at 5 new tokens on the decider and at 9 on the other rank: the decider's holds
         assert rank["clock"] == references["one"][0][:5]
+
+
+def test_a_grammar_on_a_sharded_target_equals_single_process_generate_with_xgrammar(tensor, references):
+    assert references["grammar"] != references["padded"]  # the grammar changed the output
+    for rank in tensor:
+        assert rank["grammar"] == references["grammar"]
 
 
 def test_seeded_sampling_gives_every_rank_the_same_tokens(tensor, pipeline):
@@ -340,6 +360,12 @@ def _one_rank_things(target, folder: str, result: dict) -> None:
 
     clocked = decoder.generate(ids, max_new_tokens=NEW, eos_token_id=None, stopping_criteria=[RankClock()])
     result["clock"] = clocked.sequences[0, ids.shape[1]:].tolist()
+    from specdec.grammar import Grammar
+
+    padded = torch.tensor(PADDED)
+    constrained = decoder.generate(padded, (padded != 257).long(), max_new_tokens=NEW, eos_token_id=None,
+                                   grammar=Grammar.regex(GRAMMAR_REGEX))
+    result["grammar"] = constrained.sequences[:, padded.shape[1]:].tolist()
 
 
 def _lossless(load, result: dict) -> None:
