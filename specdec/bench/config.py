@@ -26,9 +26,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..generators import NoDraft
+from ..grammar import Grammar
 from ..models import DTYPES, PACKAGED_MODELS, TINY_ARCHS, device_name_problem
 from ..names import did_you_mean
-from ..grammar import Grammar
 from ..prompts import DEFAULT_SPEC_BENCH, MT_BENCH_CATEGORIES, SUBTASKS
 from ..registry import UnknownGeneratorError, available_generators, fit_options, get_candidate_generator, needs_model
 

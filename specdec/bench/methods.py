@@ -34,10 +34,10 @@ HF_WARMUP_NEW_TOKENS = 16
 class MethodRunner:
     """One method, ready to run: ``run(input_ids [1, L], seed, max_new_tokens=None, grammar=None) -> (new
     token ids, stats or None)``; ``run_batch(input_ids [B, P], attention_mask [B, P], seed,
-    max_new_tokens=None, grammar=None) -> ([B, N] new ids, stats or None)`` (``grammar``: a compiled
-    grammar, or one per row) (None for the methods transformers runs only at batch size 1);
-    ``warmup(batch_size, max_length) -> seconds`` compiles what the method will run (None when it
-    does not compile). ``max_new_tokens`` overrides the config's (the warm-up's short calls)."""
+    max_new_tokens=None, grammar=None) -> ([B, N] new ids, stats or None)``, None for the methods
+    transformers runs only at batch size 1; ``warmup(batch_size, max_length) -> seconds`` compiles
+    what the method will run (None when it does not compile). ``max_new_tokens`` overrides the
+    config's (the warm-up's short calls); ``grammar`` is a compiled grammar, or a list of one per row."""
 
     config: MethodConfig
     run: Callable[..., tuple[list[int], AcceptanceStats | None]]

@@ -177,20 +177,18 @@ class _Models:
     eos: set[int]
     device: torch.device
     warmup_seconds: dict[str, float] = field(default_factory=dict)  # compiled methods only
-    compiled: dict[str, object] = field(default_factory=dict)  # grammar (JSON text) -> compiled for the target
 
     def grammar_of(self, q: Question, gen: GenerationSettings) -> str | None:
         """The grammar a question is decoded under (JSON text of a config's form), or None."""
         return q.grammar or (json.dumps(gen.grammar) if gen.grammar else None)
 
     def compile(self, spec: str | None):
-        """The grammar ``spec`` compiled for the target (once), or None; with the target's EOS ids as its end."""
+        """The grammar ``spec`` compiled for the target (cached by ``compile_grammar``), or None; the
+        target's EOS ids end it."""
         if spec is None:
             return None
-        if spec not in self.compiled:
-            self.compiled[spec] = compile_grammar(Grammar.from_config(json.loads(spec)), self.tokenizer,
-                                                  vocab_size(self.target), sorted(self.eos))
-        return self.compiled[spec]
+        return compile_grammar(Grammar.from_config(json.loads(spec)), self.tokenizer, vocab_size(self.target),
+                               sorted(self.eos))
 
     def grammars(self, questions: list[Question], gen: GenerationSettings):
         """A batch's grammar: None, the one all its rows share, or a list of one per row."""
