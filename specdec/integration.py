@@ -119,7 +119,7 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
     if synced_gpus:
         raise ValueError("synced_gpus=True (DeepSpeed ZeRO-3 / FSDP) is not supported by specdec's custom_generate")
     check_generation_config(generation_config)
-    streamer = streamer if streamer is not None else _of_generate("streamer")
+    streamer = streamer if streamer is not None else _streamer_of_generate()
     decoder = DRAFTERS.decoder(model, draft, dict(draft_options or {}), target_tokenizer, draft_tokenizer,
                                dict(decoder_options or {}))
     _refuse_filled_cache(model_kwargs)
@@ -157,14 +157,14 @@ def _refuse_filled_cache(model_kwargs: dict) -> None:
                          "its own caches (SpecDecoder.prefill() keeps a prefix's)")
 
 
-def _of_generate(name: str):
-    """A local of the ``GenerationMixin.generate`` call that called us (transformers 5.24 gives the
-    ``streamer`` the prompt, then leaves it out of a custom_generate callable's arguments)."""
+def _streamer_of_generate():
+    """The ``streamer`` of the ``GenerationMixin.generate`` call that called us: transformers 5.24
+    gives it the prompt, then leaves it out of a custom_generate callable's arguments."""
     frame = sys._getframe(1)
     for _ in range(4):  # generate() calls the callable directly; allow a wrapper or two
         frame = frame.f_back
         if frame is None:
             return None
         if frame.f_code.co_name == "generate" and frame.f_globals.get("__name__") == "transformers.generation.utils":
-            return frame.f_locals.get(name)
+            return frame.f_locals.get("streamer")
     return None

@@ -24,8 +24,7 @@ below gives exactly the scores ``generate()`` computes:
 * **by length** (min length, min new tokens, begin-suppress, forced BOS/EOS, exponential decay,
   watermarking): one call per distinct input length in the block, on the positions of that length;
 * **any other** (the user's own): one call per distinct input length, on a batch laid out as the
-  prompt's (each row at its own index; rows without a position of that length hold a copy).
-
+  prompt's (each row at its own index; rows without a position of that length hold a copy);
 * **a grammar** (``grammar=``, or xgrammar's own processor in ``logits_processor=``): a
   :class:`~specdec.grammar.GrammarConstraint`, whose matchers follow each position's ids
   (specdec/grammar.py).
