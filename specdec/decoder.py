@@ -41,7 +41,8 @@ from .multimodal import PrefillSpec, Prefix, check_call, declared_inputs
 from .outputs import SpecOutput
 from .processors import BlockProcessors
 from .registry import resolve_draft
-from .run import CallSettings, DecodeRun, Prompt
+from .request import CallSettings, Prompt
+from .run import DecodeRun
 from .sampling import SamplingParams
 from .state import ModelState, cache_problem
 from .stopping import Stopper

@@ -30,68 +30,29 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from .assistant import Assistant
 from .compiled import compile_seconds
 from .device import synchronize
-from .distributed import SOLO
 from .generators import CandidateGenerator, DecodeContext, Proposal, StepRecord, declared_drafting
 from .grammar import with_grammar_drafts
 from .kv import CacheSettings, static_problem
 from .metrics import AcceptanceStats
 from .modelinfo import kv_layout, vocab_size
-from .multimodal import PrefillSpec, Prefix, check_assistant
+from .multimodal import check_assistant
 from .outputs import ScoreRecorder, SpecOutput
 from .policy import DraftPolicy
-from .processors import BlockProcessors
-from .sampling import SamplingParams
+from .request import CallSettings, Prompt
 from .state import ModelState, cache_problem
-from .stopping import Stopper, StreamFeed
+from .stopping import StreamFeed
 from .validation import check_proposal
 from .verify import Verdict, greedy_verify, speculative_sample
 
 #: tokens an assistant may have pending before a proposal (the target's newest, the last draft, a
 #: re-tokenized tail) for the proposal's time to count as drafting cost: more is catching up
 CATCH_UP = 4
-
-
-@dataclass
-class Prompt:
-    """A validated prompt on the target's device."""
-
-    input_ids: torch.Tensor  # [B, P] as given (left padding included)
-    rows: torch.Tensor  # [B, P] row b's tokens from column 0
-    lengths: torch.Tensor  # [B] tokens per row
-    spec: PrefillSpec  # the rows the prefill-only inputs describe (this prompt's, or the prefix's)
-    prefix: Prefix | None = None
-
-    def mask(self) -> torch.Tensor:
-        """[B, P] the attention mask as given: 0 on each row's left padding."""
-        width = self.input_ids.shape[1]
-        cols = torch.arange(width, device=self.input_ids.device)[None, :]
-        return (cols >= (width - self.lengths)[:, None]).long()
-
-
-@dataclass
-class CallSettings:
-    max_new_tokens: int
-    sampling: SamplingParams
-    generator: torch.Generator | None
-    pad: int
-    stopper: Stopper
-    streamer: Any = None
-    cache: CacheSettings = CacheSettings()
-    #: who takes the call's decisions: here (SOLO), or the decider among a sharded target's ranks
-    ranks: Any = SOLO
-    #: the call's logits processors (``generate()``'s list, warpers included when sampling); None: none
-    processors: BlockProcessors | None = None
-    output_scores: bool = False  # keep each committed token's processed scores
-    output_logits: bool = False  # keep each committed token's raw logits
-    stream_prompt: bool = True  # False where generate() already gave the streamer the prompt
 
 
 class DecodeRun:
