@@ -139,3 +139,35 @@ def chi_square_pooled(observed: torch.Tensor, expected_probs: torch.Tensor) -> t
     p_value = float(chisquare(obs.numpy(), exp.numpy()).pvalue)
     tv = 0.5 * float((observed / n - probs).abs().sum())
     return p_value, tv
+
+
+class RecordingStreamer:
+    """A streamer that keeps what it gets: ``puts`` (each call's ids, flattened) and ``ended``."""
+
+    def __init__(self):
+        self.puts, self.ended = [], False
+
+    def put(self, ids):
+        self.puts.append(ids.clone().flatten())
+
+    def end(self):
+        self.ended = True
+
+
+def every_generator(target, draft, target_tokenizer, draft_tokenizer, tokenizer=None) -> dict:
+    """One ``SpecDecoder`` per built-in generator on ``target`` (``draft`` for the draft models),
+    each drafting a fixed 4 tokens so that drafting happens, the self-drafts on an eager bfloat16
+    copy; ``tokenizer`` is given to each (the cross-tokenizer decoder always gets both)."""
+    from specdec import SpecDecoder
+
+    fixed = {"num_tokens": 4, "schedule": "fixed"}
+    copy = {"weights": "bfloat16", "compile_draft": False, **fixed}
+    return {
+        "none": SpecDecoder(target, tokenizer=tokenizer),
+        "prompt_lookup": SpecDecoder(target, "prompt_lookup", tokenizer=tokenizer, **fixed),
+        "draft_model": SpecDecoder(target, draft, tokenizer=tokenizer, **fixed),
+        "self_draft": SpecDecoder(target, "self_draft", tokenizer=tokenizer, **copy),
+        "self_draft_lookup": SpecDecoder(target, "self_draft", lookup=True, tokenizer=tokenizer, **copy),
+        "cross_tokenizer": SpecDecoder(target, draft, tokenizer=target_tokenizer, draft_tokenizer=draft_tokenizer,
+                                       min_confidence=0.0, **fixed),
+    }

@@ -25,7 +25,7 @@ from specdec.integration import DRAFTERS, release
 from specdec.models import tiny_random
 from specdec.prompts import left_pad
 
-from helpers import perturbed_copy, pin_costs, repetitive_prompt
+from helpers import RecordingStreamer, perturbed_copy, pin_costs, repetitive_prompt
 
 HUB = Path(__file__).resolve().parent.parent / "hub" / "specdec_custom_generate"
 NEW = 16
@@ -83,23 +83,12 @@ def test_the_dict_output_is_generates_with_the_statistics(model, prompts):
         assert torch.allclose(ours[full].nan_to_num(0, 0, 0), theirs[full].nan_to_num(0, 0, 0), atol=1e-4)
 
 
-class Recording:
-    def __init__(self):
-        self.puts, self.ended = [], False
-
-    def put(self, ids):
-        self.puts.append(ids.clone().flatten())
-
-    def end(self):
-        self.ended = True
-
-
 def test_the_streamer_gets_the_prompt_once_then_the_committed_tokens(model, prompts):
     """transformers 5.24 gives the streamer the prompt and leaves it out of the callable's arguments:
     the run finds it in generate()'s call."""
     target, _, _ = model
     ids, mask = prompts[0]["single"]
-    streamer = Recording()
+    streamer = RecordingStreamer()
     out = target.generate(ids, max_new_tokens=NEW, custom_generate=specdec.generate, draft="prompt_lookup",
                           streamer=streamer, **MIX)
     assert streamer.ended and torch.equal(torch.cat(streamer.puts), out[0])

@@ -34,7 +34,7 @@ from specdec import SpecDecoder  # noqa: E402
 from specdec.grammar import Grammar, GrammarConstraint, check_output, compile_grammar, only_token  # noqa: E402
 from specdec.models import byte_tokenizer, tiny_random  # noqa: E402
 
-from helpers import left_pad, perturbed_copy, pin_costs  # noqa: E402
+from helpers import every_generator, left_pad, perturbed_copy, pin_costs  # noqa: E402
 from test_processors import DRAFT_MERGES, TARGET_MERGES, TEXTS  # noqa: E402
 from test_sampling_lossless import PROMPT, TINY_VOCAB, assert_same_distribution, joint_counts, tiny_vocab_llama  # noqa: E402
 
@@ -66,17 +66,7 @@ def world():
     target, _ = tiny_random("llama", seed=7, tokenizer=target_tok)
     pin_costs(target)
     draft = perturbed_copy(target, 0.1, seed=8)
-    fixed = {"num_tokens": 4, "schedule": "fixed"}
-    copy = {"weights": "bfloat16", "compile_draft": False, **fixed}
-    decoders = {
-        "none": SpecDecoder(target, tokenizer=target_tok),
-        "prompt_lookup": SpecDecoder(target, "prompt_lookup", tokenizer=target_tok, **fixed),
-        "draft_model": SpecDecoder(target, draft, tokenizer=target_tok, **fixed),
-        "self_draft": SpecDecoder(target, "self_draft", tokenizer=target_tok, **copy),
-        "self_draft_lookup": SpecDecoder(target, "self_draft", lookup=True, tokenizer=target_tok, **copy),
-        "cross_tokenizer": SpecDecoder(target, draft, tokenizer=target_tok, draft_tokenizer=draft_tok,
-                                       min_confidence=0.0, **fixed),
-    }
+    decoders = every_generator(target, draft, target_tok, draft_tok, tokenizer=target_tok)
     single = target_tok(TEXTS[0], return_tensors="pt").input_ids
     batch = left_pad([target_tok(t, return_tensors="pt").input_ids[0] for t in TEXTS], target_tok.pad_token_id)
     prompts = {"single": (single, torch.ones_like(single)), "batch": batch}

@@ -33,7 +33,7 @@ from specdec.generators import CandidateGenerator, DraftingInfo, Proposal
 from specdec.models import byte_tokenizer, tiny_random
 from specdec.processors import BlockProcessors
 
-from helpers import ForwardRecorder, left_pad, perturbed_copy, pin_costs
+from helpers import ForwardRecorder, RecordingStreamer, every_generator, left_pad, perturbed_copy, pin_costs
 from test_sampling_lossless import PROMPT, TINY_VOCAB, assert_same_distribution, joint_counts, tiny_vocab_llama
 
 NEW = 16  # new tokens per greedy run
@@ -166,17 +166,7 @@ def world():
     target, _ = tiny_random("llama", seed=7, tokenizer=target_tok)
     pin_costs(target)
     draft = perturbed_copy(target, 0.1, seed=8)
-    fixed = {"num_tokens": 4, "schedule": "fixed"}
-    copy = {"weights": "bfloat16", "compile_draft": False, **fixed}
-    decoders = {
-        "none": SpecDecoder(target),
-        "prompt_lookup": SpecDecoder(target, "prompt_lookup", **fixed),
-        "draft_model": SpecDecoder(target, draft, **fixed),
-        "self_draft": SpecDecoder(target, "self_draft", **copy),
-        "self_draft_lookup": SpecDecoder(target, "self_draft", lookup=True, **copy),
-        "cross_tokenizer": SpecDecoder(target, draft, tokenizer=target_tok, draft_tokenizer=draft_tok,
-                                       min_confidence=0.0, **fixed),
-    }
+    decoders = every_generator(target, draft, target_tok, draft_tok)
     single = target_tok(TEXTS[0], return_tensors="pt").input_ids
     batch = left_pad([target_tok(t, return_tensors="pt").input_ids[0] for t in TEXTS], target_tok.pad_token_id)
     prompts = {"single": (single, torch.ones_like(single)), "batch": batch}
@@ -275,21 +265,10 @@ def test_scores_and_logits_are_generates(world):
         assert torch.allclose(got.logits[step][rows], ref.logits[step][rows], atol=1e-4)
 
 
-class Recording:
-    def __init__(self):
-        self.puts, self.ended = [], False
-
-    def put(self, ids):
-        self.puts.append(ids.clone().flatten())
-
-    def end(self):
-        self.ended = True
-
-
 def test_the_streamer_gets_exactly_the_committed_tokens(world):
     target, decoders, prompts, plain, reference = world
     kwargs, want = reference("mix", "single")
-    streamer = Recording()
+    streamer = RecordingStreamer()
     out = decoders["prompt_lookup"].generate(*prompts["single"], max_new_tokens=NEW, streamer=streamer, **kwargs)
     assert streamer.ended and torch.equal(torch.cat(streamer.puts), out.sequences[0])
 
