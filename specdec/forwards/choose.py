@@ -62,7 +62,7 @@ CALIBRATION_TEXT = (
     "3. The price of a monthly pass will stay the same.\nIn Python, the function below returns the sum of "
     "a list of numbers:\n\ndef total(numbers):\n    result = 0\n    for n in numbers:\n        result += n\n"
     "    return result\n")
-_FORMAT = 2  # 2: agreement and steps measured one token at a time
+_FORMAT = 3  # 3: copies step through the lean forward (lean.py); 2: one token at a time
 
 
 @dataclass

@@ -39,19 +39,42 @@ class Int8Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).float()  # [M, K]
-        lo = x2.amin(dim=1, keepdim=True).clamp(max=0.0)
-        hi = x2.amax(dim=1, keepdim=True).clamp(min=0.0)
-        scale = ((hi - lo) / 255).clamp_min(1e-12)  # [M, 1]
-        zero = torch.round(-lo / scale)  # [M, 1] in 0..255
-        q = (torch.round(x2 / scale) + zero).clamp(0, 255).to(torch.uint8)
+        lo, hi = torch.aminmax(x2, dim=1, keepdim=True)  # [M, 1] each (fresh tensors: updated in place below)
+        lo = lo.clamp_(max=0.0)
+        scale = hi.clamp_(min=0.0).sub_(lo).div_(255).clamp_min_(1e-12)  # [M, 1]
+        zero = lo.div_(scale).neg_().round_()  # [M, 1] in 0..255
+        q = x2.div(scale).round_().add_(zero).clamp_(0, 255).to(torch.uint8)
         acc = torch._int_mm(q, self.weight_int8.t())  # [M, N] int32
-        y = (acc.float() - zero * self.weight_sum) * (scale * self.weight_scale)
+        y = acc.float().sub_(zero * self.weight_sum).mul_(scale * self.weight_scale)
         if self.bias is not None:
-            y = y + self.bias
+            y = y.add_(self.bias)
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, weights=int8, activations=uint8"
+
+
+def stack_linears(parts: list[Int8Linear]) -> Int8Linear:
+    """One :class:`Int8Linear` computing ``parts`` (which read the same input) as one product, their
+    outputs side by side; each part's buffers become views of the stacked ones (nothing is stored
+    twice, and the parts compute what they did: scales are per output channel)."""
+    stacked = Int8Linear.__new__(Int8Linear)
+    torch.nn.Module.__init__(stacked)
+    stacked.in_features, stacked.out_features = parts[0].in_features, sum(p.out_features for p in parts)
+    for name in ("weight_int8", "weight_scale", "weight_sum"):
+        stacked.register_buffer(name, torch.cat([getattr(p, name) for p in parts]))
+    has_bias = any(p.bias is not None for p in parts)
+    stacked.register_buffer("bias", torch.cat([p.bias if p.bias is not None else stacked.weight_scale.new_zeros(
+        p.out_features) for p in parts]) if has_bias else None)
+    first = 0
+    for part in parts:
+        rows = slice(first, first + part.out_features)
+        for name in ("weight_int8", "weight_scale", "weight_sum"):
+            setattr(part, name, getattr(stacked, name)[rows])
+        if part.bias is not None:
+            part.bias = stacked.bias[rows]
+        first += part.out_features
+    return stacked
 
 
 def quantize_linears(model: torch.nn.Module) -> torch.nn.Module:

@@ -43,6 +43,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..compiled import check_compile_options, compiles_now
 from .int8 import quantize_linears
+from .lean import install as install_lean
 from .rotation import rotatable, rotate_residual
 
 WEIGHTS = ("auto", "bfloat16", "float16", "int8", "w8a8", "int4", "dynamic_int8")
@@ -85,7 +86,9 @@ def build_copy(model, weights: str):
         # a rotated residual stream is easier to quantize (rotation.py), where the layout allows
         if rotatable(draft) is None and not rotate_residual(draft, reference=model):
             draft = _plain_copy(model)  # the rotated copy failed its check: it is spoilt
-        return quantize_linears(draft).eval()
+        quantize_linears(draft).eval()
+        install_lean(draft)  # its eager steps in few operations (lean.py), where the layout allows
+        return draft
     if weights != "w8a8":
         draft.to(torch.float16 if weights == "float16" else torch.bfloat16)
     if weights in QUANTIZED:
