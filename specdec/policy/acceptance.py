@@ -37,9 +37,11 @@ class AcceptanceTracker:
     never pays.
 
     With ``untried`` (a run passes :data:`UNTRIED`), until a source's first drafts have been
-    verified (in any row) it is priced at ``untried`` (or its prior if higher) at every position:
-    the prior is what a source is worth on average, but a source that pays only on text it agrees
-    with would never be tried at it, and one verified block settles the question.
+    verified (in any row) its first position is priced at ``untried`` (or its prior if higher),
+    deeper ones at its prior: the prior is what a source is worth on average, but a source that
+    pays only on text it agrees with would never be tried at it, and one verified block settles
+    the question. Deeper positions stay at the prior so that the try is a short block: where the
+    source does not agree, a long one cost a whole step or more (docs/draft_length.md).
     """
 
     def __init__(self, batch: int, positions: int, *, prior: float | tuple[float, ...] = 0.5,
@@ -62,8 +64,8 @@ class AcceptanceTracker:
         picks = [0] * batch if sources is None else sources.cpu().tolist()
         rows = []
         for b, s in enumerate(picks):  # plain floats: B x K is small
-            if self.untried[s] is not None:
-                rows.append([self.untried[s]] * self.offered.shape[2])
+            if self.untried[s] is not None:  # the first draft at the optimistic price, deeper ones at the prior
+                rows.append([self.untried[s]] + [self.priors[s]] * (self.offered.shape[2] - 1))
                 continue
             rate, row = self.priors[s], []
             for a, o in zip(self.accepted[s, b].tolist(), self.offered[s, b].tolist()):
