@@ -129,13 +129,23 @@ def test_cost_model_by_context():
         CostModel([short], contexts=(0, 1000))
 
 
-def test_calibration_times_a_long_context_where_the_model_allows():
+def test_calibration_times_a_short_context_and_longer_ones_learn_from_observed_forwards():
+    """The first calibration times one short context only (no long prefill in a first call); a
+    longer context's row, its one-token cost included, follows what forwards there take, while
+    the calibrated row's one-token cost moves only with the machine's load."""
     target, _ = tiny_random("llama", seed=3)
     model = policy_module.calibrate(target, torch.arange(5, 20))
     assert model.contexts == [float(c) for c in CONTEXT_GRID]
-    assert bool((model.seconds > 0).all())
-    short, _ = tiny_random("llama", seed=3, max_position_embeddings=128)
-    assert policy_module.calibrate(short, torch.arange(5, 20)).contexts == [0.0]
+    assert bool((model.seconds > 0).all()) and torch.equal(model.seconds[0], model.seconds[-1])
+    assert model.anchored == {0}
+    short, _ = tiny_random("llama", seed=3, max_position_embeddings=24)
+    assert bool((policy_module.calibrate(short, torch.arange(5, 20)).seconds > 0).all())
+    grown = CostModel([[1.0 + x / 8 for x in COST_GRID]] * len(CONTEXT_GRID), contexts=CONTEXT_GRID, anchored=(0,))
+    for _ in range(400):  # one-token forwards after 2048 cached tokens take twice what the curve says
+        grown.observe(1, 2 * (1 + 1 / 8), context=CONTEXT_GRID[-1])
+        grown.observe(1, 1 + 1 / 8, context=CONTEXT_GRID[0])  # and after 32 what it says
+    assert float(grown.predict(1, CONTEXT_GRID[-1])) == pytest.approx(2 * (1 + 1 / 8), rel=0.1)
+    assert float(grown.predict(1, CONTEXT_GRID[0])) == pytest.approx(1 + 1 / 8, rel=0.1)
 
 
 def test_acceptance_tracker_counts_positions_and_decays():

@@ -77,13 +77,13 @@ def kron_orthogonal(size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tenso
 def _rotate_columns(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """weight [N, m*n] -> weight @ kron(a, b)."""
     w = weight.float().reshape(weight.shape[0], a.shape[0], b.shape[0])
-    return torch.einsum("nab,ai,bj->nij", w, a, b).reshape(weight.shape).to(weight.dtype)
+    return torch.matmul(torch.matmul(a.T, w), b).reshape(weight.shape).to(weight.dtype)  # two batched products
 
 
 def _rotate_rows(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """weight [m*n, ...] -> kron(a, b)^T @ weight."""
-    w = weight.float().reshape(a.shape[0], b.shape[0], -1)
-    return torch.einsum("abk,ai,bj->ijk", w, a, b).reshape(weight.shape).to(weight.dtype)
+    w = torch.einsum("abk,ai->ibk", weight.float().reshape(a.shape[0], b.shape[0], -1), a)
+    return torch.einsum("ibk,bj->ijk", w, b).reshape(weight.shape).to(weight.dtype)
 
 
 @torch.no_grad()

@@ -11,10 +11,10 @@ the run. See docs/draft_length.md.
 """
 
 from .acceptance import UNTRIED, AcceptanceTracker, ConfidenceCalibration
-from .costs import (CALIBRATED, CALIBRATED_LONG, CONTEXT_GRID, COST_GRID, FIXED_SLOPE, LOAD_RATE, SHAPE_RATE,
+from .costs import (CALIBRATED, CONTEXT_GRID, COST_GRID, FIXED_SLOPE, LOAD_RATE, SHAPE_RATE,
                     CostModel, calibrate)
 from .plan import DraftPolicy, choose_width, expected_tokens
 
-__all__ = ["CALIBRATED", "CALIBRATED_LONG", "CONTEXT_GRID", "COST_GRID", "FIXED_SLOPE", "LOAD_RATE", "SHAPE_RATE",
+__all__ = ["CALIBRATED", "CONTEXT_GRID", "COST_GRID", "FIXED_SLOPE", "LOAD_RATE", "SHAPE_RATE",
            "UNTRIED", "AcceptanceTracker", "ConfidenceCalibration", "CostModel", "DraftPolicy", "calibrate",
            "choose_width", "expected_tokens"]

@@ -3,10 +3,11 @@
 :class:`CostModel` gives the seconds of one forward of a model as a function of the tokens it
 feeds (width x batch) and of the tokens it attends to (its context). One is kept per (model,
 device, dtype, cache kind, fast output layer or not) for the process: :func:`calibrate` times a
-short series of forwards the first time (on throwaway caches: the user's model is only read),
-then every forward the loop runs corrects it, by a load factor that moves every width at once
-(a busier machine makes a draft no cheaper) and, more slowly, by a shape correction of the
-widths and contexts near the one observed.
+short series of forwards after a short context the first time (on throwaway caches: the user's
+model is only read), then every forward the loop runs corrects it, by a load factor that moves
+every width at once (a busier machine makes a draft no cheaper) and, more slowly, by a shape
+correction of the widths and contexts near the one observed; the longer contexts' rows learn
+from it how the cost grows with the context, their one-token cost included.
 
 Invariants: a wider forward is never predicted cheaper than a narrower one at the same context;
 one observation moves the table by at most a clipped factor, so a forward slowed by another
@@ -29,14 +30,10 @@ from ..modelinfo import cache_argument
 
 #: token counts at which a forward's cost is tracked
 COST_GRID = (1, 2, 4, 8, 16, 32, 64)
-#: the counts timed by the first calibration after the short context (the others are interpolated,
+#: the counts timed by the first calibration after a short context (the others are interpolated,
 #: and past the last extrapolated, until observed); the small ones matter most: the first drafts'
 #: cost decides whether drafting pays at all, and one token to two is the dearest step of the curve
 CALIBRATED = (1, 2, 4, 16)
-#: the counts timed after the long context too: how a forward's cost grows with its context, at
-#: the narrowest and the widest count (in between, interpolated by count); few, so that the first
-#: call is short (docs/draft_length.md, "Its inputs")
-CALIBRATED_LONG = (1, 16)
 #: context lengths (tokens already cached) at which costs are tracked: on a CPU a forward of
 #: several tokens costs more over a long context (docs/draft_length.md, "Its inputs")
 CONTEXT_GRID = (32, 512, 2048)
@@ -74,7 +71,8 @@ class CostModel:
     _shared: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, CostModel]]" = weakref.WeakKeyDictionary()
     _lock = threading.Lock()
 
-    def __init__(self, seconds: list, rate: float = SHAPE_RATE, contexts: tuple[int, ...] = (0,)):
+    def __init__(self, seconds: list, rate: float = SHAPE_RATE, contexts: tuple[int, ...] = (0,),
+                 anchored: tuple[int, ...] | None = None):
         table = torch.tensor(seconds, dtype=torch.float64)
         table = table[None, :] if table.dim() == 1 else table
         if table.shape != (len(contexts), len(COST_GRID)):
@@ -84,6 +82,9 @@ class CostModel:
         self.contexts = [float(c) for c in contexts]
         self.load = 1.0  # the machine's load relative to the table
         self.rate = rate  # 0: a fixed model that observations do not move
+        # rows (by index) whose one-token cost was measured: the load alone moves it there; the
+        # other rows learn theirs from what they observe (how the cost grows with the context)
+        self.anchored = set(range(len(contexts)) if anchored is None else anchored)
 
     @property
     def seconds(self) -> torch.Tensor:
@@ -158,7 +159,7 @@ class CostModel:
         g_lo, g_hi, g_w = _bracket(self.grid, x)
         for c, cw in ((c_lo, 1 - c_w), (c_hi, c_w)):
             for g, gw in ((g_lo, 1 - g_w), (g_hi, g_w)):
-                if g > 0:  # one token is the anchor: the load alone moves it, the shape is relative to it
+                if g > 0 or c not in self.anchored:  # a measured one-token cost is the anchor: the load alone moves it
                     self.table[c][g] *= ratio ** (self.rate * cw * gw)
 
 
@@ -170,17 +171,18 @@ def _cost_key(model, cache: CacheSettings) -> tuple:
 def calibrate(model, tokens: torch.Tensor, cache: CacheSettings | None = None, slots: int = 0,
               reps: int = 3, kv=None) -> CostModel:
     """A :class:`CostModel` from timed forwards: the median of ``reps`` forwards at each
-    ``CALIBRATED`` count after a cached context of 32 tokens and at each ``CALIBRATED_LONG`` count
-    after one of 512 where the model's positions (and a static cache of ``slots`` slots) allow,
-    every count and context taken in turn within a round; interpolated in between (the growth with
-    the context by count), extrapolated to the longer ``CONTEXT_GRID`` contexts. Runs on
-    caches of the call's kind (compiled forwards compile here if not warmed up): on the static
-    cache one cache serves both contexts (attention reads all its slots whatever the context),
-    the call's own ``kv`` (before its first forward) where it has one row, else one of its length
+    ``CALIBRATED`` count after a cached context of 32 tokens (fewer where the model's positions,
+    or a static cache of ``slots`` slots, do not allow 32), the counts taken in turn within a
+    round; interpolated in between, extrapolated past the last. Every ``CONTEXT_GRID`` row starts
+    as that curve: how a forward's cost grows with its context is learnt from the call's own
+    forwards (:meth:`CostModel.observe`), not timed here, so that a first call spends no second on
+    a long context it may never reach (docs/draft_length.md, "Its inputs"). Runs on a cache of
+    the call's kind (compiled forwards compile here if not warmed up): on the static cache the
+    call's own ``kv`` (before its first forward) where it has one row, else one of its length
     from the pool, so calibrating allocates nothing sized by ``max_new_tokens``; on the dynamic
-    cache throwaway caches of the contexts' size. The user's model is only read. It calls
-    ``model.forward`` itself, so forward hooks that watch decoding do not see these forwards
-    (their time is reported apart, as ``AcceptanceStats.calibration_seconds``)."""
+    cache a throwaway one. The user's model is only read. It calls ``model.forward`` itself, so
+    forward hooks that watch decoding do not see these forwards (their time is reported apart,
+    as ``AcceptanceStats.calibration_seconds``)."""
     cache = cache or CacheSettings()
     device = next(model.parameters()).device
     tokens = tokens.reshape(-1).to(device)
@@ -189,41 +191,31 @@ def calibrate(model, tokens: torch.Tensor, cache: CacheSettings | None = None, s
     room = int(getattr(model.config.get_text_config(), "max_position_embeddings", 0) or 0) or CONTEXT_GRID[1] * 4
     if cache.static and slots:
         room = min(room, slots)  # a static cache's length is part of its compiled graphs
-    contexts = [c for c in CONTEXT_GRID[:2] if c + CALIBRATED[-1] + 1 <= room]
-    contexts = contexts or [max(1, min(CONTEXT_GRID[0], room - CALIBRATED[-1] - 1))]  # few positions
+    context = max(1, min(CONTEXT_GRID[0], room - CALIBRATED[-1] - 1))
     cache_kwarg = cache_argument(model)
     if cache.static:
-        need = max(slots, contexts[-1] + CALIBRATED[-1] + 1)
-        own = kv if kv is not None and getattr(kv, "batch", None) == 1 else make_kv(model, 1, need, cache)
-        kvs = [own] * len(contexts)
+        own = kv if kv is not None and getattr(kv, "batch", None) == 1 else None
+        made = own or make_kv(model, 1, max(slots, context + CALIBRATED[-1] + 1), cache)
     else:
-        kvs = [make_kv(model, 1, length + CALIBRATED[-1] + 1, cache) for length in contexts]
-    counts = [CALIBRATED] + [CALIBRATED_LONG] * (len(contexts) - 1)
+        own, made = None, make_kv(model, 1, context + CALIBRATED[-1] + 1, cache)
     try:
         with torch.no_grad():
-            prefixes = [tokens.repeat(n // tokens.numel() + 1)[:n] for n in contexts]
-            curves = _time_widths(model, kvs, cache_kwarg, prefixes, reps, counts)
+            prefix = tokens.repeat(context // tokens.numel() + 1)[:context]
+            curve = _time_widths(model, [made], cache_kwarg, [prefix], reps, [CALIBRATED])[0]
     finally:
-        for made in {id(k): k for k in kvs if k is not kv}.values():
+        if made is not own:
             made.release()
-    short = _on_grid(CALIBRATED, curves[0])  # [COST_GRID] after the short context
-    if len(contexts) == 1:
-        return CostModel(short)
-    span = contexts[1] - contexts[0]
-    growth = _on_grid(CALIBRATED_LONG, [max(b - curves[0][CALIBRATED.index(c)], 0.0) / span  # per cached token
-                                        for c, b in zip(CALIBRATED_LONG, curves[1])], extrapolate=False)
-    table = [[a + g * (c - contexts[0]) for a, g in zip(short, growth)] for c in CONTEXT_GRID]
-    return CostModel(table, contexts=CONTEXT_GRID)
+    short = _on_grid(CALIBRATED, curve)  # [COST_GRID] after the short context
+    return CostModel([short] * len(CONTEXT_GRID), contexts=CONTEXT_GRID, anchored=(0,))
 
 
-def _on_grid(counts: tuple[int, ...], values: list[float], extrapolate: bool = True) -> list[float]:
-    """``values`` at ``counts`` -> [COST_GRID] values, linear in between (and past the last count,
-    or constant there without ``extrapolate``)."""
+def _on_grid(counts: tuple[int, ...], values: list[float]) -> list[float]:
+    """``values`` at ``counts`` -> [COST_GRID] values, linear in between and past the last count."""
     known = [float(c) for c in counts]
     out = []
     for x in COST_GRID:
         lo, hi, w = _bracket(known, float(x))
-        out.append(values[lo] + (values[hi] - values[lo]) * (w if extrapolate else min(w, 1.0)))
+        out.append(values[lo] + (values[hi] - values[lo]) * w)
     return out
 
 
