@@ -127,3 +127,15 @@ def test_stacked_layers_compute_their_parts_and_share_their_storage():
     base = stacked.weight_int8.untyped_storage().data_ptr()
     assert all(p.weight_int8.untyped_storage().data_ptr() == base for p in parts)
     assert parts[1].bias is None and stacked.bias[16:24].abs().sum() == 0
+
+
+def test_a_token_whose_own_slot_is_masked_out_stays_finite(llama):
+    """A padded column (its slot masked out for its row) attends to its own slot: no fully masked
+    row, so no NaN in the cache for later forwards to read."""
+    copy = build_copy(llama, "w8a8")
+    ids = torch.randint(3, 250, (2, 12), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, 9] = 0  # row 1's token at slot 9 is padding
+    logits, cache = stepped(copy, ids, mask, [1, 1, 1])
+    assert all(bool(torch.isfinite(x).all()) for x in logits)
+    assert all(bool(torch.isfinite(layer.keys[:, :, :12]).all()) for layer in cache)

@@ -42,7 +42,7 @@ ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj"}
 MLP_PARTS = {"gate_proj", "up_proj", "down_proj", "act_fn"}
 #: the keyword arguments this forward understands (others send the call to the model's own)
 KNOWN = {"input_ids", "position_ids", "cache", "past_key_values", "attention_mask", "use_cache", "logits_to_keep",
-         "cache_position", "return_dict"}
+         "cache_position"}
 
 
 def lean_problem(model) -> str | None:
@@ -133,11 +133,11 @@ class LeanForward:
         start = int(caches[0].cumulative_length)  # the first slot this forward writes
         end = start + width
         slots = torch.arange(end, device=input_ids.device)
-        allowed = slots[None, :] <= (start + torch.arange(width, device=input_ids.device))[:, None]  # [T, end]
-        if attention_mask is not None:
-            allowed = allowed[None] & attention_mask[:, None, :end].bool()  # [B, T, end]
-        else:
-            allowed = allowed[None].expand(batch, width, end)
+        mine = (start + torch.arange(width, device=input_ids.device))[:, None]  # [T, 1] each token's own slot
+        allowed = (slots[None, :] <= mine)[None]  # [1, T, end]: causal
+        if attention_mask is not None:  # a token always sees its own slot: no fully masked row (NaN)
+            allowed = (allowed & attention_mask[:, None, :end].bool()) | (slots[None, :] == mine)[None]
+        allowed = allowed.expand(batch, width, end)
         hidden = self.embed(input_ids)  # [B, T, H]
         cos, sin = self.rotary(hidden, position_ids)  # [B, T, D]
         cos, sin = cos[:, :, None], sin[:, :, None]  # [B, T, 1, D]
