@@ -1,10 +1,11 @@
 """An eager forward in few operations for a w8a8 copy of a pre-norm decoder (Llama's layout).
 
-A draft step of a small model on a CPU runs a few thousand tensor operations of a few microseconds
+A draft step of a small model on a CPU runs thousands of tensor operations of a few microseconds
 each; run eagerly through ``transformers``' modules, that dispatching, not the int8 products,
-is most of the step (docs/self_draft.md, "The copy's eager step"). Compiling removes it, but
+is most of the step (docs/self_draft.md, "How the copy drafts"). Compiling removes it, but
 compiling takes minutes on a small CPU, which a first call must not spend. This forward computes
-the same function as the copy's own in about a quarter of the operations:
+the same function as the copy's own in about 60% of the operations (SmolLM2-135M: 4,200 against
+7,000 a one-token step, as ``torch.profiler`` counts them):
 
 * query, key and value are one int8 product, and gate and up another (their weights stacked; the
   copy's own layers keep views of the stacked weights, so nothing is stored twice; products per
