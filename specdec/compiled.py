@@ -158,26 +158,32 @@ def compile_seconds() -> float:
     return getattr(_CLOCK, "seconds", 0.0)
 
 
+def say(message: str) -> None:
+    """One line on stderr about one-time work a call is doing (compiling, measuring), unless
+    ``SPECDEC_QUIET`` is set."""
+    if os.environ.get("SPECDEC_QUIET", "").strip().lower() in ("", "0", "false", "no"):
+        print(f"specdec: {message}", file=sys.stderr, flush=True)
+
+
 @contextmanager
 def compiling(model, key: tuple):
     """Around the first compiled forward of ``model`` for ``key`` (width, cache length), which
     compiles its graph (or finds it in inductor's disk cache): says so on stderr, once per model
     class and key in the process, and puts its seconds on this thread's compile clock."""
-    quiet = os.environ.get("SPECDEC_QUIET", "").strip().lower() not in ("", "0", "false", "no")
     note = (type(model).__name__, *key)
-    if not quiet and note not in _ANNOUNCED:
+    if note not in _ANNOUNCED:
         _ANNOUNCED.add(note)
-        print(f"specdec: compiling {note[0]}'s forward of {key[0]} token(s) on a cache of {key[1]} slots "
-              "(once per process; minutes on a small CPU, less from inductor's disk cache; "
-              "SpecDecoder.warmup() does it ahead of time) ...", file=sys.stderr, flush=True)
+        say(f"compiling {note[0]}'s forward of {key[0]} token(s) on a cache of {key[1]} slots (once per "
+            "process; minutes on a small CPU, less from inductor's disk cache; SpecDecoder.warmup() does it "
+            "ahead of time) ...")
     started = time.perf_counter()
     try:
         yield
     finally:
         seconds = time.perf_counter() - started
         _CLOCK.seconds = compile_seconds() + seconds
-        if not quiet and seconds > 1.0:
-            print(f"specdec: ... compiled in {seconds:.0f} s", file=sys.stderr, flush=True)
+        if seconds > 1.0:
+            say(f"... compiled in {seconds:.0f} s")
 
 
 @contextmanager

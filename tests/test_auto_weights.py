@@ -79,12 +79,16 @@ def test_auto_picks_the_best_expected_rate_not_the_fastest_step(target, own_cach
     assert "bfloat16" in choice.reason and "dynamic_int8: not built" in choice.reason
 
 
-def test_the_choice_is_kept_on_disk_and_read_back_without_measuring(target, own_cache, monkeypatch):
+def test_the_choice_is_kept_on_disk_and_read_back_without_measuring(target, own_cache, monkeypatch, capsys):
     build = fake_timings(monkeypatch, {"w8a8": 0.002, "bfloat16": 0.004}, {"w8a8": 0.9, "bfloat16": 0.95})
     monkeypatch.setattr(choose, "candidates", lambda model: ("w8a8", "bfloat16"))
+    monkeypatch.delenv("SPECDEC_QUIET", raising=False)
     sample = torch.arange(5, 40)[None, :]
     first, built = choose.choose(target, sample, build)
     assert first.weights == "w8a8" and not first.cached and built
+    said = capsys.readouterr().err.splitlines()  # measuring is one-time work: said, not silent
+    assert said[0].startswith("specdec: choosing the draft copy") and "w8a8, bfloat16" in said[0]
+    assert said[1].startswith("specdec: ... chose w8a8 in ")
     files = list((own_cache / "weights" / "auto-weights").glob("*.json"))
     assert len(files) == 1
     monkeypatch.setattr(choose, "_MEMO", {})  # a later process: only the disk knows
@@ -94,6 +98,7 @@ def test_the_choice_is_kept_on_disk_and_read_back_without_measuring(target, own_
 
     again, built = choose.choose(target, sample, no_build)
     assert again.cached and again.weights == "w8a8" and built == {}
+    assert capsys.readouterr().err == ""  # read back: nothing to say
     assert [c.weights for c in again.candidates] == [c.weights for c in first.candidates]
     assert "read from the cache" in again.reason
 

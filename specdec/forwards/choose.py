@@ -315,14 +315,21 @@ def save(key: str, choice: Choice) -> None:
 
 def choose(target, sample: torch.Tensor, build: Callable, draft_cache=None) -> tuple[Choice, dict]:
     """The copy ``auto`` means for ``target`` here: remembered for the process, read from the
-    disk cache, or measured (:func:`measure`) and saved. Returns (choice, copies built now)."""
+    disk cache, or measured (:func:`measure`, said on stderr) and saved. Returns (choice, copies
+    built now)."""
+    from ..compiled import say
+
     key = cache_key(target)
     with _LOCK:
         found = _MEMO.get(key) or load(key)
         if found is not None:
             _MEMO[key] = found
             return found, {}
+        path = cache_file(key)
+        say(f"choosing the draft copy for this machine and model: building and timing {', '.join(candidates(target))} "
+            f"(once; kept in {path})" if path is not None else "choosing the draft copy for this machine and model ...")
         choice, built = measure(target, sample, build, draft_cache)
+        say(f"... chose {choice.weights} in {choice.seconds:.1f} s")
         save(key, choice)
         _MEMO[key] = choice
         return choice, built
