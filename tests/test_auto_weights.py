@@ -38,7 +38,7 @@ def fake_timings(monkeypatch, steps: dict, agreements: dict, target_seconds: flo
     """Measurements as given: {weights: step seconds}, {weights: agreement}; the target's step
     ``target_seconds`` and its forward of ``VERIFY_WIDTH`` tokens 1.5 times that. Returns a builder
     that fails for weights without a step (a candidate this machine cannot build)."""
-    def interleaved(timers, count):
+    def interleaved(timers, count, prune_after=None):
         reference = list(range(100))  # the target's greedy tokens
         tops = {"target": reference}
         for name in timers:
@@ -74,9 +74,44 @@ def test_auto_picks_the_best_expected_rate_not_the_fastest_step(target, own_cach
     choice, built = choose.measure(target, sample, build, weights=("w8a8", "bfloat16", "dynamic_int8"))
     assert choice.weights == "bfloat16" and set(built) == {"bfloat16"}  # only the winner is kept
     by_name = {c.weights: c for c in choice.candidates}
-    assert by_name["dynamic_int8"].problem.startswith("ImportError: no kernel")
     assert by_name["bfloat16"].expected_speedup > by_name["w8a8"].expected_speedup > 1.0
-    assert "bfloat16" in choice.reason and "dynamic_int8: not built" in choice.reason
+    assert by_name["bfloat16"].expected_speedup >= choose.ENOUGH  # so the slow-to-build one is not built
+    assert by_name["dynamic_int8"].problem.startswith("not needed")
+    assert "bfloat16" in choice.reason and "dynamic_int8: not built (not needed" in choice.reason
+
+
+def test_a_late_candidate_is_measured_only_where_no_other_is_enough(target, own_cache, monkeypatch):
+    build = fake_timings(monkeypatch, {"w8a8": 0.009, "bfloat16": 0.0095}, {"w8a8": 0.9, "bfloat16": 0.95})
+    built_names = []
+    sample = torch.arange(5, 40)[None, :]
+    choice, _ = choose.measure(target, sample, lambda m, w: built_names.append(w) or build(m, w),
+                               weights=("w8a8", "bfloat16", "dynamic_int8"))
+    assert max(c.expected_speedup or 0 for c in choice.candidates) < choose.ENOUGH
+    assert built_names == ["w8a8", "bfloat16", "dynamic_int8"]  # tried: it cannot be built here
+    by_name = {c.weights: c for c in choice.candidates}
+    assert by_name["dynamic_int8"].problem.startswith("ImportError: no kernel")
+
+
+class FixedTimer:
+    """A StepTimer stand-in whose steps take ``seconds`` and predict token 7."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.steps = seconds, 0
+
+    def time(self, width: int) -> float:
+        return self.seconds * width
+
+    def step(self):
+        self.steps += 1
+        return self.seconds, 7
+
+
+def test_a_copy_no_faster_than_the_target_is_timed_no_further():
+    timers = {"target": FixedTimer(0.010), "fast": FixedTimer(0.004), "slow": FixedTimer(0.012)}
+    seconds, tops, _ = choose.interleaved(timers, 16, prune_after=choose.PRUNE_AFTER)
+    assert timers["slow"].steps == choose.PRUNE_AFTER and timers["fast"].steps == 16 == timers["target"].steps
+    assert seconds["slow"] == 0.012 and len(tops["slow"]) == choose.PRUNE_AFTER
+    assert choose.agreement(tops["target"], tops["slow"]) == 1.0  # over the steps both were timed at
 
 
 def test_the_choice_is_kept_on_disk_and_read_back_without_measuring(target, own_cache, monkeypatch, capsys):

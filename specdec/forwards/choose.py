@@ -6,12 +6,14 @@ own on one with AVX2 only, where a bfloat16 copy or torch's fbgemm layers (``dyn
 (docs/self_draft.md, "Which copy, on which CPU"). So on a CPU ``auto`` measures, once per machine
 and model:
 
-1. each candidate copy this machine can build (:func:`candidates`) is built;
+1. each candidate copy this machine can build (:func:`candidates`) is built, the :data:`LATE`
+   ones (slow to build) only where no other is expected to reach :data:`ENOUGH` (step 4);
 2. the target and each copy step through the last :data:`STEPS` tokens of a short calibration
    text one token at a time, eagerly, on caches of the kinds they run on (a draft's step, and a
    plain decoding step): every model once a round, the order rotating from round to round (the
    machine may be shared), medians; the target's forward of :data:`VERIFY_WIDTH` tokens is timed
-   every few rounds too (the cost of verifying);
+   every few rounds too (the cost of verifying); a copy whose median step after
+   :data:`PRUNE_AFTER` rounds is no shorter than the target's is timed no further (it cannot pay);
 3. each copy's agreement with the target: the share of those steps where both models' greedy next
    token is the same (teacher-forced);
 4. each copy's expected rate by the draft-length policy's own model: the best K of
@@ -54,6 +56,15 @@ STEPS = 16
 WIDE_EVERY = 4
 #: the most drafts a step may verify when pricing a copy (the policy's default cap)
 MAX_DRAFTS = 16
+#: after this many rounds a copy whose median step is no faster than the target's is no longer
+#: timed: it cannot pay at any agreement
+PRUNE_AFTER = 4
+#: copies built and measured only where none of the others is expected to reach :data:`ENOUGH`:
+#: torch's dynamic int8 takes the longest to build (1.5 s for SmolLM2-135M, most of it
+#: ``quantize_dynamic`` packing weights) and serves CPUs whose int8 x uint8 products are slow
+LATE = ("dynamic_int8",)
+#: the expected speedup at which a measured copy makes the :data:`LATE` ones not worth building
+ENOUGH = 1.3
 #: a text to measure agreement on, when a tokenizer can encode it (else the call's prompt)
 CALIBRATION_TEXT = (
     "The city council met on Tuesday to discuss the new budget. After a long debate, the members agreed "
@@ -76,6 +87,7 @@ class Candidate:
     expected_speedup: float | None = None
     drafts: int = 0
     problem: str | None = None
+    steps: int = 0  # one-token steps timed (fewer where it was dropped early)
 
 
 @dataclass
@@ -98,8 +110,10 @@ class Choice:
                 parts.append(f"{c.weights}: not built ({c.problem})")
             else:
                 relative = c.step_seconds / self.target_seconds if self.target_seconds else float("nan")
+                early = f", timed {c.steps} steps: slower than the target" if 0 < c.steps < max(
+                    (d.steps for d in self.candidates), default=0) else ""
                 parts.append(f"{c.weights} {c.expected_speedup:.2f}x (step {relative:.2f} of the target's, "
-                             f"agreement {c.agreement:.0%})")
+                             f"agreement {c.agreement:.0%}{early})")
         how = "measured earlier, read from the cache" if self.cached else f"measured in {self.seconds:.1f} s"
         return f"{self.weights}: the best expected rate on {self.machine} ({how}): " + "; ".join(parts)
 
@@ -160,11 +174,14 @@ class StepTimer:
         self.kv.release()
 
 
-def interleaved(timers: dict[str, StepTimer], steps: int) -> tuple[dict[str, float], dict[str, list[int]], float]:
+def interleaved(timers: dict[str, StepTimer], steps: int,
+                prune_after: int | None = None) -> tuple[dict[str, float], dict[str, list[int]], float]:
     """Every model of ``timers`` (the target's named ``"target"``) steps through ``steps`` tokens,
     one step each a round, the order rotating from round to round; the target's wider forward is
-    timed every :data:`WIDE_EVERY` rounds. -> ({name: median step seconds}, {name: greedy tokens},
-    median seconds of the target's forward of :data:`VERIFY_WIDTH` tokens)."""
+    timed every :data:`WIDE_EVERY` rounds. After ``prune_after`` rounds a model whose median step
+    is no shorter than the target's steps no more (its figures are those of the rounds it ran).
+    -> ({name: median step seconds}, {name: greedy tokens}, median seconds of the target's forward
+    of :data:`VERIFY_WIDTH` tokens)."""
     names = list(timers)
     for timer in timers.values():
         timer.time(1)  # first-use work (kernel selection, allocation) is not a step's cost
@@ -173,6 +190,9 @@ def interleaved(timers: dict[str, StepTimer], steps: int) -> tuple[dict[str, flo
     tops: dict[str, list[int]] = {name: [] for name in names}
     wide = []
     for r in range(steps):
+        if r == prune_after:
+            target = statistics.median(times["target"])
+            names = [n for n in names if n == "target" or statistics.median(times[n]) < target]
         for name in names[r % len(names):] + names[: r % len(names)]:
             seconds, top = timers[name].step()
             times[name].append(seconds)
@@ -184,8 +204,8 @@ def interleaved(timers: dict[str, StepTimer], steps: int) -> tuple[dict[str, flo
 
 # -- the choice ---------------------------------------------------------------------------------
 def agreement(reference: list[int], tops: list[int]) -> float:
-    """Share of the positions where a copy's greedy next token is the target's."""
-    return sum(a == b for a, b in zip(reference, tops)) / max(len(reference), 1)
+    """Share of the positions both were timed at where a copy's greedy next token is the target's."""
+    return sum(a == b for a, b in zip(reference, tops)) / max(min(len(reference), len(tops)), 1)
 
 
 def expected_speedup(accept: float, step: float, target_seconds: Callable[[int], float]) -> tuple[float, int]:
@@ -203,40 +223,65 @@ def expected_speedup(accept: float, step: float, target_seconds: Callable[[int],
 def measure(target, sample: torch.Tensor, build: Callable, draft_cache=None,
             weights: tuple[str, ...] | None = None, steps: int = STEPS) -> tuple[Choice, dict]:
     """Build, time and compare the candidate copies of ``target`` (see the module doc) on the
-    calibration tokens ``sample [1, L]``. Returns the choice and the copies built ({weights: copy})."""
+    calibration tokens ``sample [1, L]``: the :data:`LATE` ones only where no other is expected
+    to reach :data:`ENOUGH`. Returns the choice and the copies built ({weights: copy})."""
     from .. import machine
-    from ..kv import CacheSettings
 
     started = time.perf_counter()
     steps = max(1, min(steps, sample.shape[1] - 1))
-    built, found = {}, []
-    for name in weights or candidates(target):
+    names = weights or candidates(target)
+    found, built, target_seconds = [], {}, None
+    for stage in ([n for n in names if n not in LATE], [n for n in names if n in LATE]):
+        best = max((c.expected_speedup for c in found if c.problem is None), default=0.0)
+        if not stage:
+            continue
+        if best >= ENOUGH:
+            found += [Candidate(n, problem=f"not needed: another copy is expected to give {best:.2f}x") for n in stage]
+            continue
+        one, made = _measure_stage(target, sample, build, draft_cache, stage, steps, found)
+        built.update(made)
+        target_seconds = target_seconds or one
+    usable = [c for c in found if c.problem is None]
+    if not usable:
+        raise RuntimeError("weights='auto': no candidate copy could be built here: "
+                           + "; ".join(f"{c.weights}: {c.problem}" for c in found))
+    best = max(usable, key=lambda c: c.expected_speedup)
+    choice = Choice(best.weights, found, target_seconds, machine.describe(), time.perf_counter() - started)
+    return choice, {best.weights: built[best.weights]}
+
+
+def _measure_stage(target, sample: torch.Tensor, build: Callable, draft_cache, names: list[str], steps: int,
+                   found: list[Candidate]) -> tuple[float, dict]:
+    """Build ``names`` and time them against the target (:func:`interleaved`); their records are
+    appended to ``found``. -> (the target's one-token step, {weights: copy built})."""
+    from ..kv import CacheSettings
+
+    built, mine = {}, []
+    for name in names:
         try:
             built[name] = build(target, name)
-            found.append(Candidate(name))
+            mine.append(Candidate(name))
         except Exception as exc:  # a candidate this machine cannot build (a missing kernel or package)
-            found.append(Candidate(name, problem=f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"))
+            mine.append(Candidate(name, problem=f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"))
+    found += mine
+    if not built:
+        return None, built
     timers = {"target": StepTimer(target, sample, steps, CacheSettings()),
               **{name: StepTimer(copy, sample, steps, draft_cache) for name, copy in built.items()}}
     try:
-        seconds, tops, wide = interleaved(timers, steps)
+        seconds, tops, wide = interleaved(timers, steps, prune_after=PRUNE_AFTER)
     finally:
         for timer in timers.values():
             timer.release()
     one = seconds["target"]
     slope = max(wide - one, 0.0) / (VERIFY_WIDTH - 1)
     cost = lambda width: one + slope * (width - 1)  # noqa: E731  the target's forward of ``width`` tokens
-    for c in found:
+    for c in mine:
         if c.problem is None:
-            c.step_seconds, c.agreement = seconds[c.weights], agreement(tops["target"], tops[c.weights])
+            c.step_seconds, c.steps = seconds[c.weights], len(tops[c.weights])
+            c.agreement = agreement(tops["target"], tops[c.weights])
             c.expected_speedup, c.drafts = expected_speedup(c.agreement, c.step_seconds, cost)
-    usable = [c for c in found if c.problem is None]
-    if not usable:
-        raise RuntimeError("weights='auto': no candidate copy could be built here: "
-                           + "; ".join(f"{c.weights}: {c.problem}" for c in found))
-    best = max(usable, key=lambda c: c.expected_speedup)
-    choice = Choice(best.weights, found, one, machine.describe(), time.perf_counter() - started)
-    return choice, {best.weights: built[best.weights]}
+    return one, built
 
 
 def calibration_ids(tokenizer, fallback: torch.Tensor | None, device, longest: int = 128) -> torch.Tensor:
@@ -326,8 +371,8 @@ def choose(target, sample: torch.Tensor, build: Callable, draft_cache=None) -> t
             _MEMO[key] = found
             return found, {}
         path = cache_file(key)
-        say(f"choosing the draft copy for this machine and model: building and timing {', '.join(candidates(target))} "
-            f"(once; kept in {path})" if path is not None else "choosing the draft copy for this machine and model ...")
+        say(f"choosing the draft copy for this machine and model: timing {', '.join(candidates(target))} as needed "
+            f"(once; kept in {path}) ..." if path is not None else "choosing the draft copy for this machine and model ...")
         choice, built = measure(target, sample, build, draft_cache)
         say(f"... chose {choice.weights} in {choice.seconds:.1f} s")
         save(key, choice)
