@@ -11,7 +11,10 @@ target's verifier checks):
   mixes in to draft with such a copy;
 * ``int8``: int8-weight, uint8-activation linear layers for a CPU copy;
 * ``rotation``: an orthogonal change of basis of the residual stream folded into the weights,
-  so a copy's activations quantize better while it computes the same function.
+  so a copy's activations quantize better while it computes the same function;
+* ``lean``: the eager forward of a w8a8 copy's draft steps in fewer tensor operations (stacked
+  products, direct cache writes), where the copy has Llama's layout;
+* ``choose``: ``weights="auto"``, the copy measured best on this machine.
 
 Invariants: the model a forward is built from is only read (copies are deep copies, the output
 layer is recomputed, never replaced), and nothing here chooses tokens: a faster forward that
