@@ -184,7 +184,7 @@ def test_an_untried_source_is_tried_once_at_the_optimistic_price_then_its_record
     for accepted, drafts_after in ((0, False), (3, True)):
         tracker = AcceptanceTracker(1, 8, prior=(0.5, 0.9), untried=0.8)
         policy = DraftPolicy(costs, tracker, 8, 0.5)
-        assert tracker.estimate(torch.tensor([1]))[0].tolist() == [0.9] * 8  # a prior above it stands
+        assert tracker.estimate(torch.tensor([1]))[0].tolist() == [0.9] + [0.5] * 7  # a prior above it stands, first
         first = int(policy.budget(remaining, 1))
         assert first > 0 and tracker.estimate()[0].tolist() == [0.8] + [0.5] * 7  # a short try
         tracker.update(torch.tensor([0]), torch.tensor([0]))  # a step without drafts tries nothing
@@ -507,3 +507,23 @@ def test_a_generator_declares_its_drafting_in_one_piece_and_the_earlier_hooks_st
         declared_drafting(Bad(), "bad_prior")
     with pytest.raises(ValueError, match="max_drafts"):
         declared_drafting(type("Zero", (Bad,), {"drafting": lambda self: DraftingInfo(max_drafts=0)})(), "zero")
+
+
+def test_a_row_ahead_of_the_batch_is_worth_only_its_share_of_a_step():
+    """With one row ahead of three, its drafts save only its part of later steps: a block that pays
+    when every token counts alike does not pay; rows equally far from their end (and one row) are
+    valued as before."""
+    costs = CostModel([1 + x / 64 for x in COST_GRID], rate=0.0)  # a batch step feeding more tokens costs little more
+    policy = DraftPolicy(costs, AcceptanceTracker(4, 8, prior=0.9), 8, 0.05)
+    assert policy.row_values(torch.tensor([20, 20, 20, 20]), 1, 0) is None
+    assert policy.row_values(torch.tensor([20]), 1, 0) is None
+    value = policy.row_values(torch.tensor([20, 20, 14, 20]), 1, 0)
+    share = (costs.predict(4).item() - costs.predict(3).item()) / costs.predict(4).item()
+    assert value.tolist() == pytest.approx([1 / 3, 1 / 3, share, 1 / 3])
+    only_ahead = torch.tensor([0, 0, 4, 0])  # the row ahead is the only one with drafts
+    accept = policy.acceptance.estimate()
+    seconds = policy._step_seconds(4, 1, 0, policy.draft_seconds_per_token)
+    assert choose_width(accept, only_ahead, seconds) > 0  # every token alike: it pays
+    assert choose_width(accept, only_ahead, seconds, value) == 0  # worth its share only: it does not
+    everyone = torch.tensor([4, 4, 4, 4])
+    assert choose_width(accept, everyone, seconds, value) > 0  # the last rows' drafts still pay

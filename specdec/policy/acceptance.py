@@ -22,6 +22,9 @@ import torch
 #: prior, if higher): a draft whose worth is unknown is tried once where it would pay if it agreed
 #: with the target this often, and its record decides from then on
 UNTRIED = 0.8
+#: the most a draft past the first of an untried source is priced at (its prior, if lower): a try
+#: is a short block, since where the source does not agree every draft of it is lost
+UNTRIED_DEEP = 0.5
 
 
 class AcceptanceTracker:
@@ -38,10 +41,11 @@ class AcceptanceTracker:
 
     With ``untried`` (a run passes :data:`UNTRIED`), until a source's first drafts have been
     verified (in any row) its first position is priced at ``untried`` (or its prior if higher),
-    deeper ones at its prior: the prior is what a source is worth on average, but a source that
-    pays only on text it agrees with would never be tried at it, and one verified block settles
-    the question. Deeper positions stay at the prior so that the try is a short block: where the
-    source does not agree, a long one cost a whole step or more (docs/draft_length.md).
+    deeper ones at its prior, at most :data:`UNTRIED_DEEP`: the prior is what a source is worth on
+    average, but a source that pays only on text it agrees with would never be tried at it, and
+    one verified block settles the question. Deeper positions stay low so that the try is a short
+    block: where the source does not agree, a long one cost a whole step or more
+    (docs/draft_length.md).
     """
 
     def __init__(self, batch: int, positions: int, *, prior: float | tuple[float, ...] = 0.5,
@@ -64,8 +68,8 @@ class AcceptanceTracker:
         picks = [0] * batch if sources is None else sources.cpu().tolist()
         rows = []
         for b, s in enumerate(picks):  # plain floats: B x K is small
-            if self.untried[s] is not None:  # the first draft at the optimistic price, deeper ones at the prior
-                rows.append([self.untried[s]] + [self.priors[s]] * (self.offered.shape[2] - 1))
+            if self.untried[s] is not None:  # the first draft at the optimistic price, deeper ones below it
+                rows.append([self.untried[s]] + [min(self.priors[s], UNTRIED_DEEP)] * (self.offered.shape[2] - 1))
                 continue
             rate, row = self.priors[s], []
             for a, o in zip(self.accepted[s, b].tolist(), self.offered[s, b].tolist()):

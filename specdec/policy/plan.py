@@ -9,7 +9,8 @@ i given 1..i-1 were), one verification commits on average
 and costs ``T(K) = draft(K) + verify(K + pending)`` seconds. The policy picks the K that maximises
 committed tokens per second, ``E(K) / T(K)``; K = 0 is plain decoding (E = 1, no drafting). A
 batch shares one forward, whose cost follows its widest row, so the batch picks one width W and
-row b verifies ``min(W, available_b)`` drafts.
+row b verifies ``min(W, available_b)`` drafts; its rows' tokens are weighted by what they save of
+the call's time (:meth:`DraftPolicy.row_values`: a row ahead of the others only leaves sooner).
 
 Its inputs: ``verify`` from the target's :class:`~.costs.CostModel`; ``draft`` per proposed
 token, measured from the generator's ``propose`` (before the first measurement, the bytes the
@@ -71,19 +72,22 @@ def _expected(rates: list[float]) -> list[float]:
     return out
 
 
-def choose_width(accept: torch.Tensor, available: torch.Tensor, step_seconds: torch.Tensor) -> int:
-    """The number of drafts W that maximises the batch's committed tokens per second.
+def choose_width(accept: torch.Tensor, available: torch.Tensor, step_seconds: torch.Tensor,
+                 value: torch.Tensor | None = None) -> int:
+    """The number of drafts W that maximises the batch's committed tokens per second, each row's
+    tokens weighted by ``value [B]`` (default 1: see :meth:`DraftPolicy.row_values`).
 
     accept [B, K] conditional acceptance per row and position; available [B] drafts each row can
     offer (at most K); step_seconds [K+1] the cost of a step that verifies w drafts (w = 0..K),
     drafting included. Row b verifies ``min(W, available[b])``. Ties go to the smaller W.
     """
     k = accept.shape[1]
-    total = [0.0] * (k + 1)  # committed tokens of the batch for w = 0..K
-    for rates, offer in zip(accept.double().tolist(), available.long().clamp(0, k).tolist()):
+    total = [0.0] * (k + 1)  # committed tokens of the batch for w = 0..K, weighted
+    weights = [1.0] * accept.shape[0] if value is None else value.double().tolist()
+    for rates, offer, weight in zip(accept.double().tolist(), available.long().clamp(0, k).tolist(), weights):
         expected = _expected(rates)
         for w in range(k + 1):
-            total[w] += expected[min(w, offer)]
+            total[w] += weight * expected[min(w, offer)]
     widest = int(available.max()) if available.numel() else 0
     rate = [t / max(c, 1e-12) for t, c in zip(total, step_seconds.double().tolist())][: widest + 1]
     best = max(rate)
@@ -112,6 +116,8 @@ class DraftPolicy:
     shape: tuple[int, int] = (0, 0)
     plugin: str = ""  # the generator's name, for errors
     priced: bool = True  # False until price() (during the generator's setup): step_rate answers None
+    #: [B] what a token committed in each row is worth to the call this step (:meth:`row_values`)
+    value: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.calibration is None:
@@ -155,6 +161,7 @@ class DraftPolicy:
         slots the verification attends to besides its own tokens; ``prefills``: per assistant (in
         :meth:`price`'s order) the tokens it has yet to prefill (0: none owed)."""
         self.shape = (pending, context)
+        self.value = self.row_values(remaining, pending, context)
         # an assistant's prefill still to come is paid once, so it is spread over the steps left;
         # and drafting starts only where a later step (one token pending) would draft too
         setup = self._setup_seconds(prefills) / max(int(remaining.max()), 1)
@@ -165,6 +172,27 @@ class DraftPolicy:
         if self.stepwise:  # where drafting pays, the drafter's own probabilities end the block
             ask = torch.where(ask > 0, remaining.clamp(0, self.max_drafts), ask)
         return ask
+
+    def row_values(self, remaining: torch.Tensor, pending: int, context: int) -> torch.Tensor | None:
+        """[B] what one more token committed in each row this step saves of the call's time, in
+        batch steps; None for one row (or rows all equally far from their end: every row alike).
+        A call ends when its last row does, so the rows furthest from their end (the largest
+        ``remaining``) share one step per token they all advance (1/c each, c of them); a row
+        ahead of them only leaves the batch sooner, saving one row's part of each later step
+        (the step's cost less the cost of a step of one row fewer). Batches whose rows stop at
+        their own ends of sequence are valued alike."""
+        rows = remaining.cpu()
+        if rows.numel() <= 1:
+            return None
+        last = rows == rows.max()
+        count = int(last.sum())
+        if count == rows.numel():
+            return None
+        batch = rows.numel()
+        whole = float(self.costs.predict(pending * batch, context))
+        fewer = float(self.costs.predict(pending * (batch - 1), context))
+        share = min(max((whole - fewer) / max(whole, 1e-12), 0.0), 1.0)
+        return torch.where(last, 1.0 / count, share).double()
 
     def admit(self, offered: torch.Tensor, sources: torch.Tensor | None,
               confidence: torch.Tensor | None) -> torch.Tensor:
@@ -190,6 +218,7 @@ class DraftPolicy:
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (finished rows left the batch)."""
         self.acceptance.select_rows(rows)
+        self.value = None  # the next plan values the rows left
 
     # -- what a generator may ask while it proposes (DecodeContext.draft_rate / keep_drafting) ---
     def step_rate(self, counts: torch.Tensor, source: int) -> torch.Tensor | None:
@@ -239,7 +268,7 @@ class DraftPolicy:
         made = confidence.shape[1]
         counts = available.cpu().clamp(0, self.max_drafts)
         seconds = self._step_seconds(counts.shape[0], pending, context, self.draft_seconds_per_token)
-        return choose_width(self._estimate(None, confidence), counts, seconds) > made
+        return choose_width(self._estimate(None, confidence), counts, seconds, self._value(counts)) > made
 
     def _estimate(self, sources: torch.Tensor | None, confidence: torch.Tensor | None) -> torch.Tensor:
         """[B, K] conditional acceptance per position: the tracker's, scaled where a draft came with
@@ -264,8 +293,13 @@ class DraftPolicy:
         ``setup`` seconds."""
         available = counts.cpu().clamp(0, self.max_drafts)  # [B]
         seconds = self._step_seconds(available.shape[0], pending, context, per_draft, setup)
-        width = choose_width(self._estimate(sources, confidence), available, seconds)
+        width = choose_width(self._estimate(sources, confidence), available, seconds, self._value(available))
         return available.clamp(max=width).to(counts.device)
+
+    def _value(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """This step's :meth:`row_values` where they describe these rows."""
+        value = self.value
+        return value if value is not None and value.shape[0] == rows.shape[0] else None
 
     def _step_seconds(self, batch: int, pending: int, context: int, per_draft: float,
                       setup: float = 0.0) -> torch.Tensor:
