@@ -201,7 +201,7 @@ def calibrate(model, tokens: torch.Tensor, cache: CacheSettings | None = None, s
     try:
         with torch.no_grad():
             prefix = tokens.repeat(context // tokens.numel() + 1)[:context]
-            curve = _time_widths(model, [made], cache_kwarg, [prefix], reps, [CALIBRATED])[0]
+            curve = _time_widths(model, made, cache_kwarg, prefix, reps, CALIBRATED)
     finally:
         if made is not own:
             made.release()
@@ -219,15 +219,12 @@ def _on_grid(counts: tuple[int, ...], values: list[float]) -> list[float]:
     return out
 
 
-def _time_widths(model, kvs: list, cache_kwarg: str, contexts: list[torch.Tensor], reps: int,
-                 counts: list[tuple[int, ...]]) -> list[list[float]]:
-    """Median seconds of a forward of each of ``counts[i]`` tokens after each ``contexts[i] [L_i]``
-    is cached in ``kvs[i]``: [contexts][counts[i]]. Every round times each count after each
-    context in turn, so a change of the machine's load skews no count or context alone (timed
-    context by context, a load change between them skewed the context's effect: see
-    docs/draft_length.md, "Its inputs"); the median drops a round slowed by another process."""
+def _time_widths(model, kv, cache_kwarg: str, context: torch.Tensor, reps: int, counts: tuple[int, ...]) -> list[float]:
+    """Median seconds of a forward of each of ``counts`` tokens after ``context [L]`` is cached in
+    ``kv``. Every round times each count in turn, so a change of the machine's load skews no count
+    alone; the median drops a round slowed by another process."""
 
-    def forward(kv, ids: torch.Tensor, first_slot: int) -> None:
+    def forward(ids: torch.Tensor, first_slot: int) -> None:
         device = ids.device
         width = ids.shape[1]
         fed = kv.padded_width(width, first_slot == 0)
@@ -238,23 +235,18 @@ def _time_widths(model, kvs: list, cache_kwarg: str, contexts: list[torch.Tensor
         kv.forward(model, kwargs, first_slot=first_slot, width=width, first=first_slot == 0, mask=mask,
                    needs_mask=False, direct=True)
 
-    for kv, context in zip(kvs, contexts):
-        length = context.numel()
-        forward(kv, context[None, :], 0)
-        forward(kv, context[:1][None, :], length)  # warms up the step path
-        kv.crop(length + 1, length)
-    times = [{count: [] for count in mine} for mine in counts]
+    length = context.numel()
+    forward(context[None, :], 0)
+    forward(context[:1][None, :], length)  # warms up the step path
+    kv.crop(length + 1, length)
+    timed: dict[int, list[float]] = {count: [] for count in counts}
     for _ in range(reps):
-        for count in sorted({c for mine in counts for c in mine}):
-            for kv, context, timed in zip(kvs, contexts, times):
-                if count not in timed:
-                    continue
-                length = context.numel()
-                ids = context.repeat(count // length + 1)[:count][None, :]  # [1, count]
-                synchronize(context.device)
-                start = time.perf_counter()
-                forward(kv, ids, length)
-                synchronize(context.device)
-                timed[count].append(time.perf_counter() - start)
-                kv.crop(length + count, length)
-    return [[sorted(t)[(reps - 1) // 2] for t in timed.values()] for timed in times]
+        for count in counts:
+            ids = context.repeat(count // length + 1)[:count][None, :]  # [1, count]
+            synchronize(context.device)
+            start = time.perf_counter()
+            forward(ids, length)
+            synchronize(context.device)
+            timed[count].append(time.perf_counter() - start)
+            kv.crop(length + count, length)
+    return [sorted(t)[(reps - 1) // 2] for t in timed.values()]
