@@ -34,7 +34,7 @@ import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .int8 import Int8Linear, stack_linears
-from .rotation import LAYER_PARTS
+from .rotation import rotatable
 
 #: widest forward this path runs (a draft step, a re-feed); wider ones (a prefill) run the model's own
 MAX_WIDTH = 16
@@ -48,10 +48,12 @@ KNOWN = {"input_ids", "position_ids", "cache", "past_key_values", "attention_mas
 
 def lean_problem(model) -> str | None:
     """Why :func:`install` cannot serve ``model`` (a copy whose linear layers are
-    :class:`~specdec.forwards.int8.Int8Linear`), or None where it can."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    if getattr(decoder, "layers", None) is None or not isinstance(getattr(decoder, "norm", None), torch.nn.Module):
-        return f"{type(model).__name__} has no decoder with layers and a final norm"
+    :class:`~specdec.forwards.int8.Int8Linear`), or None where it can: rotation's layout, and no
+    sliding window, partial rotary embedding or extra part of attention or MLP."""
+    problem = rotatable(model, Int8Linear)
+    if problem is not None:
+        return problem
+    decoder = model.get_decoder()
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         return "a sliding attention window"
@@ -59,17 +61,10 @@ def lean_problem(model) -> str | None:
         return "a partial rotary embedding"
     if not hasattr(decoder, "rotary_emb") or not hasattr(decoder, "embed_tokens"):
         return "no rotary embedding or token embedding on the decoder"
-    if not isinstance(model.get_output_embeddings(), Int8Linear):
-        return "an output head that is not an Int8Linear"
     for layer in decoder.layers:
-        if {n for n, _ in layer.named_children()} != LAYER_PARTS:
-            return "a decoder layer with parts other than Llama's"
         attn, mlp = layer.self_attn, layer.mlp
         if {n for n, _ in attn.named_children()} != ATTENTION_PARTS or {n for n, _ in mlp.named_children()} != MLP_PARTS:
-            return "a decoder layer with parts other than Llama's"
-        if not all(isinstance(getattr(attn, n), Int8Linear) for n in ATTENTION_PARTS - {"o_proj"}) or not all(
-                isinstance(getattr(mlp, n), Int8Linear) for n in ("gate_proj", "up_proj", "down_proj")):
-            return "linear layers that are not Int8Linear"
+            return "attention or an MLP with parts other than Llama's"
         if getattr(attn, "sliding_window", None) or getattr(attn, "scaling", None) is None:
             return "attention with a sliding window, or without a scaling"
     return None

@@ -41,21 +41,23 @@ def _get(module, path):
     return module
 
 
-def rotatable(model) -> str | None:
-    """Why ``model`` cannot be rotated, or None where it can."""
+def rotatable(model, linear: type = torch.nn.Linear) -> str | None:
+    """Why ``model`` cannot be rotated, or None where it can: the pre-norm decoder layout this
+    module knows, its linear layers (and output head) of type ``linear`` (``lean.py`` asks the
+    same of a copy whose layers are ``Int8Linear``)."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     layers = getattr(decoder, "layers", None)
     if layers is None or not isinstance(getattr(decoder, "norm", None), torch.nn.Module):
         return f"{type(model).__name__} has no decoder with layers and a final norm"
-    if not isinstance(model.get_output_embeddings(), torch.nn.Linear):
-        return "no linear output head"
+    if not isinstance(model.get_output_embeddings(), linear):
+        return f"no {linear.__name__} output head"
     for layer in layers:
         parts = {name for name, _ in layer.named_children()}
         if parts != LAYER_PARTS:
             return f"a decoder layer has {sorted(parts)}, not {sorted(LAYER_PARTS)}"
         for path in (*READS, *READS_MLP, *WRITES):
-            if not isinstance(_get(layer, path), torch.nn.Linear):
-                return f"a decoder layer has no linear {'.'.join(path)}"
+            if not isinstance(_get(layer, path), linear):
+                return f"a decoder layer has no {linear.__name__} {'.'.join(path)}"
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             if not isinstance(getattr(norm, "weight", None), torch.Tensor) or getattr(norm, "bias", None) is not None:
                 return "a norm without a scale, or with a bias"
