@@ -107,11 +107,25 @@ class FixedTimer:
 
 
 def test_a_copy_no_faster_than_the_target_is_timed_no_further():
-    timers = {"target": FixedTimer(0.010), "fast": FixedTimer(0.004), "slow": FixedTimer(0.012)}
+    timers = {"target": FixedTimer(0.010), "fast": FixedTimer(0.004), "faster": FixedTimer(0.003),
+              "slow": FixedTimer(0.012)}
     seconds, tops, _ = choose.interleaved(timers, 16, prune_after=choose.PRUNE_AFTER)
-    assert timers["slow"].steps == choose.PRUNE_AFTER and timers["fast"].steps == 16 == timers["target"].steps
+    assert timers["slow"].steps == choose.PRUNE_AFTER
+    assert timers["fast"].steps == timers["faster"].steps == 16 == timers["target"].steps  # two copies left: compared
     assert seconds["slow"] == 0.012 and len(tops["slow"]) == choose.PRUNE_AFTER
     assert choose.agreement(tops["target"], tops["slow"]) == 1.0  # over the steps both were timed at
+
+
+def test_a_lone_copy_left_is_timed_only_lone_steps():
+    timers = {"target": FixedTimer(0.010), "fast": FixedTimer(0.004), "slow": FixedTimer(0.012)}
+    seconds, tops, _ = choose.interleaved(timers, 16, prune_after=choose.PRUNE_AFTER)
+    assert timers["slow"].steps == choose.PRUNE_AFTER < choose.LONE_STEPS < 16
+    assert timers["fast"].steps == choose.LONE_STEPS == timers["target"].steps
+    assert seconds["fast"] == 0.004 and len(tops["fast"]) == choose.LONE_STEPS
+    # without pruning (a caller timing everything) every model steps through every token
+    timers = {"target": FixedTimer(0.010), "fast": FixedTimer(0.004)}
+    choose.interleaved(timers, 16)
+    assert timers["fast"].steps == 16 == timers["target"].steps
 
 
 def test_the_choice_is_kept_on_disk_and_read_back_without_measuring(target, own_cache, monkeypatch, capsys):

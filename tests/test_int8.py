@@ -1,4 +1,4 @@
-"""``Int8Linear``: int8 weights x uint8 activations (per-token scale and zero point) on the CPU.
+"""``Int8Linear``: int8 weights x uint8 activations (each token over its own range) on the CPU.
 
 Close to the float layer it replaces, row by row independent, and the same compiled as eager for
 a single row (inductor once handed ``torch._int_mm`` a one-row operand with a zero row stride, on
@@ -29,12 +29,28 @@ def test_close_to_the_float_layer_and_rows_independent(rows, bias, seed, shift):
         if bias:
             linear.bias.copy_(torch.randn(40, generator=g))
     layer = Int8Linear(linear)
-    x = torch.randn(2, rows, 96, generator=g) + shift  # activations need not be centred: the zero point covers it
+    x = torch.randn(2, rows, 96, generator=g) + shift  # activations need not be centred: a row's own range covers it
     with torch.no_grad():
         want, got = linear(x), layer(x)
         assert got.shape == want.shape and got.dtype == want.dtype
         assert relative_error(got, want) < 0.03
         assert torch.equal(layer(x[:, -1:]), got[:, -1:])  # each token is quantized on its own
+
+
+def test_a_constant_row_is_exact_and_levels_stay_in_range():
+    """A row whose values are all equal has no range (its scale floors at a tiny value): it must come
+    out as the float product, not as garbage from dividing by nothing; rows whose lowest or highest
+    value repeats reach levels 0 and 255 exactly, never past them."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(32, 8, bias=False)
+    layer = Int8Linear(linear)
+    w = layer.weight_int8.float() * layer.weight_scale[:, None]  # the de-quantized weights
+    with torch.no_grad():
+        for value in (0.0, 1.5, -2.0):
+            x = torch.full((1, 32), value)
+            torch.testing.assert_close(layer(x), x @ w.T, rtol=1e-5, atol=1e-6)
+        x = torch.tensor([[-1.0, 3.0] * 16])  # two levels: 0 and 255, exact
+        torch.testing.assert_close(layer(x), x @ w.T, rtol=1e-5, atol=1e-5)
 
 
 def test_the_compiled_layer_equals_the_eager_one_for_one_row():

@@ -59,6 +59,9 @@ MAX_DRAFTS = 16
 #: after this many rounds a copy whose median step is no faster than the target's is no longer
 #: timed: it cannot pay at any agreement
 PRUNE_AFTER = 4
+#: once a stage has a single copy left (the others dropped as no faster than the target), it is
+#: timed this many steps and no more: its figures are compared with nothing, they only price it
+LONE_STEPS = 8
 #: copies built and measured only where none of the others is expected to reach :data:`ENOUGH`:
 #: torch's dynamic int8 takes the longest to build (1.5 s for SmolLM2-135M, most of it
 #: ``quantize_dynamic`` packing weights) and serves CPUs whose int8 x uint8 products are slow
@@ -73,7 +76,7 @@ CALIBRATION_TEXT = (
     "3. The price of a monthly pass will stay the same.\nIn Python, the function below returns the sum of "
     "a list of numbers:\n\ndef total(numbers):\n    result = 0\n    for n in numbers:\n        result += n\n"
     "    return result\n")
-_FORMAT = 3  # 3: copies step through the lean forward (lean.py); 2: one token at a time
+_FORMAT = 4  # 4: Int8Linear quantizes to a row's own range; 3: copies step through the lean forward (lean.py)
 
 
 @dataclass
@@ -179,8 +182,9 @@ def interleaved(timers: dict[str, StepTimer], steps: int,
     """Every model of ``timers`` (the target's named ``"target"``) steps through ``steps`` tokens,
     one step each a round, the order rotating from round to round; the target's wider forward is
     timed every :data:`WIDE_EVERY` rounds. After ``prune_after`` rounds a model whose median step
-    is no shorter than the target's steps no more (its figures are those of the rounds it ran).
-    -> ({name: median step seconds}, {name: greedy tokens}, median seconds of the target's forward
+    is no shorter than the target's steps no more (its figures are those of the rounds it ran),
+    and where one copy is left, measuring ends after :data:`LONE_STEPS` rounds (the choice among
+    them cannot change). -> ({name: median step seconds}, {name: greedy tokens}, median seconds of the target's forward
     of :data:`VERIFY_WIDTH` tokens)."""
     names = list(timers)
     for timer in timers.values():
@@ -193,6 +197,8 @@ def interleaved(timers: dict[str, StepTimer], steps: int,
         if r == prune_after:
             target = statistics.median(times["target"])
             names = [n for n in names if n == "target" or statistics.median(times[n]) < target]
+        if prune_after is not None and r >= max(prune_after, LONE_STEPS) and len(names) <= 2:
+            break
         for name in names[r % len(names):] + names[: r % len(names)]:
             seconds, top = timers[name].step()
             times[name].append(seconds)

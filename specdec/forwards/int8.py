@@ -2,7 +2,7 @@
 
 A decoding step of a small model on a CPU is bound by reading its weights. This module stores a
 linear layer's weights as int8 (one scale per output channel) and quantizes each token's
-activations to uint8 on the fly (its own scale and zero point), so the product runs on the CPU's
+activations to uint8 on the fly (its own scale and offset: the row's range in 256 levels), so the product runs on the CPU's
 int8 dot-product instructions (AVX512-VNNI / AMX) through ``torch._int_mm``, reading a quarter of
 the fp32 bytes (measured: docs/self_draft.md, "How the copy drafts").
 
@@ -32,23 +32,26 @@ class Int8Linear(torch.nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer("weight_int8", q)  # [N, K]
         self.register_buffer("weight_scale", scale)  # [N]
-        self.register_buffer("weight_sum", q.sum(dim=1, dtype=torch.int32).float())  # [N]: the zero point's share
+        # [N] what a row of ones contributes to each output: x = scale q + lo puts lo * this in every output
+        self.register_buffer("weight_offset", q.sum(dim=1, dtype=torch.int32).float() * scale)
         bias = linear.bias
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).float()  # [M, K]
-        lo, hi = torch.aminmax(x2, dim=1, keepdim=True)  # [M, 1] each (fresh tensors: updated in place below)
-        lo = lo.clamp_(max=0.0)
-        scale = hi.clamp_(min=0.0).sub_(lo).div_(255).clamp_min_(1e-12)  # [M, 1]
-        zero = lo.div_(scale).neg_().round_()  # [M, 1] in 0..255
-        q = x2.div(scale).round_().add_(zero).clamp_(0, 255).to(torch.uint8)
-        acc = torch._int_mm(q, self.weight_int8.t())  # [M, N] int32
-        y = acc.float().sub_(zero * self.weight_sum).mul_(scale * self.weight_scale)
+        x2 = x.reshape(-1, shape[-1])  # [M, K]
+        if x2.dtype != torch.float32:
+            x2 = x2.float()
+        # each row as lo + scale * q, q in 0..255: the row's own range, its lowest value exactly
+        lo, hi = torch.aminmax(x2, dim=1, keepdim=True)  # [M, 1] each
+        scale = (hi - lo).mul_(1 / 255).clamp_min_(1e-12)  # [M, 1]
+        q = (x2 - lo).div_(scale).round_().to(torch.uint8)  # [M, K]
+        y = (torch._int_mm(q, self.weight_int8.t()) * self.weight_scale).mul_(scale).addcmul_(lo, self.weight_offset)
         if self.bias is not None:
             y = y.add_(self.bias)
-        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        return y.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, weights=int8, activations=uint8"
@@ -61,7 +64,7 @@ def stack_linears(parts: list[Int8Linear]) -> Int8Linear:
     stacked = Int8Linear.__new__(Int8Linear)
     torch.nn.Module.__init__(stacked)
     stacked.in_features, stacked.out_features = parts[0].in_features, sum(p.out_features for p in parts)
-    for name in ("weight_int8", "weight_scale", "weight_sum"):
+    for name in ("weight_int8", "weight_scale", "weight_offset"):
         stacked.register_buffer(name, torch.cat([getattr(p, name) for p in parts]))
     has_bias = any(p.bias is not None for p in parts)
     stacked.register_buffer("bias", torch.cat([p.bias if p.bias is not None else stacked.weight_scale.new_zeros(
@@ -69,7 +72,7 @@ def stack_linears(parts: list[Int8Linear]) -> Int8Linear:
     first = 0
     for part in parts:
         rows = slice(first, first + part.out_features)
-        for name in ("weight_int8", "weight_scale", "weight_sum"):
+        for name in ("weight_int8", "weight_scale", "weight_offset"):
             setattr(part, name, getattr(stacked, name)[rows])
         if part.bias is not None:
             part.bias = stacked.bias[rows]

@@ -128,18 +128,10 @@ class LeanForward:
         caches = cache.layers
         start = int(caches[0].cumulative_length)  # the first slot this forward writes
         end = start + width
-        slots = torch.arange(end, device=input_ids.device)
-        mine = (start + torch.arange(width, device=input_ids.device))[:, None]  # [T, 1] each token's own slot
-        allowed = (slots[None, :] <= mine)[None]  # [1, T, end]: causal
-        if attention_mask is not None:  # a token always sees its own slot: no fully masked row (NaN)
-            allowed = (allowed & attention_mask[:, None, :end].bool()) | (slots[None, :] == mine)[None]
-        allowed = allowed.expand(batch, width, end)
         hidden = self.embed(input_ids)  # [B, T, H]
         cos, sin = self.rotary(hidden, position_ids)  # [B, T, D]
         cos, sin = cos[:, :, None], sin[:, :, None]  # [B, T, 1, D]
-        first = self.layers[0]
-        groups = first.heads // first.kv_heads
-        mask = allowed[:, None, None].expand(batch, 1, groups, width, end).reshape(batch, 1, groups * width, end)
+        mask = self._mask(attention_mask, batch, width, start, end)
         for layer, cache in zip(self.layers, caches):
             hidden = hidden + self._attention(layer, cache, hidden, cos, sin, mask, start, end)
             x = torch.nn.functional.rms_norm(hidden, (self.hidden,), layer.norm2, layer.eps2)
@@ -151,6 +143,21 @@ class LeanForward:
         elif isinstance(logits_to_keep, torch.Tensor):
             hidden = hidden[:, logits_to_keep]
         return self.head(self.norm(hidden))
+
+    def _mask(self, attention_mask, batch: int, width: int, start: int, end: int) -> torch.Tensor | None:
+        """[B, 1, groups * T, end] the slots each query row sees, or None where every row sees every
+        slot written so far (one token, no padding: attention needs no mask)."""
+        if width == 1 and (attention_mask is None or bool(attention_mask[:, :end].all())):
+            return None
+        device = self.embed.weight.device
+        slots = torch.arange(end, device=device)
+        mine = (start + torch.arange(width, device=device))[:, None]  # [T, 1] each token's own slot
+        allowed = (slots[None, :] <= mine)[None]  # [1, T, end]: causal
+        if attention_mask is not None:  # a token always sees its own slot: no fully masked row (NaN)
+            allowed = (allowed & attention_mask[:, None, :end].bool()) | (slots[None, :] == mine)[None]
+        groups = self.layers[0].heads // self.layers[0].kv_heads
+        return allowed.expand(batch, width, end)[:, None, None].expand(batch, 1, groups, width, end).reshape(
+            batch, 1, groups * width, end)
 
     @staticmethod
     def _attention(layer: _Layer, cache, hidden, cos, sin, mask, start: int, end: int) -> torch.Tensor:
