@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.forwards import lean
+from specdec.forwards import int8, lean
 from specdec.forwards.int8 import Int8Linear, stack_linears
 from specdec.forwards.lowbit import build_copy
 from specdec.kv import CacheSettings, make_kv
@@ -19,11 +19,19 @@ from specdec.models import tiny_random
 from specdec.modelinfo import cache_argument
 
 
-def exact_product(self, x):
-    """Int8Linear with its de-quantized weights and unquantized activations: no rounding to amplify."""
-    w = self.weight_int8.float() * self.weight_scale[:, None]
-    y = x.float() @ w.T
-    return (y + self.bias if self.bias is not None else y).to(x.dtype)
+def exact_product(x2, weight_int8, weight_scale, weight_offset):
+    """The int8 product with de-quantized weights and unquantized activations: no rounding to amplify."""
+    return x2 @ (weight_int8.float() * weight_scale[:, None]).T
+
+
+@pytest.fixture
+def exact(monkeypatch):
+    """Exact products in both forwards: the copy's own (``Int8Linear``) and the lean one (run as
+    Python)."""
+    monkeypatch.setattr(int8, "int8_product", exact_product)
+    monkeypatch.setattr(lean, "int8_product", exact_product)
+    # nothing is scripted meanwhile: TorchScript keeps what it compiled for the process
+    monkeypatch.setattr(lean, "scripted_layers", lambda: None)
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +59,9 @@ def stepped(model, ids: torch.Tensor, mask: torch.Tensor, widths: list[int]) -> 
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_the_lean_forward_computes_the_copys_own(llama, batch, monkeypatch):
-    monkeypatch.setattr(Int8Linear, "forward", exact_product)
+def test_the_lean_forward_computes_the_copys_own(llama, batch, exact):
     copy = build_copy(llama, "w8a8")
-    assert isinstance(copy.forward, lean.LeanForward)
+    assert isinstance(copy.forward, lean.LeanForward) and not copy.forward.scripted
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 250, (batch, 24), generator=gen)
     mask = torch.ones_like(ids)
@@ -74,6 +81,28 @@ def test_the_lean_forward_computes_the_copys_own(llama, batch, monkeypatch):
         torch.testing.assert_close(a.keys[:, :, :end], b.keys[:, :, :end], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(a.values[:, :, :end], b.values[:, :, :end], rtol=1e-5, atol=1e-5)
         assert int(a.cumulative_length) == int(b.cumulative_length) == end
+
+
+def test_the_scripted_layers_compute_what_the_python_ones_do(llama):
+    """The copy's layers run scripted (TorchScript, on this torch) and give the Python function's
+    logits and cache: one row and a left-padded batch, one token and several."""
+    copy = build_copy(llama, "w8a8")
+    assert copy.forward.scripted
+    ids = torch.randint(3, 250, (3, 24), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1:, :5] = 0
+    for rows in (1, 3):
+        got, got_cache = stepped(copy, ids[:rows], mask[:rows], [1, 1, 4, 1, 3])
+        scripted = copy.forward
+        copy.forward = lean.LeanForward(copy, script=False)
+        try:
+            want, want_cache = stepped(copy, ids[:rows], mask[:rows], [1, 1, 4, 1, 3])
+        finally:
+            copy.forward = scripted
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        for a, b in zip(got_cache, want_cache):
+            torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)
 
 
 def test_with_int8_products_it_stays_close_and_agrees(llama):

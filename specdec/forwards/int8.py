@@ -21,6 +21,18 @@ from __future__ import annotations
 import torch
 
 
+def int8_product(x2: torch.Tensor, weight_int8: torch.Tensor, weight_scale: torch.Tensor,
+                 weight_offset: torch.Tensor) -> torch.Tensor:
+    """[M, N] ``x2 [M, K]`` (float32) times the int8 weights ``weight_int8 [N, K]`` (scales
+    ``weight_scale [N]``, ``weight_offset [N]``: :class:`Int8Linear`'s buffers), each row of ``x2``
+    quantized to uint8 over its own range: ``lo + scale * q``, q in 0..255, its lowest value exact.
+    A plain function of tensors (no module), so that ``lean.py`` can script it."""
+    lo, hi = torch.aminmax(x2, dim=1, keepdim=True)  # [M, 1] each
+    scale = (hi - lo).mul_(1 / 255).clamp_min_(1e-12)  # [M, 1]
+    q = (x2 - lo).div_(scale).round_().to(torch.uint8)  # [M, K]
+    return (torch._int_mm(q, weight_int8.t()) * weight_scale).mul_(scale).addcmul_(lo, weight_offset)
+
+
 class Int8Linear(torch.nn.Module):
     """``y = x W^T + b`` with W stored as int8 per output channel and x quantized per token to uint8."""
 
@@ -42,11 +54,7 @@ class Int8Linear(torch.nn.Module):
         x2 = x.reshape(-1, shape[-1])  # [M, K]
         if x2.dtype != torch.float32:
             x2 = x2.float()
-        # each row as lo + scale * q, q in 0..255: the row's own range, its lowest value exactly
-        lo, hi = torch.aminmax(x2, dim=1, keepdim=True)  # [M, 1] each
-        scale = (hi - lo).mul_(1 / 255).clamp_min_(1e-12)  # [M, 1]
-        q = (x2 - lo).div_(scale).round_().to(torch.uint8)  # [M, K]
-        y = (torch._int_mm(q, self.weight_int8.t()) * self.weight_scale).mul_(scale).addcmul_(lo, self.weight_offset)
+        y = int8_product(x2, self.weight_int8, self.weight_scale, self.weight_offset)
         if self.bias is not None:
             y = y.add_(self.bias)
         if y.dtype != x.dtype:

@@ -13,7 +13,11 @@ the same function as the copy's own in about 60% of the operations (SmolLM2-135M
 * the rotary embedding is applied to queries and keys together, once;
 * keys and values are written into the static cache's slots directly, and attention reads only the
   slots up to the last one written, the query heads of a key/value head as rows of one product;
-* RMSNorm is ``torch.nn.functional.rms_norm``.
+* RMSNorm is ``torch.nn.functional.rms_norm``;
+* the decoder layers are one function of tensors (:func:`decoder_layers`), scripted by TorchScript
+  where this torch can (a fraction of a second, once a process): the whole stack then runs without
+  returning to Python between operations, the same operations in the same order (TorchScript fuses
+  nothing on a CPU without LLVM), so the scripted and the Python function give the same numbers.
 
 It serves a copy's one-token-or-few steps on a ``transformers`` ``StaticCache`` (how a copy
 drafts, ``specdec.kv.StaticKV``); any other call (no cache, another cache, more than
@@ -28,12 +32,15 @@ what its own forward would have written there.
 from __future__ import annotations
 
 import inspect
+import threading
 import types
+import warnings
+from typing import List, Optional
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .int8 import Int8Linear, stack_linears
+from .int8 import Int8Linear, int8_product, stack_linears
 from .rotation import rotatable
 
 #: widest forward this path runs (a draft step, a re-feed); wider ones (a prefill) run the model's own
@@ -67,42 +74,121 @@ def lean_problem(model) -> str | None:
             return "attention or an MLP with parts other than Llama's"
         if getattr(attn, "sliding_window", None) or getattr(attn, "scaling", None) is None:
             return "attention with a sliding window, or without a scaling"
+        if not isinstance(mlp.act_fn, torch.nn.SiLU) and type(mlp.act_fn).__name__ != "SiLUActivation":
+            return f"an MLP activation other than SiLU ({type(mlp.act_fn).__name__})"
+        if mlp.gate_proj.out_features != mlp.up_proj.out_features:
+            return "gate and up projections of different widths"
     return None
 
 
 class _Layer:
-    """One decoder layer's parts, as this forward uses them."""
+    """One decoder layer's parts, as this forward uses them: its tensors in :data:`PARTS` order."""
 
-    def __init__(self, layer, heads: int, kv_heads: int, head_dim: int):
+    def __init__(self, layer):
         attn, mlp = layer.self_attn, layer.mlp
-        self.qkv = stack_linears([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.gate_up = stack_linears([mlp.gate_proj, mlp.up_proj])
-        self.o, self.down, self.act = attn.o_proj, mlp.down_proj, mlp.act_fn
-        self.norm1, self.eps1 = layer.input_layernorm.weight, _eps(layer.input_layernorm)
-        self.norm2, self.eps2 = layer.post_attention_layernorm.weight, _eps(layer.post_attention_layernorm)
-        self.scaling = float(attn.scaling)
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.intermediate = mlp.gate_proj.out_features
+        qkv = stack_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+        gate_up = stack_linears([mlp.gate_proj, mlp.up_proj])
+        linears = (qkv, attn.o_proj, gate_up, mlp.down_proj)
+        self.parts = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight] + [
+            t for lin in linears for t in (lin.weight_int8, lin.weight_scale, lin.weight_offset)]
+        self.biases = [lin.bias for lin in linears]
+        self.eps = [_eps(layer.input_layernorm), _eps(layer.post_attention_layernorm)]
 
 
 def _eps(norm) -> float:
     return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
 
 
+def _linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+            bias: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """``Int8Linear``'s forward on the 2-D rows ``x2`` from its buffers."""
+    y = int8_product(x2 if x2.dtype == torch.float32 else x2.float(), weight, scale, offset)
+    if bias is not None:
+        y = y.add_(bias)
+    return y if y.dtype == dtype else y.to(dtype)
+
+
+def decoder_layers(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor],
+                   keys: List[torch.Tensor], values: List[torch.Tensor], start: int, end: int,
+                   parts: List[List[torch.Tensor]], biases: List[List[Optional[torch.Tensor]]], eps: List[float],
+                   heads: int, kv_heads: int, dim: int, scaling: float) -> torch.Tensor:
+    """``hidden [B, T, H]`` through every decoder layer (``parts[i]``, ``biases[i]``: layer i's
+    tensors, :class:`_Layer`), writing each layer's keys and values for slots ``start:end`` into
+    ``keys[i]`` / ``values[i]`` [B, kv_heads, slots, dim] and attending over slots ``:end`` (``mask``
+    [B, 1, groups * T, end] or None: every slot). ``cos``/``sin`` [B, T, 1, dim]. A plain function
+    of tensors, lists and numbers, so that it can be scripted: one call runs the whole stack without
+    returning to Python between operations."""
+    batch, width, size = hidden.shape[0], hidden.shape[1], hidden.shape[2]
+    dtype = hidden.dtype
+    groups, half, qk_cols = heads // kv_heads, dim // 2, (heads + kv_heads) * dim
+    for i in range(len(parts)):
+        p, b = parts[i], biases[i]
+        x = torch.nn.functional.rms_norm(hidden, [size], p[0], eps[2 * i]).view(-1, size)
+        qkv = _linear(x, p[2], p[3], p[4], b[0], dtype).view(batch, width, -1)  # [B, T, (heads + 2 kv) dim]
+        qk = qkv[:, :, :qk_cols].view(batch, width, heads + kv_heads, dim)
+        qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin  # rotary, queries and keys at once
+        keys[i][:, :, start:end] = qk[:, :, heads:].transpose(1, 2)
+        values[i][:, :, start:end] = qkv[:, :, qk_cols:].view(batch, width, kv_heads, dim).transpose(1, 2)
+        # the query heads of each key/value head as rows of one product: [B, kv, groups * T, D]
+        query = qk[:, :, :heads].view(batch, width, kv_heads, groups, dim).permute(0, 2, 3, 1, 4)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query.reshape(batch, kv_heads, groups * width, dim), keys[i][:, :, :end], values[i][:, :, :end],
+            attn_mask=mask, scale=scaling)
+        out = out.view(batch, kv_heads, groups, width, dim).permute(0, 3, 1, 2, 4).reshape(batch * width, heads * dim)
+        hidden = hidden + _linear(out, p[5], p[6], p[7], b[1], dtype).view(batch, width, size)
+        x = torch.nn.functional.rms_norm(hidden, [size], p[1], eps[2 * i + 1]).view(-1, size)
+        gate_up = _linear(x, p[8], p[9], p[10], b[2], dtype)  # [B T, 2 I]
+        inner = gate_up.shape[1] // 2
+        gated = torch.nn.functional.silu(gate_up[:, :inner]) * gate_up[:, inner:]
+        hidden = hidden + _linear(gated, p[11], p[12], p[13], b[3], dtype).view(batch, width, size)
+    return hidden
+
+
+_SCRIPTED: dict = {}
+_SCRIPT_LOCK = threading.Lock()
+
+
+def scripted_layers():
+    """:func:`decoder_layers` compiled by TorchScript (once a process), or None where this torch
+    cannot script it. TorchScript is deprecated in favour of ``torch.compile``, which takes
+    seconds to minutes where scripting takes a fraction of a second; here it only removes Python
+    from between the operations (no fusion), and the function is the same either way. It runs
+    without TorchScript's optimizing executor (``optimized_execution(False)``): that one profiles
+    and re-optimizes for every new shape (the cache's length, the width), 50-150 ms a time, a cost
+    a draft step would pay and the policy would take for a draft's; and a graph it optimized for
+    other shapes ran slower than the plain one (SmolLM2-135M's w8a8 copy: 17-18 ms a step against
+    15 ms)."""
+    with _SCRIPT_LOCK:
+        if "layers" not in _SCRIPTED:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    _SCRIPTED["layers"] = torch.jit.script(decoder_layers)
+            except Exception:  # a torch without TorchScript, or one that cannot script it: run it as Python
+                _SCRIPTED["layers"] = None
+        return _SCRIPTED["layers"]
+
+
 class LeanForward:
     """The forward installed on a copy (:func:`install`): see the module doc."""
 
-    def __init__(self, model):
+    def __init__(self, model, script: bool = True):
         decoder = model.get_decoder()
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.scaling = float(decoder.layers[0].self_attn.scaling)
         self.own = types.MethodType(type(model).forward, model)  # the model's own forward
         self.__signature__ = inspect.signature(self.own)  # what callers inspect (the cache's argument name)
         self.embed, self.rotary, self.norm = decoder.embed_tokens, decoder.rotary_emb, decoder.norm
         self.head = model.get_output_embeddings()
-        self.layers = [_Layer(layer, heads, kv_heads, head_dim) for layer in decoder.layers]
-        self.hidden = config.hidden_size
+        layers = [_Layer(layer) for layer in decoder.layers]
+        self.parts = [layer.parts for layer in layers]
+        self.biases = [layer.biases for layer in layers]
+        self.eps = [e for layer in layers for e in layer.eps]
+        self.layers = (script and scripted_layers()) or decoder_layers
+        self.scripted = self.layers is not decoder_layers
 
     def serves(self, kwargs: dict) -> bool:
         cache, ids = _cache(kwargs), kwargs.get("input_ids")
@@ -111,7 +197,7 @@ class LeanForward:
         if kwargs.get("attention_mask") is not None and kwargs["attention_mask"].dim() != 2:
             return False
         layers = getattr(cache, "layers", None)
-        return (layers is not None and len(layers) == len(self.layers)
+        return (layers is not None and len(layers) == len(self.parts)
                 and all(type(layer).__name__ == "StaticLayer" and layer.is_initialized for layer in layers))
 
     def __call__(self, *args, **kwargs):
@@ -130,14 +216,13 @@ class LeanForward:
         end = start + width
         hidden = self.embed(input_ids)  # [B, T, H]
         cos, sin = self.rotary(hidden, position_ids)  # [B, T, D]
-        cos, sin = cos[:, :, None], sin[:, :, None]  # [B, T, 1, D]
-        mask = self._mask(attention_mask, batch, width, start, end)
-        for layer, cache in zip(self.layers, caches):
-            hidden = hidden + self._attention(layer, cache, hidden, cos, sin, mask, start, end)
-            x = torch.nn.functional.rms_norm(hidden, (self.hidden,), layer.norm2, layer.eps2)
-            gate_up = layer.gate_up(x)
-            hidden = hidden + layer.down(layer.act(gate_up[..., : layer.intermediate]) * gate_up[..., layer.intermediate:])
-            cache.cumulative_length.fill_(end)
+        with torch.jit.optimized_execution(False):  # see scripted_layers
+            hidden = self.layers(hidden, cos[:, :, None], sin[:, :, None],
+                                 self._mask(attention_mask, batch, width, start, end), [c.keys for c in caches],
+                                 [c.values for c in caches], start, end, self.parts, self.biases, self.eps, self.heads,
+                                 self.kv_heads, self.head_dim, self.scaling)
+        for c in caches:
+            c.cumulative_length.fill_(end)
         if isinstance(logits_to_keep, int) and logits_to_keep > 0:
             hidden = hidden[:, -logits_to_keep:]
         elif isinstance(logits_to_keep, torch.Tensor):
@@ -155,30 +240,9 @@ class LeanForward:
         allowed = (slots[None, :] <= mine)[None]  # [1, T, end]: causal
         if attention_mask is not None:  # a token always sees its own slot: no fully masked row (NaN)
             allowed = (allowed & attention_mask[:, None, :end].bool()) | (slots[None, :] == mine)[None]
-        groups = self.layers[0].heads // self.layers[0].kv_heads
+        groups = self.heads // self.kv_heads
         return allowed.expand(batch, width, end)[:, None, None].expand(batch, 1, groups, width, end).reshape(
             batch, 1, groups * width, end)
-
-    @staticmethod
-    def _attention(layer: _Layer, cache, hidden, cos, sin, mask, start: int, end: int) -> torch.Tensor:
-        batch, width, _ = hidden.shape
-        heads, kv_heads, dim = layer.heads, layer.kv_heads, layer.head_dim
-        x = torch.nn.functional.rms_norm(hidden, (hidden.shape[-1],), layer.norm1, layer.eps1)
-        qkv = layer.qkv(x)  # [B, T, (heads + 2 kv_heads) * dim]
-        qk = qkv[..., : (heads + kv_heads) * dim].view(batch, width, heads + kv_heads, dim)
-        half = dim // 2
-        qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin  # rotary, queries and keys at once
-        values = qkv[..., (heads + kv_heads) * dim:].view(batch, width, kv_heads, dim)
-        cache.keys[:, :, start:end] = qk[:, :, heads:].transpose(1, 2)
-        cache.values[:, :, start:end] = values.transpose(1, 2)
-        groups = heads // kv_heads
-        # the query heads of each key/value head as rows of one product: [B, kv, groups * T, D]
-        query = qk[:, :, :heads].view(batch, width, kv_heads, groups, dim).permute(0, 2, 3, 1, 4)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query.reshape(batch, kv_heads, groups * width, dim), cache.keys[:, :, :end], cache.values[:, :, :end],
-            attn_mask=mask, scale=layer.scaling)  # [B, kv, groups * T, D]
-        out = out.view(batch, kv_heads, groups, width, dim).permute(0, 3, 1, 2, 4).reshape(batch, width, heads * dim)
-        return layer.o(out)
 
 
 def _cache(kwargs: dict):
@@ -186,10 +250,11 @@ def _cache(kwargs: dict):
     return cache if cache is not None else kwargs.get("past_key_values")
 
 
-def install(model) -> bool:
-    """Give ``model`` (a private w8a8 copy) the lean forward where :func:`lean_problem` allows;
-    returns whether it did. The model's class forward (what compiling traces) is unchanged."""
+def install(model, script: bool = True) -> bool:
+    """Give ``model`` (a private w8a8 copy) the lean forward where :func:`lean_problem` allows (its
+    layers scripted where ``script`` and this torch can); returns whether it did. The model's class
+    forward (what compiling traces) is unchanged."""
     if lean_problem(model) is not None:
         return False
-    model.forward = LeanForward(model)
+    model.forward = LeanForward(model, script=script)
     return True
