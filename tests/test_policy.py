@@ -527,3 +527,57 @@ def test_a_row_ahead_of_the_batch_is_worth_only_its_share_of_a_step():
     assert choose_width(accept, only_ahead, seconds, value) == 0  # worth its share only: it does not
     everyone = torch.tensor([4, 4, 4, 4])
     assert choose_width(accept, everyone, seconds, value) > 0  # the last rows' drafts still pay
+
+
+def test_a_first_slow_draft_is_not_a_drafts_price_and_a_call_that_stopped_drafting_tries_again():
+    """An assistant's first proposal in the process carries first-use work (allocations, a first
+    run of its forward): it is not learnt from. A measured cost then replaces the prior, and where
+    the call stops drafting it drifts back towards the prior, so one slow measurement cannot end
+    drafting for the rest of the call."""
+    costs = CostModel([0.04 * (1 + x / 8) for x in COST_GRID], rate=0.0)
+    policy = DraftPolicy(costs, AcceptanceTracker(1, 8, prior=0.9), 8)
+    policy.assistant, policy.first_use = torch.nn.Linear(2, 2), True
+    policy.draft_prior = policy.draft_seconds_per_token = 0.01
+    policy.observe_drafting(1.0, 1)  # the first proposal: 1 s for one draft, not a draft's cost
+    assert policy.draft_seconds_per_token == 0.01 and not policy.drafting_measured
+    policy.observe_drafting(0.5, 2)
+    assert policy.draft_seconds_per_token == pytest.approx(0.25) and policy.drafting_measured
+    assert policy_module.DraftingMemory.share(policy.assistant) == pytest.approx(0.25 / costs.predict(1).item())
+    seconds = policy._step_seconds(1, 1, 0, policy.draft_seconds_per_token)
+    assert choose_width(policy.acceptance.estimate(), torch.tensor([8]), seconds) == 0  # too dear to draft
+    for _ in range(30):
+        policy.observe_idle()  # steps that drafted nothing
+    assert 0.01 < policy.draft_seconds_per_token < 0.5 * 0.25 + 0.01
+    for _ in range(200):
+        policy.observe_idle()
+    seconds = policy._step_seconds(1, 1, 0, policy.draft_seconds_per_token)
+    assert choose_width(policy.acceptance.estimate(), torch.tensor([8]), seconds) > 0  # worth a try again
+
+
+def test_a_later_call_starts_from_the_drafting_cost_an_earlier_one_measured(monkeypatch):
+    """The process remembers an assistant's measured drafting cost (as a share of a target step):
+    the next call prices its drafts at it from the start and does not try the assistant in a short
+    block as if its drafts were of unknown worth; output stays the target's."""
+    target, _ = tiny_random("llama", seed=3)
+    cpu_like(target)
+    draft, _ = tiny_random("llama", seed=4, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1)
+    ids = repetitive_prompt(8)
+    reference = target.generate(ids, max_new_tokens=20, do_sample=False)
+    priced = []
+    price = DraftPolicy.price
+
+    def recording(self, *args, **kwargs):
+        spent = price(self, *args, **kwargs)
+        priced.append((self, self.draft_seconds_per_token, self.drafting_measured, list(self.acceptance.untried)))
+        return spent
+
+    monkeypatch.setattr(DraftPolicy, "price", recording)
+    decoder = SpecDecoder(target, draft)
+    for _ in range(2):
+        assert torch.equal(decoder.generate(ids, max_new_tokens=20).sequences, reference)
+    (first, _, measured_before, untried_before), (second, starting, measured, untried) = priced
+    assert first.assistant is draft and not measured_before and untried_before[0] is not None
+    share = policy_module.DraftingMemory.share(draft)
+    assert share is not None and share > 0
+    assert measured and untried[0] is None and starting > 0

@@ -3,8 +3,9 @@
 * :mod:`.costs`: what a target forward costs (:class:`CostModel`, :func:`calibrate`);
 * :mod:`.acceptance`: how often drafts are accepted (:class:`AcceptanceTracker`,
   :class:`ConfidenceCalibration`);
-* :mod:`.plan`: the decision (:func:`expected_tokens`, :func:`choose_width`) and one call's
-  :class:`DraftPolicy`, which the run meets through ``plan``, ``admit`` and ``observe``.
+* :mod:`.plan`: the decision (:func:`expected_tokens`, :func:`choose_width`), one call's
+  :class:`DraftPolicy`, which the run meets through ``plan``, ``admit`` and ``observe``, and the
+  process's :class:`DraftingMemory` of each assistant's measured drafting cost.
 
 The arrows point one way: plan uses costs and acceptance, which know nothing of each other or of
 the run. See docs/draft_length.md.
@@ -13,8 +14,9 @@ the run. See docs/draft_length.md.
 from .acceptance import UNTRIED, AcceptanceTracker, ConfidenceCalibration
 from .costs import (CALIBRATED, CONTEXT_GRID, COST_GRID, FIXED_SLOPE, LOAD_RATE, SHAPE_RATE,
                     CostModel, calibrate)
-from .plan import DraftPolicy, choose_width, expected_tokens
+from .plan import IDLE_DRIFT, DraftingMemory, DraftPolicy, choose_width, expected_tokens
 
 __all__ = ["CALIBRATED", "CONTEXT_GRID", "COST_GRID", "FIXED_SLOPE", "LOAD_RATE", "SHAPE_RATE",
-           "UNTRIED", "AcceptanceTracker", "ConfidenceCalibration", "CostModel", "DraftPolicy", "calibrate",
+           "IDLE_DRIFT", "UNTRIED", "AcceptanceTracker", "ConfidenceCalibration", "CostModel", "DraftingMemory",
+           "DraftPolicy", "calibrate",
            "choose_width", "expected_tokens"]

@@ -43,6 +43,8 @@ choices follow from the committed tokens alone. See docs/draft_length.md.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -94,6 +96,34 @@ def choose_width(accept: torch.Tensor, available: torch.Tensor, step_seconds: to
     return next(w for w, r in enumerate(rate) if r >= best * (1 - 1e-9))  # the smallest of the best
 
 
+class DraftingMemory:
+    """What the process learnt of a drafting model (an assistant a policy priced) over its calls:
+    its drafting cost per token, as a share of the target's one-token forward at the batch and
+    context it was measured at. A later call of the same assistant starts from it instead of the
+    bytes prior (a call's first measurement replaced that prior, so one slow first draft, e.g. a
+    first-use allocation, set a call's price), and does not try the assistant in a short block
+    as if its drafts were of unknown worth. Kept per model object, forgotten with it."""
+
+    _shares: "weakref.WeakKeyDictionary[torch.nn.Module, float]" = weakref.WeakKeyDictionary()
+    _lock = threading.Lock()
+
+    @classmethod
+    def share(cls, assistant) -> float | None:
+        with cls._lock:
+            return cls._shares.get(assistant) if assistant is not None else None
+
+    @classmethod
+    def learn(cls, assistant, share: float) -> None:
+        if assistant is not None:
+            with cls._lock:
+                cls._shares[assistant] = share
+
+
+#: per step that drafts nothing, the share of the way a measured drafting cost moves back to its
+#: prior (about 30 such steps halve the gap)
+IDLE_DRIFT = 0.025
+
+
 @dataclass
 class DraftPolicy:
     """One call's draft-length policy: chooses the drafts to ask for and to verify each step."""
@@ -118,6 +148,14 @@ class DraftPolicy:
     priced: bool = True  # False until price() (during the generator's setup): step_rate answers None
     #: [B] what a token committed in each row is worth to the call this step (:meth:`row_values`)
     value: torch.Tensor | None = None
+    #: the one assistant whose drafting cost the policy measures (:class:`DraftingMemory`), or None
+    assistant: torch.nn.Module | None = None
+    #: the drafting cost's prior (seconds per token, from the bytes the assistants read): where the
+    #: call stops drafting, its measured cost drifts back towards it, so drafting is tried again
+    draft_prior: float = 0.0
+    #: the assistant drafts for the first time in this process: its first proposal's time (first-use
+    #: work: allocations, a first run of its forward) is not a draft's cost
+    first_use: bool = False
 
     def __post_init__(self):
         if self.calibration is None:
@@ -140,7 +178,8 @@ class DraftPolicy:
               cache: CacheSettings, slots: int, kv=None) -> float:
         """Price the call's forwards and drafts, the ``assistants`` (models, in the run's order)
         attached: each assistant's step at the bytes it reads relative to the target's (no
-        assistant, e.g. prompt lookup: about nothing). Under greedy decoding the target's
+        assistant, e.g. prompt lookup: about nothing), or for an assistant an earlier call
+        measured, at what it measured (:class:`DraftingMemory`). Under greedy decoding the target's
         process-wide measured :class:`CostModel` (calibrated on the first prompt row ``rows[0,
         :lengths[0]]`` on first use, on a cache of ``slots`` slots: the call's ``kv`` where it
         serves); under sampling the fixed curve. Returns the seconds spent calibrating now."""
@@ -150,8 +189,16 @@ class DraftPolicy:
             self.draft_seconds_per_token = ratio  # in one-token forwards of the fixed curve
             return 0.0
         self.costs, spent = CostModel.for_model(target, rows[0, : int(lengths[0])], cache, slots=slots, kv=kv)
-        # the drafting cost's prior until propose() is first timed (the first proposal also prefills)
-        self.draft_seconds_per_token = ratio * float(self.costs.predict(rows.shape[0], float(lengths.max())))
+        one = float(self.costs.predict(rows.shape[0], float(lengths.max())))
+        self.assistant = assistants[0] if len(assistants) == 1 else None
+        learnt = DraftingMemory.share(self.assistant)
+        self.draft_prior = ratio * one
+        self.first_use = self.assistant is not None and learnt is None
+        if learnt is None:  # the drafting cost's prior until propose() is first timed (the first proposal also prefills)
+            self.draft_seconds_per_token = self.draft_prior
+        else:  # what earlier calls measured, which this call's measurements then correct
+            self.draft_seconds_per_token, self.drafting_measured = learnt * one, True
+            self.acceptance.untried[0] = None  # the assistant's drafts were verified before: no short try
         return spent
 
     # -- the run's three calls a step -------------------------------------------------------------
@@ -206,8 +253,10 @@ class DraftPolicy:
         sources = record.sources
         if not record.first and not record.compiling:  # a step that compiled a graph says nothing of its costs
             made = record.made.cpu() if sources is None else record.made.cpu()[sources == 0]  # drafts that cost time
-            if not record.catching_up and made.numel():
+            if not record.catching_up and made.numel() and int(made.max()) > 0:
                 self.observe_drafting(record.drafting, int(made.max()))
+            elif not record.catching_up:
+                self.observe_idle()
             self.costs.observe(record.fed, record.forward, record.context)
         self.acceptance.update(record.offered, record.accepted, sources)
         if record.confidence is not None:
@@ -328,11 +377,24 @@ class DraftPolicy:
         if self.measured:
             self.step_overhead = 0.8 * self.step_overhead + 0.2 * max(seconds, 0.0)
 
+    def observe_idle(self) -> None:
+        """A step drafted nothing: a measured drafting cost drifts towards its prior by
+        :data:`IDLE_DRIFT`, so that one slow measurement cannot stop a call drafting for good (it
+        is measured again once drafting looks worth a try)."""
+        if self.measured and self.drafting_measured and self.draft_prior > 0:
+            self.draft_seconds_per_token += IDLE_DRIFT * (self.draft_prior - self.draft_seconds_per_token)
+
     def observe_drafting(self, seconds: float, proposed: int) -> None:
         """``propose`` took ``seconds`` for a block of ``proposed`` drafts (the widest row of
-        source 0)."""
+        source 0); an assistant's first proposal in the process is not learnt from (``first_use``)."""
+        if self.first_use:
+            self.first_use = False
+            return
         if proposed > 0 and self.measured:
             per_token = seconds / proposed
             self.draft_seconds_per_token = (0.8 * self.draft_seconds_per_token + 0.2 * per_token
                                             if self.drafting_measured else per_token)
             self.drafting_measured = True
+            if self.assistant is not None:
+                one = float(self.costs.predict(self.acceptance.offered.shape[1], float(self.shape[1])))
+                DraftingMemory.learn(self.assistant, self.draft_seconds_per_token / max(one, 1e-12))
