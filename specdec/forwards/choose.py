@@ -13,7 +13,8 @@ and model:
    plain decoding step): every model once a round, the order rotating from round to round (the
    machine may be shared), medians; the target's forward of :data:`VERIFY_WIDTH` tokens is timed
    every few rounds too (the cost of verifying); a copy whose median step after
-   :data:`PRUNE_AFTER` rounds is no shorter than the target's is timed no further (it cannot pay);
+   :data:`PRUNE_AFTER` rounds is no shorter than the target's is timed no further (it cannot pay),
+   and a copy left alone is timed :data:`LONE_STEPS` steps;
 3. each copy's agreement with the target: the share of those steps where both models' greedy next
    token is the same (teacher-forced);
 4. each copy's expected rate by the draft-length policy's own model: the best K of
@@ -184,8 +185,8 @@ def interleaved(timers: dict[str, StepTimer], steps: int,
     timed every :data:`WIDE_EVERY` rounds. After ``prune_after`` rounds a model whose median step
     is no shorter than the target's steps no more (its figures are those of the rounds it ran),
     and where one copy is left, measuring ends after :data:`LONE_STEPS` rounds (the choice among
-    them cannot change). -> ({name: median step seconds}, {name: greedy tokens}, median seconds of the target's forward
-    of :data:`VERIFY_WIDTH` tokens)."""
+    them cannot change). -> ({name: median step seconds}, {name: greedy tokens}, median seconds of
+    the target's forward of :data:`VERIFY_WIDTH` tokens)."""
     names = list(timers)
     for timer in timers.values():
         timer.time(1)  # first-use work (kernel selection, allocation) is not a step's cost

@@ -2,9 +2,9 @@
 
 A decoding step of a small model on a CPU is bound by reading its weights. This module stores a
 linear layer's weights as int8 (one scale per output channel) and quantizes each token's
-activations to uint8 on the fly (its own scale and offset: the row's range in 256 levels), so the product runs on the CPU's
-int8 dot-product instructions (AVX512-VNNI / AMX) through ``torch._int_mm``, reading a quarter of
-the fp32 bytes (measured: docs/self_draft.md, "How the copy drafts").
+activations to uint8 on the fly (256 levels over the token's own range), so the product runs on
+the CPU's int8 dot-product instructions (AVX512-VNNI / AMX) through ``torch._int_mm``, reading a
+quarter of the fp32 bytes (measured: docs/self_draft.md, "How the copy drafts").
 
 Why not torchao's int8-activation layers (``Int8DynamicActivationInt8WeightConfig``) here: on a
 CPU with AMX they multiply int8 by int8, which for one row is much slower than uint8 by int8

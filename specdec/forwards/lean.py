@@ -4,8 +4,9 @@ A draft step of a small model on a CPU runs thousands of tensor operations of a 
 each; run eagerly through ``transformers``' modules, that dispatching, not the int8 products,
 is most of the step (docs/self_draft.md, "How the copy drafts"). Compiling removes it, but
 compiling takes minutes on a small CPU, which a first call must not spend. This forward computes
-the same function as the copy's own in about 60% of the operations (SmolLM2-135M: 4,200 against
-7,000 a one-token step, as ``torch.profiler`` counts them):
+the same function as the copy's own in fewer operations, and runs them without Python in between
+(the copy's step at 0.40 of the fp32 target's, against 0.72 through ``transformers``' modules,
+on the Xeon of docs/self_draft.md):
 
 * query, key and value are one int8 product, and gate and up another (their weights stacked; the
   copy's own layers keep views of the stacked weights, so nothing is stored twice; products per
@@ -82,7 +83,9 @@ def lean_problem(model) -> str | None:
 
 
 class _Layer:
-    """One decoder layer's parts, as this forward uses them: its tensors in :data:`PARTS` order."""
+    """One decoder layer's tensors as :func:`decoder_layers` takes them: ``parts`` = the two norms'
+    scales, then the int8 weights, scales and offsets of query-key-value, the attention output,
+    gate-up and down; ``biases`` = those four layers' biases (or None); ``eps`` = the norms'."""
 
     def __init__(self, layer):
         attn, mlp = layer.self_attn, layer.mlp

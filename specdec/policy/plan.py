@@ -98,11 +98,11 @@ def choose_width(accept: torch.Tensor, available: torch.Tensor, step_seconds: to
 
 class DraftingMemory:
     """What the process learnt of a drafting model (an assistant a policy priced) over its calls:
-    its drafting cost per token, as a share of the target's one-token forward at the batch and
-    context it was measured at. A later call of the same assistant starts from it instead of the
-    bytes prior (a call's first measurement replaced that prior, so one slow first draft, e.g. a
-    first-use allocation, set a call's price), and does not try the assistant in a short block
-    as if its drafts were of unknown worth. Kept per model object, forgotten with it."""
+    its last measured drafting cost per token, as a share of the target's one-token forward at
+    the batch and context it was measured at. A later call of the same assistant starts from it
+    instead of the bytes prior (its own measurements then correct it), and does not try the
+    assistant in a short block as if its drafts were of unknown worth. Kept per model object,
+    forgotten with it."""
 
     _shares: "weakref.WeakKeyDictionary[torch.nn.Module, float]" = weakref.WeakKeyDictionary()
     _lock = threading.Lock()
