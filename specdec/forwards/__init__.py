@@ -13,7 +13,7 @@ target's verifier checks):
 * ``rotation``: an orthogonal change of basis of the residual stream folded into the weights,
   so a copy's activations quantize better while it computes the same function;
 * ``lean``: the eager forward of a w8a8 copy's draft steps in fewer tensor operations (stacked
-  products, direct cache writes), where the copy has Llama's layout;
+  products, direct cache writes), its decoder layers scripted, where the copy has Llama's layout;
 * ``choose``: ``weights="auto"``, the copy measured best on this machine.
 
 Invariants: the model a forward is built from is only read (copies are deep copies, the output
