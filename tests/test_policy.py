@@ -568,16 +568,18 @@ def test_a_later_call_starts_from_the_drafting_cost_an_earlier_one_measured(monk
     price = DraftPolicy.price
 
     def recording(self, *args, **kwargs):
+        remembered = policy_module.DraftingMemory.share(draft)
         spent = price(self, *args, **kwargs)
-        priced.append((self, self.draft_seconds_per_token, self.drafting_measured, list(self.acceptance.untried)))
+        priced.append((self, remembered, self.draft_seconds_per_token, self.drafting_measured,
+                       list(self.acceptance.untried)))
         return spent
 
     monkeypatch.setattr(DraftPolicy, "price", recording)
     decoder = SpecDecoder(target, draft)
     for _ in range(2):
         assert torch.equal(decoder.generate(ids, max_new_tokens=20).sequences, reference)
-    (first, _, measured_before, untried_before), (second, starting, measured, untried) = priced
-    assert first.assistant is draft and not measured_before and untried_before[0] is not None
-    share = policy_module.DraftingMemory.share(draft)
-    assert share is not None and share > 0
-    assert measured and untried[0] is None and starting > 0
+    (first, nothing, _, measured_before, untried_before), (second, share, starting, measured, untried) = priced
+    assert first.assistant is draft and nothing is None and not measured_before and untried_before[0] is not None
+    assert share is not None and share > 0  # the first call measured it
+    one_token = CostModel.for_model(target, ids[0])[0].predict(1).item()  # the pinned curve
+    assert measured and untried[0] is None and starting == pytest.approx(share * one_token)
