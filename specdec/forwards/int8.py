@@ -40,7 +40,7 @@ class Int8Linear(torch.nn.Module):
         super().__init__()
         w = linear.weight.detach().float()  # [N, K]
         scale = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)  # [N]
-        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        q = (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)  # one float temporary, not three
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer("weight_int8", q)  # [N, K]
         self.register_buffer("weight_scale", scale)  # [N]
