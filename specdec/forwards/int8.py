@@ -18,6 +18,8 @@ rounding changes which drafts are accepted, never the output.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 
@@ -31,6 +33,20 @@ def int8_product(x2: torch.Tensor, weight_int8: torch.Tensor, weight_scale: torc
     scale = (hi - lo).mul_(1 / 255).clamp_min_(1e-12)  # [M, 1]
     q = (x2 - lo).div_(scale).round_().to(torch.uint8)  # [M, K]
     return (torch._int_mm(q, weight_int8.t()) * weight_scale).mul_(scale).addcmul_(lo, weight_offset)
+
+
+def int8_linear(x2: torch.Tensor, weight_int8: torch.Tensor, weight_scale: torch.Tensor, weight_offset: torch.Tensor,
+                bias: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """:class:`Int8Linear`'s forward on the 2-D rows ``x2 [M, K]`` from its buffers, the result in
+    ``dtype`` (the input's). A plain function, as :func:`int8_product`."""
+    y = int8_product(x2 if x2.dtype == torch.float32 else x2.float(), weight_int8, weight_scale, weight_offset)
+    if bias is not None:
+        y = y.add_(bias)
+    return y if y.dtype == dtype else y.to(dtype)
+
+
+#: an :class:`Int8Linear`'s weight buffers, one row per output channel (what stacking concatenates)
+WEIGHT_BUFFERS = ("weight_int8", "weight_scale", "weight_offset")
 
 
 class Int8Linear(torch.nn.Module):
@@ -51,14 +67,8 @@ class Int8Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1])  # [M, K]
-        if x2.dtype != torch.float32:
-            x2 = x2.float()
-        y = int8_product(x2, self.weight_int8, self.weight_scale, self.weight_offset)
-        if self.bias is not None:
-            y = y.add_(self.bias)
-        if y.dtype != x.dtype:
-            y = y.to(x.dtype)
+        y = int8_linear(x.reshape(-1, shape[-1]), self.weight_int8, self.weight_scale, self.weight_offset, self.bias,
+                        x.dtype)
         return y.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -72,7 +82,7 @@ def stack_linears(parts: list[Int8Linear]) -> Int8Linear:
     stacked = Int8Linear.__new__(Int8Linear)
     torch.nn.Module.__init__(stacked)
     stacked.in_features, stacked.out_features = parts[0].in_features, sum(p.out_features for p in parts)
-    for name in ("weight_int8", "weight_scale", "weight_offset"):
+    for name in WEIGHT_BUFFERS:
         stacked.register_buffer(name, torch.cat([getattr(p, name) for p in parts]))
     has_bias = any(p.bias is not None for p in parts)
     stacked.register_buffer("bias", torch.cat([p.bias if p.bias is not None else stacked.weight_scale.new_zeros(
@@ -80,7 +90,7 @@ def stack_linears(parts: list[Int8Linear]) -> Int8Linear:
     first = 0
     for part in parts:
         rows = slice(first, first + part.out_features)
-        for name in ("weight_int8", "weight_scale", "weight_offset"):
+        for name in WEIGHT_BUFFERS:
             setattr(part, name, getattr(stacked, name)[rows])
         if part.bias is not None:
             part.bias = stacked.bias[rows]

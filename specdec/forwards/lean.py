@@ -41,7 +41,7 @@ from typing import List, Optional
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .int8 import Int8Linear, int8_product, stack_linears
+from .int8 import WEIGHT_BUFFERS, Int8Linear, int8_linear, stack_linears
 from .rotation import rotatable
 
 #: widest forward this path runs (a draft step, a re-feed); wider ones (a prefill) run the model's own
@@ -93,22 +93,13 @@ class _Layer:
         gate_up = stack_linears([mlp.gate_proj, mlp.up_proj])
         linears = (qkv, attn.o_proj, gate_up, mlp.down_proj)
         self.parts = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight] + [
-            t for lin in linears for t in (lin.weight_int8, lin.weight_scale, lin.weight_offset)]
+            getattr(lin, name) for lin in linears for name in WEIGHT_BUFFERS]
         self.biases = [lin.bias for lin in linears]
         self.eps = [_eps(layer.input_layernorm), _eps(layer.post_attention_layernorm)]
 
 
 def _eps(norm) -> float:
     return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
-
-
-def _linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
-            bias: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """``Int8Linear``'s forward on the 2-D rows ``x2`` from its buffers."""
-    y = int8_product(x2 if x2.dtype == torch.float32 else x2.float(), weight, scale, offset)
-    if bias is not None:
-        y = y.add_(bias)
-    return y if y.dtype == dtype else y.to(dtype)
 
 
 def decoder_layers(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor],
@@ -127,7 +118,7 @@ def decoder_layers(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, m
     for i in range(len(parts)):
         p, b = parts[i], biases[i]
         x = torch.nn.functional.rms_norm(hidden, [size], p[0], eps[2 * i]).view(-1, size)
-        qkv = _linear(x, p[2], p[3], p[4], b[0], dtype).view(batch, width, -1)  # [B, T, (heads + 2 kv) dim]
+        qkv = int8_linear(x, p[2], p[3], p[4], b[0], dtype).view(batch, width, -1)  # [B, T, (heads + 2 kv) dim]
         qk = qkv[:, :, :qk_cols].view(batch, width, heads + kv_heads, dim)
         qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin  # rotary, queries and keys at once
         keys[i][:, :, start:end] = qk[:, :, heads:].transpose(1, 2)
@@ -138,12 +129,12 @@ def decoder_layers(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, m
             query.reshape(batch, kv_heads, groups * width, dim), keys[i][:, :, :end], values[i][:, :, :end],
             attn_mask=mask, scale=scaling)
         out = out.view(batch, kv_heads, groups, width, dim).permute(0, 3, 1, 2, 4).reshape(batch * width, heads * dim)
-        hidden = hidden + _linear(out, p[5], p[6], p[7], b[1], dtype).view(batch, width, size)
+        hidden = hidden + int8_linear(out, p[5], p[6], p[7], b[1], dtype).view(batch, width, size)
         x = torch.nn.functional.rms_norm(hidden, [size], p[1], eps[2 * i + 1]).view(-1, size)
-        gate_up = _linear(x, p[8], p[9], p[10], b[2], dtype)  # [B T, 2 I]
+        gate_up = int8_linear(x, p[8], p[9], p[10], b[2], dtype)  # [B T, 2 I]
         inner = gate_up.shape[1] // 2
         gated = torch.nn.functional.silu(gate_up[:, :inner]) * gate_up[:, inner:]
-        hidden = hidden + _linear(gated, p[11], p[12], p[13], b[3], dtype).view(batch, width, size)
+        hidden = hidden + int8_linear(gated, p[11], p[12], p[13], b[3], dtype).view(batch, width, size)
     return hidden
 
 

@@ -253,10 +253,12 @@ class DraftPolicy:
         sources = record.sources
         if not record.first and not record.compiling:  # a step that compiled a graph says nothing of its costs
             made = record.made.cpu() if sources is None else record.made.cpu()[sources == 0]  # drafts that cost time
-            if not record.catching_up and made.numel() and int(made.max()) > 0:
-                self.observe_drafting(record.drafting, int(made.max()))
-            elif not record.catching_up:
-                self.observe_idle()
+            if not record.catching_up:
+                drafted = int(made.max()) if made.numel() else 0
+                if drafted:
+                    self.observe_drafting(record.drafting, drafted)
+                else:
+                    self.observe_idle()
             self.costs.observe(record.fed, record.forward, record.context)
         self.acceptance.update(record.offered, record.accepted, sources)
         if record.confidence is not None:
