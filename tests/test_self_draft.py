@@ -10,15 +10,14 @@ The user's model is never modified; the copy is built once per decoder; its memo
 from __future__ import annotations
 
 import builtins
-import types
 
 import pytest
 import torch
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from candidate_generators.draft_model import DraftModelGenerator
 from specdec.forwards.int8 import Int8Linear
-from specdec.forwards.lowbit import GROUPED_SDPA, build_copy, grouped_sdpa
+from specdec.forwards.attention import GROUPED_SDPA
+from specdec.forwards.lowbit import build_copy
 from candidate_generators.self_draft import merge, tensor_bytes
 from specdec import SpecDecoder
 from specdec.generators import Proposal
@@ -204,24 +203,6 @@ def test_prefill_from_target_refuses_another_cache_layout(target):
 
     with pytest.raises(ValueError, match="cache layout"):
         SpecDecoder(target, Borrower(other)).generate(repetitive_prompt(6), max_new_tokens=4)
-
-
-@pytest.mark.parametrize("queries", [1, 2, 5])
-@pytest.mark.parametrize("groups", [1, 3])
-def test_grouped_sdpa_is_sdpa(queries, groups):
-    """The copy's attention (query heads folded into rows of their key/value head) equals
-    transformers' sdpa with repeated keys and values, padded and causal masks included."""
-    g = torch.Generator().manual_seed(queries * 10 + groups)
-    batch, kv_heads, slots, dim = 2, 2, 11, 8
-    module = types.SimpleNamespace(num_key_value_groups=groups, is_causal=True)
-    query = torch.randn(batch, kv_heads * groups, queries, dim, generator=g)
-    key, value = (torch.randn(batch, kv_heads, slots, dim, generator=g) for _ in range(2))
-    causal = torch.arange(slots)[None, :] <= (slots - queries + torch.arange(queries))[:, None]  # [q, S]
-    mask = (causal[None, None] & (torch.arange(slots) >= torch.tensor([0, 3])[:, None])[:, None, None])  # row 1 left-padded
-    got, _ = grouped_sdpa(module, query, key, value, mask, scaling=dim ** -0.5)
-    want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=dim ** -0.5)
-    assert got.shape == want.shape == (batch, queries, kv_heads * groups, dim)
-    torch.testing.assert_close(got, want)
 
 
 def test_the_copy_uses_grouped_sdpa_and_the_target_keeps_its_attention(target):

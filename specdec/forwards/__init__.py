@@ -6,6 +6,8 @@ target's verifier checks):
 
 * ``head``: the output layer as ``W @ h.T`` (the model's own logits up to rounding), used by
   the target's and the drafts' eager forwards where it pays (``CacheSettings.fast_head``);
+* ``attention``: grouped-query attention without a copy of the cache per query head, for the
+  copies and for specdec's own eager forwards of the user's model on a CPU;
 * ``lowbit``: a copy of a model at lower precision (cast, torchao, or int8 products), built for
   drafting, and :class:`~specdec.forwards.lowbit.LowPrecisionDraft`, the option a generator
   mixes in to draft with such a copy;

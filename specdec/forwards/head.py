@@ -32,6 +32,8 @@ import weakref
 
 import torch
 
+from .attention import grouped_attention
+
 #: heads smaller than this (vocabulary x hidden size) run as the model runs them: a small head
 #: costs little either way
 MIN_ELEMENTS = 1 << 22
@@ -170,7 +172,15 @@ def _observers_only(module: torch.nn.Module) -> bool:
 
 def model_logits(model, kwargs: dict, *, direct: bool = False, fast_head: bool = True) -> torch.Tensor:
     """``model(**kwargs).logits`` (``model.forward`` if ``direct``: no module hooks), with the output
-    layer as :class:`FastHead` where ``fast_head`` and the model qualifies."""
+    layer as :class:`FastHead` where ``fast_head`` and the model qualifies, and grouped-query
+    attention without copies of the cache on a CPU (``attention.grouped_attention``)."""
+    fed = kwargs.get("input_ids")
+    fed = kwargs.get("inputs_embeds") if fed is None else fed
+    with grouped_attention(model, model.device if fed is None else fed.device):
+        return _logits(model, kwargs, direct, fast_head)
+
+
+def _logits(model, kwargs: dict, direct: bool, fast_head: bool) -> torch.Tensor:
     call = model.forward if direct else model
     head = FastHead.of(model) if fast_head else None
     layer = head.layer if head is not None else None

@@ -39,9 +39,8 @@ import weakref
 
 import torch
 
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
 from ..compiled import check_compile_options, compiles_now
+from .attention import GROUPED_SDPA, register_grouped_sdpa
 from .int8 import quantize_linears
 from .lean import install as install_lean
 from .rotation import rotatable, rotate_residual
@@ -113,42 +112,6 @@ def _plain_copy(model):
         register_grouped_sdpa()
         draft.set_attn_implementation(GROUPED_SDPA)  # the copy's config only: the model keeps its own
     return draft
-
-
-def grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-    """SDPA for grouped-query attention without repeating keys and values per query head.
-
-    transformers' ``sdpa`` repeats each key/value head for its group of query heads whenever a
-    mask is given and the forward is compiled: the copy's draft steps (compiled, always masked)
-    would read a static cache of S slots ``groups`` times over. Here the group's query heads
-    become extra query rows of their key/value head instead (``[B, kv, groups * q, D]``, the
-    mask repeated to match), which is the same attention. Anything else goes to ``sdpa``."""
-    groups = getattr(module, "num_key_value_groups", 1)
-    plain = (groups == 1 or attention_mask is None or attention_mask.shape[1] != 1
-             or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None)
-    if plain:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
-    batch, heads, q, dim = query.shape
-    mask_batch, slots = attention_mask.shape[0], attention_mask.shape[-1]
-    mask = attention_mask[:, :, None].expand(mask_batch, 1, groups, q, slots).reshape(mask_batch, 1, groups * q, slots)
-    out = torch.nn.functional.scaled_dot_product_attention(query.reshape(batch, heads // groups, groups * q, dim),
-                                                           key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
-    return out.reshape(batch, heads, q, dim).transpose(1, 2).contiguous(), None
-
-
-GROUPED_SDPA = "specdec_grouped_sdpa"
-
-
-def register_grouped_sdpa() -> None:
-    """Register :func:`grouped_sdpa` with transformers under :data:`GROUPED_SDPA` (on the first copy:
-    importing transformers' modeling code at import time would load torchao with it, and its
-    messages, for a command that only checks a config)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    if GROUPED_SDPA not in AttentionInterface._global_mapping:
-        AttentionInterface.register(GROUPED_SDPA, grouped_sdpa)
-        AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
 
 
 #: what importing torchao says on a machine without its optional GPU kernels (harmless, and not the user's concern)
