@@ -1,9 +1,10 @@
 """``weights="auto"``: the copy's precision chosen by measurement (``specdec/forwards/choose.py``).
 
-The choice follows the policy's model (the best expected rate from each candidate's measured
-step and agreement), a candidate that fails to build is left out with its reason, the choice is
-kept on disk per machine and model and read back by a later process (no measuring then), and a
-call says what was chosen and why (``stats.choices``), with the seconds spent apart from
+The choice follows the policy's model (the expected rate from each candidate's measured step
+and agreement: the first candidate expected to reach ``ENOUGH``, else the best), a candidate
+that fails to build is left out with its reason, the choice is kept on disk per machine and
+model and read back by a later process (no measuring then), and a call says what was chosen and
+why (``stats.choices``), with the seconds spent apart from
 decoding (``stats.summary()``). Output stays the target's whatever the choice.
 """
 
@@ -75,12 +76,13 @@ def test_auto_picks_the_best_expected_rate_not_the_fastest_step(target, own_cach
     assert choice.weights == "bfloat16" and set(built) == {"bfloat16"}  # only the winner is kept
     by_name = {c.weights: c for c in choice.candidates}
     assert by_name["bfloat16"].expected_speedup > by_name["w8a8"].expected_speedup > 1.0
-    assert by_name["bfloat16"].expected_speedup >= choose.ENOUGH  # so the slow-to-build one is not built
+    assert by_name["w8a8"].expected_speedup < choose.ENOUGH  # so the next one is tried
+    assert by_name["bfloat16"].expected_speedup >= choose.ENOUGH  # and the last one is not built
     assert by_name["dynamic_int8"].problem.startswith("not needed")
     assert "bfloat16" in choice.reason and "dynamic_int8: not built (not needed" in choice.reason
 
 
-def test_a_late_candidate_is_measured_only_where_no_other_is_enough(target, own_cache, monkeypatch):
+def test_every_candidate_is_tried_where_none_is_enough(target, own_cache, monkeypatch):
     build = fake_timings(monkeypatch, {"w8a8": 0.009, "bfloat16": 0.0095}, {"w8a8": 0.9, "bfloat16": 0.95})
     built_names = []
     sample = torch.arange(5, 40)[None, :]
@@ -90,6 +92,38 @@ def test_a_late_candidate_is_measured_only_where_no_other_is_enough(target, own_
     assert built_names == ["w8a8", "bfloat16", "dynamic_int8"]  # tried: it cannot be built here
     by_name = {c.weights: c for c in choice.candidates}
     assert by_name["dynamic_int8"].problem.startswith("ImportError: no kernel")
+    assert choice.reason.startswith(f"{choice.weights}: the best expected rate")
+
+
+def test_candidates_after_one_expected_to_be_enough_are_not_built(target, own_cache, monkeypatch):
+    build = fake_timings(monkeypatch, {"w8a8": 0.002, "bfloat16": 0.004}, {"w8a8": 0.95, "bfloat16": 0.95})
+    built_names, target_timers = [], []
+    real_timer = choose.StepTimer
+    monkeypatch.setattr(choose, "StepTimer", lambda model, *a: target_timers.append(model) or real_timer(model, *a))
+    sample = torch.arange(5, 40)[None, :]
+    choice, built = choose.measure(target, sample, lambda m, w: built_names.append(w) or build(m, w),
+                                   weights=("w8a8", "bfloat16", "dynamic_int8"))
+    assert built_names == ["w8a8"] and choice.weights == "w8a8" and set(built) == {"w8a8"}
+    by_name = {c.weights: c for c in choice.candidates}
+    assert by_name["w8a8"].expected_speedup >= choose.ENOUGH
+    assert by_name["bfloat16"].problem.startswith("not needed") and by_name["dynamic_int8"].problem.startswith("not needed")
+    assert choice.reason.startswith(f"w8a8: the first copy expected to reach {choose.ENOUGH}x")
+    # a second copy measured (the first not enough) reuses the target's timer, prefilled once
+    target_timers.clear()
+    build = fake_timings(monkeypatch, {"w8a8": 0.009, "bfloat16": 0.002}, {"w8a8": 0.5, "bfloat16": 0.95})
+    choice, _ = choose.measure(target, sample, build, weights=("w8a8", "bfloat16"))
+    assert choice.weights == "bfloat16" and sum(model is target for model in target_timers) == 1
+
+
+def test_the_targets_timer_rewinds_to_the_same_tokens(target):
+    sample = torch.arange(5, 40)[None, :]
+    timer = choose.StepTimer(target, sample, 6)
+    try:
+        first = [timer.step()[1] for _ in range(6)]
+        timer.rewind()
+        assert [timer.step()[1] for _ in range(6)] == first
+    finally:
+        timer.release()
 
 
 class FixedTimer:
@@ -122,6 +156,10 @@ def test_a_lone_copy_left_is_timed_only_lone_steps():
     assert timers["slow"].steps == choose.PRUNE_AFTER < choose.LONE_STEPS < 16
     assert timers["fast"].steps == choose.LONE_STEPS == timers["target"].steps
     assert seconds["fast"] == 0.004 and len(tops["fast"]) == choose.LONE_STEPS
+    # a copy pruned alone: the target steps no further either
+    timers = {"target": FixedTimer(0.010), "slow": FixedTimer(0.012)}
+    choose.interleaved(timers, 16, prune_after=choose.PRUNE_AFTER)
+    assert timers["slow"].steps == choose.PRUNE_AFTER == timers["target"].steps
     # without pruning (a caller timing everything) every model steps through every token
     timers = {"target": FixedTimer(0.010), "fast": FixedTimer(0.004)}
     choose.interleaved(timers, 16)
@@ -177,7 +215,8 @@ def test_a_call_says_what_was_chosen_and_times_it_apart(target, own_cache):
     assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=12, do_sample=False))
     stats = out.stats
     assert stats.choices["weights"] in choose.candidates(target)
-    assert stats.choices["weights_choice"].startswith(stats.choices["weights"] + ": the best expected rate")
+    assert stats.choices["weights_choice"].startswith(
+        (stats.choices["weights"] + ": the best expected rate", stats.choices["weights"] + ": the first copy expected"))
     assert stats.generator["setup_seconds"] > 0 and "setup" in stats.summary()
     assert stats.one_time_seconds >= stats.generator["setup_seconds"]
     assert stats.decoding_tokens_per_second >= stats.tokens_per_second

@@ -6,21 +6,25 @@ own on one with AVX2 only, where a bfloat16 copy or torch's fbgemm layers (``dyn
 (docs/self_draft.md, "Which copy, on which CPU"). So on a CPU ``auto`` measures, once per machine
 and model:
 
-1. each candidate copy this machine can build (:func:`candidates`) is built, the :data:`LATE`
-   ones (slow to build) only where no other is expected to reach :data:`ENOUGH` (step 4);
-2. the target and each copy step through the last :data:`STEPS` tokens of a short calibration
+1. the candidate copies (:func:`candidates`) are tried one at a time, in order; each is built
+   only where none tried before it is expected to reach :data:`ENOUGH` (step 4), so a machine
+   where the first one serves well builds and times no other (the choice is paid for by a
+   user's first call);
+2. the target and the copy step through the last :data:`STEPS` tokens of a short calibration
    text one token at a time, eagerly, on caches of the kinds they run on (a draft's step, and a
-   plain decoding step): every model once a round, the order rotating from round to round (the
-   machine may be shared), medians; the target's forward of :data:`VERIFY_WIDTH` tokens is timed
-   every few rounds too (the cost of verifying); a copy whose median step after
-   :data:`PRUNE_AFTER` rounds is no shorter than the target's is timed no further (it cannot pay),
-   and a copy left alone is timed :data:`LONE_STEPS` steps;
+   plain decoding step): each model once a round, the order alternating from round to round
+   (the machine may be shared), medians; the target's forward of :data:`VERIFY_WIDTH` tokens is
+   timed every few rounds too (the cost of verifying); a copy whose median step after
+   :data:`PRUNE_AFTER` rounds is no shorter than the target's is timed no further (it cannot
+   pay), and one that is, :data:`LONE_STEPS` steps; the target's cache is rolled back to the
+   text's first timed token for the next copy (its prefill is done once);
 3. each copy's agreement with the target: the share of those steps where both models' greedy next
    token is the same (teacher-forced);
 4. each copy's expected rate by the draft-length policy's own model: the best K of
    ``E(K) / (K d + T(K + 1))``, E from the agreement (:func:`specdec.policy.plan.expected_tokens`),
    d the copy's step, T the target's forward (linear in its width between the two timed); the
-   copy of the highest rate wins (the policy still decides each step whether drafting pays).
+   first copy expected to reach :data:`ENOUGH` wins, else the one of the highest rate (the
+   policy still decides each step whether drafting pays).
 
 The choice, with the table it was made from, is kept in a JSON file under the weight cache root
 (``specdec.weight_cache``), one per machine (CPU model, torch's CPU capability, instruction-set
@@ -63,11 +67,7 @@ PRUNE_AFTER = 4
 #: once a stage has a single copy left (the others dropped as no faster than the target), it is
 #: timed this many steps and no more: its figures are compared with nothing, they only price it
 LONE_STEPS = 8
-#: copies built and measured only where none of the others is expected to reach :data:`ENOUGH`:
-#: torch's dynamic int8 takes the longest to build (1.5 s for SmolLM2-135M, most of it
-#: ``quantize_dynamic`` packing weights) and serves CPUs whose int8 x uint8 products are slow
-LATE = ("dynamic_int8",)
-#: the expected speedup at which a measured copy makes the :data:`LATE` ones not worth building
+#: the expected speedup at which a measured copy makes the candidates after it not worth building
 ENOUGH = 1.3
 #: a text to measure agreement on, when a tokenizer can encode it (else the call's prompt)
 CALIBRATION_TEXT = (
@@ -119,11 +119,17 @@ class Choice:
                 parts.append(f"{c.weights} {c.expected_speedup:.2f}x (step {relative:.2f} of the target's, "
                              f"agreement {c.agreement:.0%}{early})")
         how = "measured earlier, read from the cache" if self.cached else f"measured in {self.seconds:.1f} s"
-        return f"{self.weights}: the best expected rate on {self.machine} ({how}): " + "; ".join(parts)
+        chosen = next((c for c in self.candidates if c.weights == self.weights), None)
+        enough = chosen is not None and (chosen.expected_speedup or 0.0) >= ENOUGH
+        why = f"the first copy expected to reach {ENOUGH}x" if enough else "the best expected rate"
+        return f"{self.weights}: {why} on {self.machine} ({how}): " + "; ".join(parts)
 
 
 def candidates(model) -> tuple[str, ...]:
-    """The copies worth measuring for ``model`` on a CPU: w8a8, bfloat16 and torch's dynamic int8.
+    """The copies worth measuring for ``model`` on a CPU, in the order they are tried: w8a8 (the
+    fastest draft where int8 products are fast, on CPUs with VNNI or AMX), bfloat16 (quick to
+    build), torch's dynamic int8 (the slowest to build: 1.5 s for SmolLM2-135M, most of it
+    ``quantize_dynamic`` packing weights; it serves CPUs whose int8 x uint8 products are slow).
     torchao's weight-only int8 is not among them: its eager step costs more than the fp32 target's
     on every CPU measured (benchmarks/results/forward_cost_isa/README.md), and a call drafts eagerly
     unless warmed up; name it (``weights="int8"``) to draft with it compiled."""
@@ -141,7 +147,8 @@ class StepTimer:
         from ..kv import make_kv
         from ..modelinfo import cache_argument
 
-        self.model, self.position = model, ids.shape[1] - steps
+        self.model = model
+        self.start = self.position = ids.shape[1] - steps
         self.ids = torch.cat([ids, ids[:, :VERIFY_WIDTH]], dim=1)  # [1, L + VERIFY_WIDTH]: room for a wide forward
         self.kv = make_kv(model, 1, self.ids.shape[1] + 1, cache)
         self.cache_kwarg = cache_argument(model)
@@ -174,6 +181,11 @@ class StepTimer:
         self.kv.crop(self.position + width, self.position)
         return seconds
 
+    def rewind(self) -> None:
+        """Back to the first timed token (the cache keeps the prefill)."""
+        self.kv.crop(self.position, self.start)
+        self.position = self.start
+
     def release(self) -> None:
         self.kv.release()
 
@@ -198,8 +210,8 @@ def interleaved(timers: dict[str, StepTimer], steps: int,
         if r == prune_after:
             target = statistics.median(times["target"])
             names = [n for n in names if n == "target" or statistics.median(times[n]) < target]
-        if prune_after is not None and r >= max(prune_after, LONE_STEPS) and len(names) <= 2:
-            break
+        if len(names) == 1 or (prune_after is not None and r >= max(prune_after, LONE_STEPS) and len(names) <= 2):
+            break  # no copy left to time, or one whose figures are compared with no other's
         for name in names[r % len(names):] + names[: r % len(names)]:
             seconds, top = timers[name].step()
             times[name].append(seconds)
@@ -229,66 +241,62 @@ def expected_speedup(accept: float, step: float, target_seconds: Callable[[int],
 
 def measure(target, sample: torch.Tensor, build: Callable, draft_cache=None,
             weights: tuple[str, ...] | None = None, steps: int = STEPS) -> tuple[Choice, dict]:
-    """Build, time and compare the candidate copies of ``target`` (see the module doc) on the
-    calibration tokens ``sample [1, L]``: the :data:`LATE` ones only where no other is expected
-    to reach :data:`ENOUGH`. Returns the choice and the copies built ({weights: copy})."""
+    """Try the candidate copies of ``target`` in order (see the module doc) on the calibration
+    tokens ``sample [1, L]``, until one is expected to reach :data:`ENOUGH`. Returns the choice
+    and the copy chosen ({weights: copy})."""
     from .. import machine
+    from ..kv import CacheSettings
 
     started = time.perf_counter()
     steps = max(1, min(steps, sample.shape[1] - 1))
-    names = weights or candidates(target)
-    found, built, target_seconds = [], {}, None
-    for stage in ([n for n in names if n not in LATE], [n for n in names if n in LATE]):
-        best = max((c.expected_speedup for c in found if c.problem is None), default=0.0)
-        if not stage:
-            continue
-        if best >= ENOUGH:
-            found += [Candidate(n, problem=f"not needed: another copy is expected to give {best:.2f}x") for n in stage]
-            continue
-        one, made = _measure_stage(target, sample, build, draft_cache, stage, steps, found)
-        built.update(made)
-        target_seconds = target_seconds or one
+    found, built, target_seconds, reference = [], {}, None, None
+    try:
+        for name in weights or candidates(target):
+            best = max((c.expected_speedup for c in found if c.problem is None), default=0.0)
+            if best >= ENOUGH:
+                found.append(Candidate(name, problem=f"not needed: another copy is expected to give {best:.2f}x"))
+                continue
+            try:
+                built[name] = build(target, name)
+            except Exception as exc:  # a candidate this machine cannot build (a missing kernel or package)
+                found.append(Candidate(name, problem=f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"))
+                continue
+            if reference is None:
+                reference = StepTimer(target, sample, steps, CacheSettings())
+            else:
+                reference.rewind()
+            made, one = _measure_copy(reference, built[name], name, sample, steps, draft_cache)
+            found.append(made)
+            target_seconds = target_seconds or one
+    finally:
+        if reference is not None:
+            reference.release()
     usable = [c for c in found if c.problem is None]
     if not usable:
         raise RuntimeError("weights='auto': no candidate copy could be built here: "
                            + "; ".join(f"{c.weights}: {c.problem}" for c in found))
-    best = max(usable, key=lambda c: c.expected_speedup)
+    enough = [c for c in usable if c.expected_speedup >= ENOUGH]
+    best = enough[0] if enough else max(usable, key=lambda c: c.expected_speedup)
     choice = Choice(best.weights, found, target_seconds, machine.describe(), time.perf_counter() - started)
     return choice, {best.weights: built[best.weights]}
 
 
-def _measure_stage(target, sample: torch.Tensor, build: Callable, draft_cache, names: list[str], steps: int,
-                   found: list[Candidate]) -> tuple[float, dict]:
-    """Build ``names`` and time them against the target (:func:`interleaved`); their records are
-    appended to ``found``. -> (the target's one-token step, {weights: copy built})."""
-    from ..kv import CacheSettings
-
-    built, mine = {}, []
-    for name in names:
-        try:
-            built[name] = build(target, name)
-            mine.append(Candidate(name))
-        except Exception as exc:  # a candidate this machine cannot build (a missing kernel or package)
-            mine.append(Candidate(name, problem=f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"))
-    found += mine
-    if not built:
-        return None, built
-    timers = {"target": StepTimer(target, sample, steps, CacheSettings()),
-              **{name: StepTimer(copy, sample, steps, draft_cache) for name, copy in built.items()}}
+def _measure_copy(reference: StepTimer, copy, name: str, sample: torch.Tensor, steps: int,
+                  draft_cache) -> tuple[Candidate, float]:
+    """Time ``copy`` against the target's ``reference`` timer (:func:`interleaved`) -> (its
+    record, the target's one-token step)."""
+    timer = StepTimer(copy, sample, steps, draft_cache)
     try:
-        seconds, tops, wide = interleaved(timers, steps, prune_after=PRUNE_AFTER)
+        seconds, tops, wide = interleaved({"target": reference, name: timer}, steps, prune_after=PRUNE_AFTER)
     finally:
-        for timer in timers.values():
-            timer.release()
+        timer.release()
     one = seconds["target"]
     slope = max(wide - one, 0.0) / (VERIFY_WIDTH - 1)
     cost = lambda width: one + slope * (width - 1)  # noqa: E731  the target's forward of ``width`` tokens
-    for c in mine:
-        if c.problem is None:
-            c.step_seconds, c.steps = seconds[c.weights], len(tops[c.weights])
-            c.agreement = agreement(tops["target"], tops[c.weights])
-            c.expected_speedup, c.drafts = expected_speedup(c.agreement, c.step_seconds, cost)
-    return one, built
+    made = Candidate(name, step_seconds=seconds[name], steps=len(tops[name]),
+                     agreement=agreement(tops["target"], tops[name]))
+    made.expected_speedup, made.drafts = expected_speedup(made.agreement, made.step_seconds, cost)
+    return made, one
 
 
 def calibration_ids(tokenizer, fallback: torch.Tensor | None, device, longest: int = 128) -> torch.Tensor:
