@@ -17,6 +17,7 @@ from specdec import SpecDecoder
 from specdec.forwards import choose
 from specdec.forwards.lowbit import Copies, build_copy
 from specdec.metrics import AcceptanceStats
+from specdec.policy.costs import COST_GRID, CostModel
 from specdec.models import tiny_random
 
 from helpers import DRAFTING_PAYS, pin_costs, repetitive_prompt
@@ -37,7 +38,7 @@ def target():
 
 def fake_timings(monkeypatch, steps: dict, agreements: dict, target_seconds: float = 0.010):
     """Measurements as given: {weights: step seconds}, {weights: agreement}; the target's step
-    ``target_seconds`` and its forward of ``VERIFY_WIDTH`` tokens 1.5 times that. Returns a builder
+    ``target_seconds``, its wider forwards dearer by half of that every 7 tokens. Returns a builder
     that fails for weights without a step (a candidate this machine cannot build)."""
     def interleaved(timers, count, prune_after=None):
         reference = list(range(100))  # the target's greedy tokens
@@ -47,7 +48,8 @@ def fake_timings(monkeypatch, steps: dict, agreements: dict, target_seconds: flo
                 same = round(agreements[name] * 100)
                 tops[name] = reference[:same] + [-1] * (100 - same)
         seconds = {"target": target_seconds, **{name: steps[name] for name in timers if name in steps}}
-        return seconds, tops, 1.5 * target_seconds
+        wide = {width: [target_seconds * (1 + 0.5 * (width - 1) / 7)] for width in choose.WIDTHS}
+        return seconds, tops, wide
 
     def build(model, weights):
         if weights not in steps:
@@ -113,6 +115,26 @@ def test_candidates_after_one_expected_to_be_enough_are_not_built(target, own_ca
     build = fake_timings(monkeypatch, {"w8a8": 0.009, "bfloat16": 0.002}, {"w8a8": 0.5, "bfloat16": 0.95})
     choice, _ = choose.measure(target, sample, build, weights=("w8a8", "bfloat16"))
     assert choice.weights == "bfloat16" and sum(model is target for model in target_timers) == 1
+
+
+def test_the_targets_timings_become_its_forward_cost_model(own_cache, monkeypatch):
+    """A call after ``auto`` measured times no target forward of its own: the policy starts from
+    the forwards timed while choosing (a model that already had a cost model keeps it)."""
+    fresh = tiny_random("llama", seed=5)[0]
+    build = fake_timings(monkeypatch, {"w8a8": 0.002}, {"w8a8": 0.95}, target_seconds=0.010)
+    choose.measure(fresh, torch.arange(5, 40)[None, :], build, weights=("w8a8",))
+    costs, spent = CostModel.for_model(fresh, torch.arange(5, 40))
+    assert spent == 0.0
+    assert float(costs.predict(1)) == pytest.approx(0.010) and float(costs.predict(8)) == pytest.approx(0.015)
+    kept = CostModel([1.0] * len(COST_GRID))
+    assert not CostModel.offer(fresh, kept) and CostModel.for_model(fresh, torch.arange(5, 40))[0] is costs
+
+
+def test_a_first_call_calibrates_nothing_after_choosing(own_cache):
+    fresh = tiny_random("llama", seed=6)[0]
+    out = SpecDecoder(fresh, "self_draft", compile_draft=False).generate(repetitive_prompt(10), max_new_tokens=8)
+    assert out.stats.calibration_seconds == 0.0 and out.stats.generator["setup_seconds"] > 0
+    assert torch.equal(out.sequences, fresh.generate(repetitive_prompt(10), max_new_tokens=8, do_sample=False))
 
 
 def test_the_targets_timer_rewinds_to_the_same_tokens(target):
@@ -280,6 +302,7 @@ def test_steps_are_timed_and_compared_one_token_at_a_time(target):
     ids = torch.arange(5, 25)[None, :]
     timers = {"target": choose.StepTimer(target, ids, 6), "same": choose.StepTimer(target, ids, 6)}
     seconds, tops, wide = choose.interleaved(timers, 6)
-    assert len(tops["target"]) == 6 and tops["same"] == tops["target"] and wide > 0
+    assert len(tops["target"]) == 6 and tops["same"] == tops["target"]
+    assert sorted(wide) == sorted(choose.WIDTHS) and all(len(t) == 2 and min(t) > 0 for t in wide.values())
     assert choose.agreement(tops["target"], tops["same"]) == 1.0 and seconds["same"] > 0
     assert timers["target"].position == ids.shape[1]  # each step fed the next token and kept it

@@ -13,8 +13,8 @@ and model:
 2. the target and the copy step through the last :data:`STEPS` tokens of a short calibration
    text one token at a time, eagerly, on caches of the kinds they run on (a draft's step, and a
    plain decoding step): each model once a round, the order alternating from round to round
-   (the machine may be shared), medians; the target's forward of :data:`VERIFY_WIDTH` tokens is
-   timed every few rounds too (the cost of verifying); a copy whose median step after
+   (the machine may be shared), medians; the target's forward of each of :data:`WIDTHS` tokens
+   is timed too, one a round in turn (the cost of verifying); a copy whose median step after
    :data:`PRUNE_AFTER` rounds is no shorter than the target's is timed no further (it cannot
    pay), and one that is, :data:`LONE_STEPS` steps; the target's cache is rolled back to the
    text's first timed token for the next copy (its prefill is done once);
@@ -22,7 +22,9 @@ and model:
    token is the same (teacher-forced);
 4. each copy's expected rate by the draft-length policy's own model: the best K of
    ``E(K) / (K d + T(K + 1))``, E from the agreement (:func:`specdec.policy.plan.expected_tokens`),
-   d the copy's step, T the target's forward (linear in its width between the two timed); the
+   d the copy's step, T the target's forward (the forward-cost model of the draft-length policy,
+   ``specdec.policy.costs``, made from the widths timed, which a call's policy then starts from
+   instead of timing the target again); the
    first copy expected to reach :data:`ENOUGH` wins, else the one of the highest rate (the
    policy still decides each step whether drafting pays).
 
@@ -51,14 +53,13 @@ from typing import Callable
 
 import torch
 
-#: tokens the target's wider timed forward feeds: verifying a few drafts (the cost's slope)
-VERIFY_WIDTH = 8
+#: the widths of the target's forwards timed besides its one-token steps: the cost of verifying
+#: drafts, and the draft-length policy's calibration (``specdec.policy.costs.CALIBRATED``)
+WIDTHS = (2, 4, 16)
 #: calibration tokens each model steps through one at a time, timed and compared: a draft steps one
 #: token at a time, and a copy whose activations are quantized per tensor (torch's dynamic int8)
 #: agrees with the target far less over a many-token forward than in one-token steps
 STEPS = 16
-#: the target's forward of VERIFY_WIDTH tokens is timed every this many steps
-WIDE_EVERY = 4
 #: the most drafts a step may verify when pricing a copy (the policy's default cap)
 MAX_DRAFTS = 16
 #: after this many rounds a copy whose median step is no faster than the target's is no longer
@@ -149,7 +150,8 @@ class StepTimer:
 
         self.model = model
         self.start = self.position = ids.shape[1] - steps
-        self.ids = torch.cat([ids, ids[:, :VERIFY_WIDTH]], dim=1)  # [1, L + VERIFY_WIDTH]: room for a wide forward
+        room = max(WIDTHS)  # the widest timed forward goes past the text's end: its first tokens again
+        self.ids = torch.cat([ids, ids.repeat(1, room // ids.shape[1] + 1)[:, :room]], dim=1)
         self.kv = make_kv(model, 1, self.ids.shape[1] + 1, cache)
         self.cache_kwarg = cache_argument(model)
         with torch.no_grad():
@@ -191,21 +193,21 @@ class StepTimer:
 
 
 def interleaved(timers: dict[str, StepTimer], steps: int,
-                prune_after: int | None = None) -> tuple[dict[str, float], dict[str, list[int]], float]:
+                prune_after: int | None = None) -> tuple[dict[str, float], dict[str, list[int]], dict[int, list[float]]]:
     """Every model of ``timers`` (the target's named ``"target"``) steps through ``steps`` tokens,
-    one step each a round, the order rotating from round to round; the target's wider forward is
-    timed every :data:`WIDE_EVERY` rounds. After ``prune_after`` rounds a model whose median step
-    is no shorter than the target's steps no more (its figures are those of the rounds it ran),
-    and where one copy is left, measuring ends after :data:`LONE_STEPS` rounds (the choice among
-    them cannot change). -> ({name: median step seconds}, {name: greedy tokens}, median seconds of
-    the target's forward of :data:`VERIFY_WIDTH` tokens)."""
+    one step each a round, the order rotating from round to round; the target's forward of one of
+    :data:`WIDTHS` tokens is timed each round, the widths in turn. After ``prune_after`` rounds a
+    model whose median step is no shorter than the target's steps no more (its figures are those
+    of the rounds it ran), and where one copy is left, measuring ends after :data:`LONE_STEPS`
+    rounds (the choice among them cannot change). -> ({name: median step seconds}, {name: greedy
+    tokens}, {width: the target's seconds at that width, each time})."""
     names = list(timers)
     for timer in timers.values():
         timer.time(1)  # first-use work (kernel selection, allocation) is not a step's cost
-    timers["target"].time(VERIFY_WIDTH)
+    timers["target"].time(max(WIDTHS))
     times: dict[str, list[float]] = {name: [] for name in names}
     tops: dict[str, list[int]] = {name: [] for name in names}
-    wide = []
+    wide: dict[int, list[float]] = {width: [] for width in WIDTHS}
     for r in range(steps):
         if r == prune_after:
             target = statistics.median(times["target"])
@@ -216,9 +218,9 @@ def interleaved(timers: dict[str, StepTimer], steps: int,
             seconds, top = timers[name].step()
             times[name].append(seconds)
             tops[name].append(top)
-        if r % WIDE_EVERY == 0:
-            wide.append(timers["target"].time(VERIFY_WIDTH))
-    return {name: statistics.median(t) for name, t in times.items()}, tops, statistics.median(wide)
+        width = WIDTHS[r % len(WIDTHS)]
+        wide[width].append(timers["target"].time(width))
+    return {name: statistics.median(t) for name, t in times.items()}, tops, wide
 
 
 # -- the choice ---------------------------------------------------------------------------------
@@ -242,14 +244,18 @@ def expected_speedup(accept: float, step: float, target_seconds: Callable[[int],
 def measure(target, sample: torch.Tensor, build: Callable, draft_cache=None,
             weights: tuple[str, ...] | None = None, steps: int = STEPS) -> tuple[Choice, dict]:
     """Try the candidate copies of ``target`` in order (see the module doc) on the calibration
-    tokens ``sample [1, L]``, until one is expected to reach :data:`ENOUGH`. Returns the choice
+    tokens ``sample [1, L]``, until one is expected to reach :data:`ENOUGH`. The target's
+    forward-cost model is made from its forwards timed here, where the process has none yet
+    (``CostModel.offer``: a call's policy then times no forward of its own). Returns the choice
     and the copy chosen ({weights: copy})."""
     from .. import machine
     from ..kv import CacheSettings
+    from ..policy.costs import CostModel
 
     started = time.perf_counter()
     steps = max(1, min(steps, sample.shape[1] - 1))
-    found, built, target_seconds, reference = [], {}, None, None
+    found, built, reference = [], {}, None
+    ones, wide = [], {width: [] for width in WIDTHS}  # the target's timings, over every copy's rounds
     try:
         for name in weights or candidates(target):
             best = max((c.expected_speedup for c in found if c.problem is None), default=0.0)
@@ -265,9 +271,15 @@ def measure(target, sample: torch.Tensor, build: Callable, draft_cache=None,
                 reference = StepTimer(target, sample, steps, CacheSettings())
             else:
                 reference.rewind()
-            made, one = _measure_copy(reference, built[name], name, sample, steps, draft_cache)
-            found.append(made)
-            target_seconds = target_seconds or one
+            timer = StepTimer(built[name], sample, steps, draft_cache)
+            try:
+                seconds, tops, timed = interleaved({"target": reference, name: timer}, steps, prune_after=PRUNE_AFTER)
+            finally:
+                timer.release()
+            ones.append(seconds["target"])
+            for width, times in timed.items():
+                wide[width] += times
+            found.append(_candidate(name, seconds[name], tops, target_costs(seconds["target"], timed)))
     finally:
         if reference is not None:
             reference.release()
@@ -275,28 +287,28 @@ def measure(target, sample: torch.Tensor, build: Callable, draft_cache=None,
     if not usable:
         raise RuntimeError("weights='auto': no candidate copy could be built here: "
                            + "; ".join(f"{c.weights}: {c.problem}" for c in found))
+    CostModel.offer(target, target_costs(statistics.median(ones), wide), CacheSettings())
     enough = [c for c in usable if c.expected_speedup >= ENOUGH]
     best = enough[0] if enough else max(usable, key=lambda c: c.expected_speedup)
-    choice = Choice(best.weights, found, target_seconds, machine.describe(), time.perf_counter() - started)
+    choice = Choice(best.weights, found, ones[0], machine.describe(), time.perf_counter() - started)
     return choice, {best.weights: built[best.weights]}
 
 
-def _measure_copy(reference: StepTimer, copy, name: str, sample: torch.Tensor, steps: int,
-                  draft_cache) -> tuple[Candidate, float]:
-    """Time ``copy`` against the target's ``reference`` timer (:func:`interleaved`) -> (its
-    record, the target's one-token step)."""
-    timer = StepTimer(copy, sample, steps, draft_cache)
-    try:
-        seconds, tops, wide = interleaved({"target": reference, name: timer}, steps, prune_after=PRUNE_AFTER)
-    finally:
-        timer.release()
-    one = seconds["target"]
-    slope = max(wide - one, 0.0) / (VERIFY_WIDTH - 1)
-    cost = lambda width: one + slope * (width - 1)  # noqa: E731  the target's forward of ``width`` tokens
-    made = Candidate(name, step_seconds=seconds[name], steps=len(tops[name]),
-                     agreement=agreement(tops["target"], tops[name]))
-    made.expected_speedup, made.drafts = expected_speedup(made.agreement, made.step_seconds, cost)
-    return made, one
+def target_costs(one: float, wide: dict[int, list[float]]):
+    """The target's :class:`~specdec.policy.costs.CostModel` from its one-token step (s) and the
+    times of its wider forwards ({width: [seconds]}, medians taken; widths never timed left out)."""
+    from ..policy.costs import CostModel
+
+    widths = [width for width in sorted(wide) if wide[width]]
+    return CostModel.from_timings([1, *widths], [one, *(statistics.median(wide[w]) for w in widths)])
+
+
+def _candidate(name: str, step: float, tops: dict[str, list[int]], costs) -> Candidate:
+    """A copy's record from its median ``step``, both models' greedy tokens, and the target's
+    forward-cost model ``costs``."""
+    made = Candidate(name, step_seconds=step, steps=len(tops[name]), agreement=agreement(tops["target"], tops[name]))
+    made.expected_speedup, made.drafts = expected_speedup(made.agreement, step, lambda width: float(costs.predict(width)))
+    return made
 
 
 def calibration_ids(tokenizer, fallback: torch.Tensor | None, device, longest: int = 128) -> torch.Tensor:

@@ -98,6 +98,15 @@ class CostModel:
         return cls([1.0 + (x - 1) * slope for x in COST_GRID], rate=0.0)
 
     @classmethod
+    def from_timings(cls, counts: list[int], seconds: list[float]) -> "CostModel":
+        """A model from forwards timed after a short context: ``seconds[i]`` for ``counts[i]``
+        tokens (ascending, 1 first); the grid's other counts interpolated, and past the last
+        extrapolated, until observed. Every ``CONTEXT_GRID`` row starts as that curve; how the
+        cost grows with the context is learnt from the call's own forwards (:func:`calibrate`)."""
+        short = _on_grid(tuple(counts), list(seconds))
+        return cls([short] * len(CONTEXT_GRID), contexts=CONTEXT_GRID, anchored=(0,))
+
+    @classmethod
     def for_model(cls, model, calibrate_with: torch.Tensor, cache: CacheSettings | None = None,
                   slots: int = 0, kv=None) -> tuple["CostModel", float]:
         """The process-wide cost model of ``model`` on its device and dtype, with this cache kind
@@ -143,6 +152,16 @@ class CostModel:
         e.g. a curve measured offline, or a known one in a test."""
         with cls._lock:
             cls._shared.setdefault(model, {})[_cost_key(model, cache or CacheSettings())] = costs
+
+    @classmethod
+    def offer(cls, model, costs: "CostModel", cache: CacheSettings | None = None) -> bool:
+        """Use ``costs`` for ``model`` with this cache kind where the process has no model for it
+        yet (forwards timed elsewhere, e.g. while ``weights="auto"`` chose a copy: the call then
+        times none of its own). Returns whether it was taken."""
+        with cls._lock:
+            models = cls._shared.setdefault(model, {})
+            key = _cost_key(model, cache or CacheSettings())
+            return models.setdefault(key, costs) is costs
 
     def observe(self, tokens: int, seconds: float, context: float = 0.0) -> None:
         """One forward that fed ``tokens`` after ``context`` cached tokens took ``seconds`` (counts
@@ -205,8 +224,7 @@ def calibrate(model, tokens: torch.Tensor, cache: CacheSettings | None = None, s
     finally:
         if made is not own:
             made.release()
-    short = _on_grid(CALIBRATED, curve)  # [COST_GRID] after the short context
-    return CostModel([short] * len(CONTEXT_GRID), contexts=CONTEXT_GRID, anchored=(0,))
+    return CostModel.from_timings(list(CALIBRATED), curve)
 
 
 def _on_grid(counts: tuple[int, ...], values: list[float]) -> list[float]:
