@@ -72,3 +72,16 @@ def test_a_quantized_copy_keeps_its_shape_and_stores_a_quarter_of_the_bytes():
     stored = sum(b.numel() * b.element_size() for b in layer.buffers())
     assert stored < 0.3 * sum(p.numel() * p.element_size() for p in linear.parameters())
     assert "int8" in repr(layer)
+
+
+def test_quantizing_in_chunks_of_rows_is_quantizing_whole(monkeypatch):
+    from specdec.forwards import int8
+
+    linear = torch.nn.Linear(16, 10)
+    whole = Int8Linear(linear)
+    monkeypatch.setattr(int8, "CHUNK_ROWS", 3)
+    chunked = Int8Linear(linear)
+    for name in (*int8.WEIGHT_BUFFERS, "bias"):
+        assert torch.equal(getattr(chunked, name), getattr(whole, name))
+    w = linear.weight.detach()
+    assert torch.equal(whole.weight_scale, (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny))

@@ -92,3 +92,22 @@ def test_the_rotation_is_orthogonal(size):
     assert a.shape[0] * b.shape[0] == size and a.shape[0] <= b.shape[0]
     q = torch.kron(a.double(), b.double())
     torch.testing.assert_close(q @ q.T, torch.eye(size, dtype=torch.float64), rtol=0, atol=1e-5)
+
+
+
+def test_rotating_in_chunks_of_rows_is_rotating_whole(monkeypatch):
+    """Large weights are rotated a few rows at a time (``CHUNK_ROWS``): the product over the whole
+    weight, up to rounding (the norm's scale folded in), into ``out`` or in place."""
+    from specdec.forwards import rotation
+
+    a, b = kron_orthogonal(12)
+    weight = torch.randn(10, 12, generator=torch.Generator().manual_seed(0))
+    scale = torch.rand(12, generator=torch.Generator().manual_seed(1)) + 0.5
+    whole = lambda w: torch.matmul(torch.matmul(a.T, w.reshape(10, a.shape[0], b.shape[0])), b).reshape(10, 12)  # noqa: E731
+    monkeypatch.setattr(rotation, "CHUNK_ROWS", 3)
+    out = rotation._rotate_columns(weight, a, b, scale, torch.empty_like(weight))
+    torch.testing.assert_close(out, whole(weight * scale[None, :]))
+    torch.testing.assert_close(out, (weight * scale[None, :]) @ torch.kron(a, b))  # the rotation it stands for
+    want = whole(weight)
+    assert rotation._rotate_columns(weight, a, b) is weight
+    torch.testing.assert_close(weight, want)

@@ -45,6 +45,9 @@ def int8_linear(x2: torch.Tensor, weight_int8: torch.Tensor, weight_scale: torch
     return y if y.dtype == dtype else y.to(dtype)
 
 
+#: rows of a weight quantized at a time (``rotation.CHUNK_ROWS``: why)
+CHUNK_ROWS = 4096
+
 #: an :class:`Int8Linear`'s weight buffers, one row per output channel (what stacking concatenates)
 WEIGHT_BUFFERS = ("weight_int8", "weight_scale", "weight_offset")
 
@@ -54,9 +57,13 @@ class Int8Linear(torch.nn.Module):
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
-        w = linear.weight.detach().float()  # [N, K]
-        scale = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)  # [N]
-        q = (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)  # one float temporary, not three
+        w = linear.weight.detach()  # [N, K]
+        lo, hi = torch.aminmax(w, dim=1)  # the largest magnitude per row, without a copy of |w|
+        scale = (torch.maximum(hi, -lo).float() / 127).clamp_min(torch.finfo(torch.float32).tiny)  # [N]
+        q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+        for first in range(0, w.shape[0], CHUNK_ROWS):  # float temporaries of a few MB, whatever the layer's size
+            rows = slice(first, first + CHUNK_ROWS)
+            q[rows] = (w[rows].float() / scale[rows, None]).round_().clamp_(-127, 127)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer("weight_int8", q)  # [N, K]
         self.register_buffer("weight_scale", scale)  # [N]

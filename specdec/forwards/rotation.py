@@ -76,10 +76,25 @@ def kron_orthogonal(size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tenso
     return factors[0], factors[1]
 
 
-def _rotate_columns(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """weight [N, m*n] -> weight @ kron(a, b)."""
-    w = weight.float().reshape(weight.shape[0], a.shape[0], b.shape[0])
-    return torch.matmul(torch.matmul(a.T, w), b).reshape(weight.shape).to(weight.dtype)  # two batched products
+#: rows of a weight rotated at a time: the temporaries stay a few MB, so they reuse memory the
+#: process holds (a fresh allocation of an embedding's size costs more, and varies more, on a
+#: machine whose memory is faulted in by a hypervisor, than rotating it)
+CHUNK_ROWS = 4096
+
+
+def _rotate_columns(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """weight [N, m*n] -> (weight * scale) @ kron(a, b), written to ``out`` (default: ``weight``
+    itself), ``CHUNK_ROWS`` rows at a time."""
+    out = weight if out is None else out
+    for first in range(0, weight.shape[0], CHUNK_ROWS):
+        rows = slice(first, first + CHUNK_ROWS)
+        w = weight[rows].float()
+        if scale is not None:
+            w = w * scale[None, :]
+        w = w.reshape(w.shape[0], a.shape[0], b.shape[0])
+        out[rows] = torch.matmul(torch.matmul(a.T, w), b).reshape(w.shape[0], -1)  # two batched products
+    return out
 
 
 def _rotate_rows(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -100,17 +115,17 @@ def rotate_residual(model, reference=None, seed: int = 0) -> bool:
     decoder, head, embed = model.get_decoder(), model.get_output_embeddings(), model.get_input_embeddings()
     a, b = kron_orthogonal(embed.weight.shape[1], seed)
     final = decoder.norm.weight.float()
-    # the head first: it may share its weight with the embedding, which is rotated without the final norm's scale
-    head.weight = torch.nn.Parameter(_rotate_columns(head.weight.float() * final[None, :], a, b).to(head.weight.dtype),
+    # the head first, into a weight of its own: it may share its weight with the embedding, which
+    # is rotated without the final norm's scale
+    head.weight = torch.nn.Parameter(_rotate_columns(head.weight, a, b, final, torch.empty_like(head.weight)),
                                      requires_grad=False)
-    embed.weight = torch.nn.Parameter(_rotate_columns(embed.weight, a, b), requires_grad=False)
+    _rotate_columns(embed.weight, a, b)
     decoder.norm.weight.fill_(1.0)
     for layer in decoder.layers:
         for norm, reads in ((layer.input_layernorm, READS), (layer.post_attention_layernorm, READS_MLP)):
             scale = norm.weight.float()
             for path in reads:
-                lin = _get(layer, path)
-                lin.weight.copy_(_rotate_columns(lin.weight.float() * scale[None, :], a, b))
+                _rotate_columns(_get(layer, path).weight, a, b, scale)
             norm.weight.fill_(1.0)
         for path in WRITES:
             lin = _get(layer, path)
