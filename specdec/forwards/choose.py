@@ -22,11 +22,10 @@ and model:
    token is the same (teacher-forced);
 4. each copy's expected rate by the draft-length policy's own model: the best K of
    ``E(K) / (K d + T(K + 1))``, E from the agreement (:func:`specdec.policy.plan.expected_tokens`),
-   d the copy's step, T the target's forward (the forward-cost model of the draft-length policy,
+   d the copy's step, T the target's forward (the draft-length policy's forward-cost model,
    ``specdec.policy.costs``, made from the widths timed, which a call's policy then starts from
-   instead of timing the target again); the
-   first copy expected to reach :data:`ENOUGH` wins, else the one of the highest rate (the
-   policy still decides each step whether drafting pays).
+   instead of timing the target again); the first copy expected to reach :data:`ENOUGH` wins,
+   else the one of the highest rate (the policy still decides each step whether drafting pays).
 
 The choice, with the table it was made from, is kept in a JSON file under the weight cache root
 (``specdec.weight_cache``), one per machine (CPU model, torch's CPU capability, instruction-set
