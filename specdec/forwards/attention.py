@@ -5,8 +5,8 @@ transformers' ``sdpa`` attention repeats each key/value head for its group of qu
 every verification of drafts, and every compiled draft step, copies the whole cache ``groups``
 times over, layer by layer, before attending. On a CPU that copy costs more than the attention
 itself, and grows with the batch and the context (SmolLM2-135M, 3 query heads per key/value
-head, a 16-row batch of 400-token contexts: a 2-token-a-row verification 387 ms, 129 ms without it;
-docs/performance.md, "Grouped attention").
+head, a 16-row batch of 400-token contexts: a verification of 2 tokens a row 387 ms, 129 ms
+without it; docs/performance.md, "Grouped-query attention in verification forwards").
 
 :func:`grouped_sdpa` computes the same attention without the copy:
 
