@@ -41,19 +41,17 @@ def grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
     """transformers' attention-function signature: query [B, H, q, D], key/value [B, kv, S, D],
     ``attention_mask [B, 1, q, S]`` -> ([B, q, H, D], None). See the module doc."""
     groups = getattr(module, "num_key_value_groups", 1)
-    if (groups == 1 or attention_mask is None or kwargs.get("softcap") is not None
-            or kwargs.get("position_bias") is not None):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
-    if query.device.type == "cpu" and not torch.compiler.is_compiling():
-        if query.shape[2] == 1:  # transformers folds one query itself, as in the model's own one-token steps
-            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal,
-                                          **kwargs)
+    grouped = not (groups == 1 or attention_mask is None or kwargs.get("softcap") is not None
+                   or kwargs.get("position_bias") is not None)
+    eager_cpu = query.device.type == "cpu" and not torch.compiler.is_compiling()
+    # one query goes to transformers, which folds it without a copy, as in the model's own steps
+    if grouped and eager_cpu and query.shape[2] > 1:
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
                                                                dropout_p=dropout, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2).contiguous(), None
-    if attention_mask.shape[1] != 1:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
-    return folded_sdpa(query, key, value, attention_mask, groups, dropout, scaling), None
+    if grouped and not eager_cpu and attention_mask.shape[1] == 1:
+        return folded_sdpa(query, key, value, attention_mask, groups, dropout, scaling), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
 
 
 def folded_sdpa(query, key, value, mask, groups: int, dropout: float = 0.0, scaling=None) -> torch.Tensor:

@@ -270,11 +270,7 @@ def measure(target, sample: torch.Tensor, build: Callable, draft_cache=None,
                 reference = StepTimer(target, sample, steps, CacheSettings())
             else:
                 reference.rewind()
-            timer = StepTimer(built[name], sample, steps, draft_cache)
-            try:
-                seconds, tops, timed = interleaved({"target": reference, name: timer}, steps, prune_after=PRUNE_AFTER)
-            finally:
-                timer.release()
+            seconds, tops, timed = _time_against(reference, built[name], name, sample, steps, draft_cache)
             ones.append(seconds["target"])
             for width, times in timed.items():
                 wide[width] += times
@@ -291,6 +287,15 @@ def measure(target, sample: torch.Tensor, build: Callable, draft_cache=None,
     best = enough[0] if enough else max(usable, key=lambda c: c.expected_speedup)
     choice = Choice(best.weights, found, ones[0], machine.describe(), time.perf_counter() - started)
     return choice, {best.weights: built[best.weights]}
+
+
+def _time_against(reference: StepTimer, copy, name: str, sample: torch.Tensor, steps: int, draft_cache):
+    """:func:`interleaved` of ``copy`` (named ``name``) and the target's ``reference`` timer."""
+    timer = StepTimer(copy, sample, steps, draft_cache)
+    try:
+        return interleaved({"target": reference, name: timer}, steps, prune_after=PRUNE_AFTER)
+    finally:
+        timer.release()
 
 
 def target_costs(one: float, wide: dict[int, list[float]]):

@@ -102,7 +102,7 @@ class CostModel:
         """A model from forwards timed after a short context: ``seconds[i]`` for ``counts[i]``
         tokens (ascending, 1 first); the grid's other counts interpolated, and past the last
         extrapolated, until observed. Every ``CONTEXT_GRID`` row starts as that curve; how the
-        cost grows with the context is learnt from the call's own forwards (:func:`calibrate`)."""
+        cost grows with the context is learnt from the call's own forwards (:meth:`observe`)."""
         short = _on_grid(tuple(counts), list(seconds))
         return cls([short] * len(CONTEXT_GRID), contexts=CONTEXT_GRID, anchored=(0,))
 
@@ -192,10 +192,9 @@ def calibrate(model, tokens: torch.Tensor, cache: CacheSettings | None = None, s
     """A :class:`CostModel` from timed forwards: the median of ``reps`` forwards at each
     ``CALIBRATED`` count after a cached context of 32 tokens (fewer where the model's positions,
     or a static cache of ``slots`` slots, do not allow 32), the counts taken in turn within a
-    round; interpolated in between, extrapolated past the last. Every ``CONTEXT_GRID`` row starts
-    as that curve: how a forward's cost grows with its context is learnt from the call's own
-    forwards (:meth:`CostModel.observe`), not timed here, so that a first call spends no second on
-    a long context it may never reach (docs/draft_length.md, "Its inputs"). Runs on a cache of
+    round, made into a model by :meth:`CostModel.from_timings` (no longer context is timed, so
+    that a first call spends no second on a context it may never reach: docs/draft_length.md,
+    "Its inputs"). Runs on a cache of
     the call's kind (compiled forwards compile here if not warmed up): on the static cache the
     call's own ``kv`` (before its first forward) where it has one row, else one of its length
     from the pool, so calibrating allocates nothing sized by ``max_new_tokens``; on the dynamic
