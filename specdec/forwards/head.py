@@ -33,6 +33,7 @@ import weakref
 import torch
 
 from .attention import grouped_attention
+from .packed import packed_linears
 
 #: heads smaller than this (vocabulary x hidden size) run as the model runs them: a small head
 #: costs little either way
@@ -172,12 +173,16 @@ def _observers_only(module: torch.nn.Module) -> bool:
 
 def model_logits(model, kwargs: dict, *, direct: bool = False, fast_head: bool = True) -> torch.Tensor:
     """``model(**kwargs).logits`` (``model.forward`` if ``direct``: no module hooks), with the output
-    layer as :class:`FastHead` where ``fast_head`` and the model qualifies, and grouped-query
-    attention without copies of the cache on a CPU (``attention.grouped_attention``)."""
+    layer as :class:`FastHead` where ``fast_head`` and the model qualifies, grouped-query
+    attention without copies of the cache on a CPU (``attention.grouped_attention``), and a
+    forward of a few tokens through packed weights where they pay (``packed.packed_linears``,
+    the output layer's among them: no fast head then)."""
     fed = kwargs.get("input_ids")
     fed = kwargs.get("inputs_embeds") if fed is None else fed
-    with grouped_attention(model, model.device if fed is None else fed.device):
-        return _logits(model, kwargs, direct, fast_head)
+    device = model.device if fed is None else fed.device
+    rows = 0 if fed is None else fed.shape[0] * fed.shape[1]
+    with grouped_attention(model, device), packed_linears(model, rows, device) as packed:
+        return _logits(model, kwargs, direct, fast_head and not packed)
 
 
 def _logits(model, kwargs: dict, direct: bool, fast_head: bool) -> torch.Tensor:

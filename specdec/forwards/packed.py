@@ -1,0 +1,215 @@
+"""The target's linear layers with their weights packed once for MKL, in multi-token forwards.
+
+A verification forward feeds a few tokens a row (a batch: a few rows more). On a CPU, torch runs
+a float32 ``nn.Linear`` of 4-20 rows as MKL's ``sgemm``, which repacks the whole weight matrix on
+every call before multiplying; for one row it runs a matrix-vector product, which does not. So a
+10-token forward of SmolLM2-135M cost about twice a one-token step (66 against 34 ms), most of it
+in that repacking. MKL can pack a matrix once and multiply by it many times
+(``cblas_sgemm_pack`` / ``cblas_sgemm_compute``, which torch exposes as
+``torch.ops.mkl._mkl_reorder_linear_weight`` and ``torch.ops.mkl._mkl_linear``, the ops its own
+inductor uses for frozen float32 linear layers): the same forward then cost 51 ms (the
+measurements: docs/performance.md, "Packed weights in verification forwards").
+
+:class:`PackedLinears` keeps a packed copy of each float32 ``nn.Linear`` weight of one model on a
+CPU, and :func:`packed_linears` routes the layers' calls to it inside specdec's own forwards that
+feed :data:`MIN_ROWS` to :data:`MAX_ROWS` rows (tokens x batch rows); a one-token step runs as the
+model's own (so plain steps give ``generate``'s numbers bit for bit), and so does a prefill. The
+packed copies cost memory (about one to two times the layers' weights), so a model gets them:
+
+* only after :data:`PACK_AFTER` such forwards in the process (a short call, or a first one, pays
+  nothing for packing it would not earn back: packing costs about five such forwards);
+* only where they fit: the extra bytes at most :data:`MEMORY_SHARE` of the memory available;
+* only where packed products timed faster than the layers' own on this machine (one decoder
+  layer's linear layers and the output layer at 8 rows, medians, interleaved), decided once per
+  model for the process (:meth:`PackedLinears.of`).
+
+The logits differ from the unpacked forward's only in rounding (the same products, summed in
+another order), as those of a multi-token verification already differ from one-token steps'.
+A layer whose weight is changed in place, or replaced, is packed again before its next use.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+import weakref
+from contextlib import contextmanager
+
+import torch
+
+#: fewest rows (tokens x batch rows) a forward feeds for the packed products: fewer run as a
+#: matrix-vector product or close to one, which packing does not speed up (measured: 2-3 rows slower)
+MIN_ROWS = 4
+#: most rows: from about 24 rows on, torch's own product costs what the packed one does (measured)
+MAX_ROWS = 20
+#: eligible forwards a model runs before its weights are packed (packing costs about five)
+PACK_AFTER = 20
+#: the packed copies' bytes may take at most this share of the memory available when packing
+MEMORY_SHARE = 0.5
+#: packed products are used only where they take at most this share of the layers' own time
+MIN_GAIN = 0.9
+#: the pack's row hint (MKL's packing layout for small row counts; any row count may use it)
+HINT_ROWS = 16
+
+
+def available() -> bool:
+    """Whether this torch has MKL's packed products (a CPU build with MKL and oneDNN)."""
+    return bool(torch._C.has_mkl) and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+def _eligible(layer: torch.nn.Module) -> bool:
+    weight = getattr(layer, "weight", None)
+    return (type(layer) is torch.nn.Linear and type(weight) is torch.nn.Parameter and type(weight.data) is torch.Tensor
+            and weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
+            and (layer.bias is None or layer.bias.dtype == torch.float32))
+
+
+def memory_available() -> int | None:
+    """Bytes of memory available now (Linux ``MemAvailable``), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+class _Packed:
+    """One layer's packed weight, with what it was packed from (to notice a changed weight)."""
+
+    __slots__ = ("packed", "source", "version")
+
+    def __init__(self, weight: torch.Tensor):
+        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, HINT_ROWS)
+        self.source, self.version = weight.data_ptr(), weight._version
+
+    def current(self, weight: torch.Tensor) -> bool:
+        return self.source == weight.data_ptr() and self.version == weight._version
+
+
+class PackedLinears:
+    """A model's float32 linear layers with packed weights (see the module doc)."""
+
+    _state: "weakref.WeakKeyDictionary[torch.nn.Module, PackedLinears]" = weakref.WeakKeyDictionary()
+    _lock = threading.Lock()
+
+    def __init__(self, model: torch.nn.Module):
+        self.layers = [m for m in model.modules() if _eligible(m)]
+        self.forwards = 0  # eligible forwards seen
+        self.decided: bool | None = None  # None: not yet; then whether packed products are used
+        self.reason = ""
+        self._packed: dict[int, _Packed] = {}
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> "PackedLinears":
+        with cls._lock:
+            state = cls._state.get(model)
+            if state is None:
+                state = cls._state[model] = cls(model)
+            return state
+
+    @classmethod
+    def pin(cls, model: torch.nn.Module, use: bool) -> "PackedLinears":
+        """Decide for ``model`` without waiting or timing (tests, and machines measured offline)."""
+        state = cls.of(model)
+        state.forwards = PACK_AFTER
+        state.decided = bool(use and available() and state.layers)
+        state.reason = "pinned"
+        return state
+
+    @classmethod
+    def forget(cls, model: torch.nn.Module) -> None:
+        with cls._lock:
+            cls._state.pop(model, None)
+
+    def extra_bytes(self) -> int:
+        """What the packed copies are expected to take: twice the weights (MKL pads small ones)."""
+        return 2 * sum(layer.weight.numel() * 4 for layer in self.layers)
+
+    def use(self, rows: int) -> bool:
+        """Whether a forward feeding ``rows`` rows runs the packed products (counting it, and
+        deciding once enough have run)."""
+        if not (MIN_ROWS <= rows <= MAX_ROWS) or not self.layers:
+            return False
+        if self.decided is None:
+            self.forwards += 1
+            if self.forwards < PACK_AFTER:
+                return False
+            self.decided, self.reason = self._decide()
+        return self.decided
+
+    def _decide(self) -> tuple[bool, str]:
+        if not available():
+            return False, "this torch has no MKL packed products"
+        free = memory_available()
+        if free is not None and self.extra_bytes() > MEMORY_SHARE * free:
+            return False, f"{self.extra_bytes() / 2**20:.0f} MB of packed weights would not fit ({free / 2**20:.0f} MB available)"
+        packed, own = self._time()
+        faster = packed <= MIN_GAIN * own
+        return faster, f"packed {packed * 1e3:.2f} ms against {own * 1e3:.2f} ms at 8 rows"
+
+    def _time(self, reps: int = 5) -> tuple[float, float]:
+        """(packed, own) median seconds of one decoder layer's linear layers and the largest one."""
+        middle = len(self.layers) // 2  # a decoder layer's linear layers come one after another
+        probe = self.layers[middle: middle + 8] + [max(self.layers, key=lambda layer: layer.weight.numel())]
+        inputs = [torch.randn(8, layer.in_features) for layer in probe]
+        timings: dict[str, list[float]] = {"packed": [], "own": []}
+        with torch.no_grad():
+            for r in range(reps + 1):
+                for name in ("packed", "own") if r % 2 else ("own", "packed"):
+                    started = time.perf_counter()
+                    for layer, x in zip(probe, inputs):
+                        self.product(layer, x) if name == "packed" else torch.nn.functional.linear(x, layer.weight,
+                                                                                                   layer.bias)
+                    if r:  # the first round packs the probe's layers and warms up
+                        timings[name].append(time.perf_counter() - started)
+        return statistics.median(timings["packed"]), statistics.median(timings["own"])
+
+    def product(self, layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """``layer(x)`` through its packed weight (packed now where it is not, or is stale)."""
+        weight = layer.weight
+        packed = self._packed.get(id(layer))
+        if packed is None or not packed.current(weight):
+            packed = self._packed[id(layer)] = _Packed(weight.detach())
+        rows = x.numel() // x.shape[-1]
+        return torch.ops.mkl._mkl_linear(x if x.is_contiguous() else x.contiguous(), packed.packed, weight,
+                                         layer.bias, rows)
+
+
+@contextmanager
+def packed_linears(model: torch.nn.Module, rows: int, device: torch.device):
+    """Inside the block, ``model``'s float32 linear layers multiply through their packed weights,
+    where a forward feeding ``rows`` rows on ``device`` should (:meth:`PackedLinears.use`); as the
+    model's own afterwards. Yields whether they do."""
+    if device.type != "cpu" or not (MIN_ROWS <= rows <= MAX_ROWS) or torch.compiler.is_compiling():
+        yield False
+        return
+    state = PackedLinears.of(model)
+    if not state.use(rows):
+        yield False
+        return
+    for layer in state.layers:
+        object.__setattr__(layer, "forward", _PackedForward(state, layer))
+    try:
+        yield True
+    finally:
+        for layer in state.layers:
+            layer.__dict__.pop("forward", None)
+
+
+class _PackedForward:
+    """A layer's forward through :meth:`PackedLinears.product` (rows outside the range: its own)."""
+
+    __slots__ = ("state", "layer")
+
+    def __init__(self, state: PackedLinears, layer: torch.nn.Linear):
+        self.state, self.layer = state, layer
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        layer = self.layer
+        if x.dtype != torch.float32 or x.device.type != "cpu" or not (MIN_ROWS <= x.numel() // max(x.shape[-1], 1) <= MAX_ROWS):
+            return torch.nn.functional.linear(x, layer.weight, layer.bias)
+        return self.state.product(layer, x)

@@ -1,0 +1,108 @@
+"""Packed weights in multi-token forwards (specdec/forwards/packed.py): the layers' own products up
+to rounding, used only inside specdec's forwards of a few rows, once enough have run, where they
+fit and timed faster; the model as it was outside them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec import SpecDecoder
+from specdec.forwards import packed
+from specdec.forwards.packed import MAX_ROWS, MIN_ROWS, PACK_AFTER, PackedLinears, packed_linears
+from specdec.models import tiny_random
+
+from helpers import DRAFTING_PAYS, pin_costs, repetitive_prompt
+
+needs_mkl = pytest.mark.skipif(not packed.available(), reason="this torch has no MKL packed products")
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def model():
+    target = tiny_random("llama", seed=3)[0]
+    yield target
+    PackedLinears.forget(target)
+
+
+@needs_mkl
+@pytest.mark.parametrize("rows", [MIN_ROWS, 7, MAX_ROWS])
+def test_a_packed_product_is_the_layers_own_up_to_rounding(rows):
+    layer = torch.nn.Linear(96, 160, bias=True)
+    state = PackedLinears(torch.nn.Sequential(layer))
+    x = torch.randn(1, rows, 96)
+    torch.testing.assert_close(state.product(layer, x), layer(x), rtol=1e-5, atol=1e-5)
+
+
+@needs_mkl
+def test_a_weight_changed_in_place_is_packed_again():
+    layer = torch.nn.Linear(64, 64, bias=False)
+    state = PackedLinears(torch.nn.Sequential(layer))
+    x = torch.randn(8, 64)
+    state.product(layer, x)
+    with torch.no_grad():
+        layer.weight.mul_(2)
+    torch.testing.assert_close(state.product(layer, x), layer(x), rtol=1e-5, atol=1e-5)
+    layer.weight = torch.nn.Parameter(torch.randn(64, 64))  # replaced
+    torch.testing.assert_close(state.product(layer, x), layer(x), rtol=1e-5, atol=1e-5)
+
+
+@needs_mkl
+def test_the_switch_holds_only_inside_its_block_and_only_for_a_few_rows(model):
+    PackedLinears.pin(model, True)
+    layers = PackedLinears.of(model).layers
+    assert layers and all("forward" not in layer.__dict__ for layer in layers)
+    with packed_linears(model, 8, CPU) as used:
+        assert used and all("forward" in layer.__dict__ for layer in layers)
+    assert all("forward" not in layer.__dict__ for layer in layers)
+    with pytest.raises(RuntimeError, match="inside"):
+        with packed_linears(model, 8, CPU):
+            raise RuntimeError("inside")
+    assert all("forward" not in layer.__dict__ for layer in layers)
+    for rows in (1, MIN_ROWS - 1, MAX_ROWS + 1, 300):  # a one-token step, a prefill: the model's own
+        with packed_linears(model, rows, CPU) as used:
+            assert not used and all("forward" not in layer.__dict__ for layer in layers)
+    with packed_linears(model, 8, torch.device("meta")) as used:
+        assert not used
+    PackedLinears.pin(model, False)
+    with packed_linears(model, 8, CPU) as used:
+        assert not used
+
+
+def test_packing_waits_for_enough_forwards_then_decides_once(model, monkeypatch):
+    timed = []
+    monkeypatch.setattr(packed, "available", lambda: True)
+    monkeypatch.setattr(PackedLinears, "_time", lambda self: timed.append(1) or (0.5, 1.0))
+    state = PackedLinears.of(model)
+    assert [state.use(8) for _ in range(PACK_AFTER - 1)] == [False] * (PACK_AFTER - 1)
+    assert not state.use(1) and not state.use(MAX_ROWS + 1)  # not counted
+    assert state.use(8) and state.use(MIN_ROWS) and timed == [1]
+    assert "500.00 ms against 1000.00 ms" in state.reason
+
+
+def test_packing_is_declined_where_it_is_not_faster_or_does_not_fit(model, monkeypatch):
+    monkeypatch.setattr(packed, "available", lambda: True)
+    monkeypatch.setattr(PackedLinears, "_time", lambda self: (0.95, 1.0))  # within MIN_GAIN: not worth it
+    state = PackedLinears.of(model)
+    state.forwards = PACK_AFTER
+    assert not state.use(8) and state.decided is False
+    PackedLinears.forget(model)
+    monkeypatch.setattr(PackedLinears, "_time", lambda self: (0.1, 1.0))
+    monkeypatch.setattr(packed, "memory_available", lambda: PackedLinears.of(model).extra_bytes())  # twice the share
+    state = PackedLinears.of(model)
+    state.forwards = PACK_AFTER
+    assert not state.use(8) and "would not fit" in state.reason
+
+
+@needs_mkl
+def test_a_call_verifies_through_packed_weights_and_keeps_generates_output(model, monkeypatch):
+    target = pin_costs(model, DRAFTING_PAYS, rate=0.0)  # drafting pays: drafts are verified
+    PackedLinears.pin(target, True)
+    used = []
+    product = PackedLinears.product
+    monkeypatch.setattr(PackedLinears, "product", lambda self, layer, x: used.append(x.shape) or product(self, layer, x))
+    ids = repetitive_prompt(12).repeat(2, 1)  # two rows: a forward of two tokens a row feeds four
+    out = SpecDecoder(target, "prompt_lookup").generate(ids, max_new_tokens=24)
+    assert used and all(MIN_ROWS <= s[:-1].numel() <= MAX_ROWS for s in used)
+    assert all("forward" not in layer.__dict__ for layer in PackedLinears.of(target).layers)
+    assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=24, do_sample=False))
