@@ -264,7 +264,7 @@ def _first_call(decoder, input_ids, new_tokens: int, options: dict) -> None:
     stats = decoder.generate(input_ids, max_new_tokens=new_tokens, **options).stats
     seconds = time.perf_counter() - started
     parts = [f"{name} {value:.1f} s" for name, value in (
-        ("calibration", stats.calibration_seconds), ("compiling", stats.compile_seconds),
+        ("calibration", stats.calibration_seconds), ("compiling/packing", stats.compile_seconds),
         ("setup", float(stats.generator.get("setup_seconds", 0.0)))) if value > 0.05]
     _status(f"first-call work: {seconds:.1f} s{' (' + ', '.join(parts) + ')' if parts else ''}, "
             "not counted in the tokens/s below")

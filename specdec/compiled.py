@@ -149,13 +149,26 @@ def agrees(model, key: tuple, compiled: torch.Tensor, eager: torch.Tensor) -> bo
 
 
 # -- compiling, made visible --------------------------------------------------------------------------
-_CLOCK = threading.local()  # .seconds: this thread's seconds in forwards that compiled; .warming: in warmup()
+_CLOCK = threading.local()  # .seconds: this thread's seconds of one-time work in forwards; .warming: in warmup()
 _ANNOUNCED: set = set()
 
 
 def compile_seconds() -> float:
-    """Seconds this thread has spent in forwards that compiled a graph (see :func:`compiling`)."""
+    """Seconds this thread has spent in forwards that compiled a graph (see :func:`compiling`) or
+    did other one-time work (:func:`one_time`)."""
     return getattr(_CLOCK, "seconds", 0.0)
+
+
+@contextmanager
+def one_time():
+    """Around one-time work inside a forward (packing a model's weights, ``forwards/packed.py``):
+    its seconds go on this thread's compile clock, so that the step is reported apart and teaches
+    the draft-length policy nothing of a forward's cost."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        _CLOCK.seconds = compile_seconds() + time.perf_counter() - started
 
 
 def say(message: str) -> None:
@@ -178,10 +191,10 @@ def compiling(model, key: tuple):
             "ahead of time) ...")
     started = time.perf_counter()
     try:
-        yield
+        with one_time():
+            yield
     finally:
         seconds = time.perf_counter() - started
-        _CLOCK.seconds = compile_seconds() + seconds
         if seconds > 1.0:
             say(f"... compiled in {seconds:.0f} s")
 

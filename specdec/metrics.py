@@ -39,7 +39,8 @@ class AcceptanceStats:
     forward_costs: dict[int, list[float]] = field(default_factory=dict)
     #: seconds spent calibrating the forward-cost model (once per model and process)
     calibration_seconds: float = 0.0
-    #: seconds of forwards that compiled a graph (the first of each compiled shape in the process)
+    #: seconds of forwards that compiled a graph (the first of each compiled shape in the process) or
+    #: packed a model's weights (``forwards/packed.py``, once per model)
     compile_seconds: float = 0.0
     #: one-time choices made for the call and why, e.g. {"weights": "w8a8", "weights_choice": "..."}
     choices: dict[str, str] = field(default_factory=dict)
@@ -210,7 +211,7 @@ class AcceptanceStats:
         """The one-time work of the call, e.g. ``one-time 3.1 s (calibration 1.2 s, setup 1.9 s): 7.4 tokens/s
         with it``."""
         parts = [(name, seconds) for name, seconds in (
-            ("calibration", self.calibration_seconds), ("compiling", self.compile_seconds),
+            ("calibration", self.calibration_seconds), ("compiling/packing", self.compile_seconds),
             ("setup", float(self.generator.get("setup_seconds", 0.0)))) if seconds > 0.005]
         inner = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in parts)
         return f"one-time {self.one_time_seconds:.1f} s ({inner}): {self.tokens_per_second:.1f} tokens/s with it"

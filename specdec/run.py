@@ -35,6 +35,7 @@ import torch
 
 from .assistant import Assistant
 from .compiled import compile_seconds
+from .forwards.packed import PackedLinears
 from .device import synchronize
 from .generators import CandidateGenerator, DecodeContext, Proposal, StepRecord, declared_drafting
 from .grammar import with_grammar_drafts
@@ -384,6 +385,9 @@ class DecodeRun:
         report = self.session.report()  # counters; words (a choice and its reason) go to stats.choices
         self.stats.generator = {k: v for k, v in report.items() if not isinstance(v, str)}
         self.stats.choices.update({k: v for k, v in report.items() if isinstance(v, str)})
+        packed = PackedLinears.decision(self.target.model)
+        if packed is not None:
+            self.stats.choices["packed_weights"] = packed
         self.stats.total_seconds = time.perf_counter() - started
         if self.processors is not None:
             self.stats.processor_seconds = self.processors.seconds

@@ -255,7 +255,7 @@ def test_stats_keep_choices_and_compile_time_through_merge_and_dict():
     assert merged.decoding_tokens_per_second == pytest.approx(20 / 1.5)
     back = AcceptanceStats.from_dict(merged.as_dict())
     assert back.compile_seconds == 1.0 and back.choices == {"weights": "w8a8"}
-    assert "one-time 1.5 s (calibration 0.5 s, compiling 1.0 s)" in merged.summary()
+    assert "one-time 1.5 s (calibration 0.5 s, compiling/packing 1.0 s)" in merged.summary()
 
 
 def test_by_default_a_call_compiles_nothing_and_a_warm_up_compiles_the_copy(target, own_cache):

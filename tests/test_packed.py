@@ -4,10 +4,13 @@ fit and timed faster; the model as it was outside them."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from specdec import SpecDecoder
+from specdec.compiled import compile_seconds
 from specdec.forwards import packed
 from specdec.forwards.packed import MAX_ROWS, MIN_ROWS, PACK_AFTER, PackedLinears, packed_linears
 from specdec.models import tiny_random
@@ -105,4 +108,21 @@ def test_a_call_verifies_through_packed_weights_and_keeps_generates_output(model
     out = SpecDecoder(target, "prompt_lookup").generate(ids, max_new_tokens=24)
     assert used and all(MIN_ROWS <= s[:-1].numel() <= MAX_ROWS for s in used)
     assert all("forward" not in layer.__dict__ for layer in PackedLinears.of(target).layers)
+    assert out.stats.choices["packed_weights"] == f"used for forwards of {MIN_ROWS}-{MAX_ROWS} rows: pinned"
     assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=24, do_sample=False))
+
+
+@needs_mkl
+def test_deciding_and_packing_are_one_time_work_and_said(model, monkeypatch):
+    """The forward that decides and packs puts its seconds on the compile clock (the step is
+    reported apart and prices nothing), and every layer is packed then, not in later forwards."""
+    monkeypatch.setattr(PackedLinears, "_time", lambda self: time.sleep(0.05) or (0.5, 1.0))
+    state = PackedLinears.of(model)
+    state.forwards = PACK_AFTER - 1
+    assert PackedLinears.decision(model) is None
+    before = compile_seconds()
+    assert state.use(8)
+    assert compile_seconds() - before >= 0.05
+    assert len(state._packed) == len(state.layers)
+    assert PackedLinears.decision(model) == (f"used for forwards of {MIN_ROWS}-{MAX_ROWS} rows: "
+                                             "packed 500.00 ms against 1000.00 ms at 8 rows")

@@ -38,6 +38,8 @@ from contextlib import contextmanager
 
 import torch
 
+from ..compiled import one_time
+
 #: fewest rows (tokens x batch rows) a forward feeds for the packed products: fewer run as a
 #: matrix-vector product or close to one, which packing does not speed up (measured: 2-3 rows slower)
 MIN_ROWS = 4
@@ -121,6 +123,13 @@ class PackedLinears:
         return state
 
     @classmethod
+    def decision(cls, model: torch.nn.Module) -> str | None:
+        """What was decided for ``model`` and why, or None before deciding (or with no state)."""
+        with cls._lock:
+            state = cls._state.get(model)
+        return None if state is None else state.report()
+
+    @classmethod
     def forget(cls, model: torch.nn.Module) -> None:
         with cls._lock:
             cls._state.pop(model, None)
@@ -138,8 +147,18 @@ class PackedLinears:
             self.forwards += 1
             if self.forwards < PACK_AFTER:
                 return False
-            self.decided, self.reason = self._decide()
+            with one_time():  # the step is reported apart, and prices nothing
+                self.decided, self.reason = self._decide()
+                if self.decided:
+                    for layer in self.layers:
+                        self.packed_weight(layer)
         return self.decided
+
+    def report(self) -> str | None:
+        """What was decided and why (``out.stats.choices["packed_weights"]``), or None before deciding."""
+        if self.decided is None:
+            return None
+        return f"{'used' if self.decided else 'not used'} for forwards of {MIN_ROWS}-{MAX_ROWS} rows: {self.reason}"
 
     def _decide(self) -> tuple[bool, str]:
         if not available():
@@ -168,15 +187,20 @@ class PackedLinears:
                         timings[name].append(time.perf_counter() - started)
         return statistics.median(timings["packed"]), statistics.median(timings["own"])
 
-    def product(self, layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        """``layer(x)`` through its packed weight (packed now where it is not, or is stale)."""
+    def packed_weight(self, layer: torch.nn.Linear) -> torch.Tensor:
+        """``layer``'s packed weight (packed now where it is not, or is stale)."""
         weight = layer.weight
         packed = self._packed.get(id(layer))
         if packed is None or not packed.current(weight):
             packed = self._packed[id(layer)] = _Packed(weight.detach())
+        return packed.packed
+
+    def product(self, layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """``layer(x)`` through its packed weight."""
+        packed = self.packed_weight(layer)
         rows = x.numel() // x.shape[-1]
-        return torch.ops.mkl._mkl_linear(x if x.is_contiguous() else x.contiguous(), packed.packed, weight,
-                                         layer.bias, rows)
+        return torch.ops.mkl._mkl_linear(x if x.is_contiguous() else x.contiguous(), packed, layer.weight, layer.bias,
+                                         rows)
 
 
 @contextmanager
