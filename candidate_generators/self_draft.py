@@ -12,7 +12,7 @@ the copy measured best on this machine (``specdec/forwards/choose.py``: each can
 step timed against the target's forward, its agreement with the target on a short text, the
 policy's expected rate; once per machine and model, then read from the cache), and
 ``"bfloat16"`` elsewhere; ``"bfloat16"``, ``"float16"``, ``"int8"``, ``"w8a8"``,
-``"dynamic_int8"`` and ``"int4"`` as chosen (``int8``, ``int4`` and ``w8a8`` off the CPU by
+``"dynamic_int8"`` and ``"int4"`` as chosen (``int8``, and ``int4`` and ``w8a8`` off the CPU, by
 ``torchao``: ``pip install "specdec[quant]"``). What was chosen, and why, is in
 ``out.stats.choices``; the seconds spent building or choosing the copy in
 ``out.stats.generator["setup_seconds"]``, apart from decoding (``out.stats.summary()``).

@@ -77,7 +77,7 @@ CALIBRATION_TEXT = (
     "3. The price of a monthly pass will stay the same.\nIn Python, the function below returns the sum of "
     "a list of numbers:\n\ndef total(numbers):\n    result = 0\n    for n in numbers:\n        result += n\n"
     "    return result\n")
-_FORMAT = 4  # 4: Int8Linear quantizes to a row's own range; 3: copies step through the lean forward (lean.py)
+_FORMAT = 5  # 5: int4 among the candidates; 4: Int8Linear quantizes to a row's own range; 3: the lean forward
 
 
 @dataclass
@@ -127,13 +127,14 @@ class Choice:
 
 def candidates(model) -> tuple[str, ...]:
     """The copies worth measuring for ``model`` on a CPU, in the order they are tried: w8a8 (the
-    fastest draft where int8 products are fast, on CPUs with VNNI or AMX), bfloat16 (quick to
-    build), torch's dynamic int8 (the slowest to build: 1.5 s for SmolLM2-135M, most of it
-    ``quantize_dynamic`` packing weights; it serves CPUs whose int8 x uint8 products are slow).
+    fastest draft where int8 products are fast, on CPUs with VNNI or AMX), int4 (half w8a8's
+    bytes, bfloat16 activations, torch's own int4 kernel; agrees with the target less), bfloat16
+    (quick to build), torch's dynamic int8 (the slowest to build: 1.5 s for SmolLM2-135M, most of
+    it ``quantize_dynamic`` packing weights; it serves CPUs whose int8 x uint8 products are slow).
     torchao's weight-only int8 is not among them: its eager step costs more than the fp32 target's
     on every CPU measured (benchmarks/results/forward_cost_isa/README.md), and a call drafts eagerly
     unless warmed up; name it (``weights="int8"``) to draft with it compiled."""
-    return ("w8a8", "bfloat16", "dynamic_int8")
+    return ("w8a8", "int4", "bfloat16", "dynamic_int8")
 
 
 # -- timing -------------------------------------------------------------------------------------

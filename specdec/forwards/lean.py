@@ -1,4 +1,4 @@
-"""An eager forward in few operations for a w8a8 copy of a pre-norm decoder (Llama's layout).
+"""An eager forward in few operations for a w8a8 or int4 copy of a pre-norm decoder (Llama's layout).
 
 A draft step of a small model on a CPU runs thousands of tensor operations of a few microseconds
 each; run eagerly through ``transformers``' modules, that dispatching, not the int8 products,
@@ -8,9 +8,9 @@ the same function as the copy's own in fewer operations, and runs them without P
 (the copy's step at 0.40 of the fp32 target's, against 0.72 through ``transformers``' modules,
 on the Xeon of docs/self_draft.md):
 
-* query, key and value are one int8 product, and gate and up another (their weights stacked; the
-  copy's own layers keep views of the stacked weights, so nothing is stored twice; products per
-  output channel are unchanged by stacking);
+* query, key and value are one int8 (or int4) product, and gate and up another (their weights
+  stacked; the copy's own layers keep views of the stacked weights, so no weight is stored twice;
+  products per output channel are unchanged by stacking);
 * the rotary embedding is applied to queries and keys together, once;
 * keys and values are written into the static cache's slots directly, and attention reads only the
   slots up to the last one written, the query heads of a key/value head as rows of one product;
@@ -41,7 +41,9 @@ from typing import List, Optional
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .int8 import WEIGHT_BUFFERS, Int8Linear, int8_linear, stack_linears
+from . import int4, int8
+from .int4 import Int4Linear, int4_linear
+from .int8 import Int8Linear, int8_linear
 from .rotation import rotatable
 
 #: widest forward this path runs (a draft step, a re-feed); wider ones (a prefill) run the model's own
@@ -55,12 +57,16 @@ KNOWN = {"input_ids", "position_ids", "cache", "past_key_values", "attention_mas
 
 
 def lean_problem(model) -> str | None:
-    """Why :func:`install` cannot serve ``model`` (a copy whose linear layers are
-    :class:`~specdec.forwards.int8.Int8Linear`), or None where it can: rotation's layout, and no
-    sliding window, partial rotary embedding or extra part of attention or MLP."""
-    problem = rotatable(model, Int8Linear)
-    if problem is not None:
-        return problem
+    """Why :func:`install` cannot serve ``model`` (a copy whose linear layers are all
+    :class:`~specdec.forwards.int8.Int8Linear` or all :class:`~specdec.forwards.int4.Int4Linear`),
+    or None where it can: rotation's layout, and no sliding window, partial rotary embedding or
+    extra part of attention or MLP (and, for int4, output widths that stack: multiples of 64)."""
+    problems = [rotatable(model, kind) for kind in (Int8Linear, Int4Linear)]
+    if all(problems):
+        return problems[0]
+    if problems[0] is not None and any(module.out_features % int4.STACK_ROWS for module in model.modules()
+                                       if isinstance(module, Int4Linear)):
+        return f"int4 layers whose output widths are not multiples of {int4.STACK_ROWS} (they would not stack)"
     decoder = model.get_decoder()
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
@@ -84,22 +90,35 @@ def lean_problem(model) -> str | None:
 
 class _Layer:
     """One decoder layer's tensors as :func:`decoder_layers` takes them: ``parts`` = the two norms'
-    scales, then the int8 weights, scales and offsets of query-key-value, the attention output,
-    gate-up and down; ``biases`` = those four layers' biases (or None); ``eps`` = the norms'."""
+    scales, then three tensors for each of query-key-value, the attention output, gate-up and
+    down (:func:`product`'s: int8 weights, scales and offsets; or int4 weights, scales-and-zeros
+    and an empty tensor); ``biases`` = those four layers' biases (or None); ``eps`` = the norms'."""
 
     def __init__(self, layer):
         attn, mlp = layer.self_attn, layer.mlp
-        qkv = stack_linears([attn.q_proj, attn.k_proj, attn.v_proj])
-        gate_up = stack_linears([mlp.gate_proj, mlp.up_proj])
+        kind = int8 if isinstance(attn.q_proj, Int8Linear) else int4
+        stack = int8.stack_linears if kind is int8 else int4.stack_int4
+        qkv = stack([attn.q_proj, attn.k_proj, attn.v_proj])
+        gate_up = stack([mlp.gate_proj, mlp.up_proj])
         linears = (qkv, attn.o_proj, gate_up, mlp.down_proj)
+        empty = torch.empty(0)
         self.parts = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight] + [
-            getattr(lin, name) for lin in linears for name in WEIGHT_BUFFERS]
+            tensor for lin in linears for tensor in ([getattr(lin, name) for name in kind.WEIGHT_BUFFERS] + [empty])[:3]]
         self.biases = [lin.bias for lin in linears]
         self.eps = [_eps(layer.input_layernorm), _eps(layer.post_attention_layernorm)]
 
 
 def _eps(norm) -> float:
     return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+
+
+def product(x2: torch.Tensor, weight: torch.Tensor, second: torch.Tensor, third: torch.Tensor,
+            bias: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """A copy's linear layer on the rows ``x2 [M, K]``: int8 weights (``weight`` int8, its scales
+    and offsets) or int4 ones (``weight`` packed, ``second`` its scales and zeros)."""
+    if weight.dtype == torch.int8:
+        return int8_linear(x2, weight, second, third, bias, dtype)
+    return int4_linear(x2, weight, second, bias, dtype)
 
 
 def decoder_layers(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor],
@@ -118,7 +137,7 @@ def decoder_layers(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, m
     for i in range(len(parts)):
         p, b = parts[i], biases[i]
         x = torch.nn.functional.rms_norm(hidden, [size], p[0], eps[2 * i]).view(-1, size)
-        qkv = int8_linear(x, p[2], p[3], p[4], b[0], dtype).view(batch, width, -1)  # [B, T, (heads + 2 kv) dim]
+        qkv = product(x, p[2], p[3], p[4], b[0], dtype).view(batch, width, -1)  # [B, T, (heads + 2 kv) dim]
         qk = qkv[:, :, :qk_cols].view(batch, width, heads + kv_heads, dim)
         qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin  # rotary, queries and keys at once
         keys[i][:, :, start:end] = qk[:, :, heads:].transpose(1, 2)
@@ -129,12 +148,12 @@ def decoder_layers(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, m
             query.reshape(batch, kv_heads, groups * width, dim), keys[i][:, :, :end], values[i][:, :, :end],
             attn_mask=mask, scale=scaling)
         out = out.view(batch, kv_heads, groups, width, dim).permute(0, 3, 1, 2, 4).reshape(batch * width, heads * dim)
-        hidden = hidden + int8_linear(out, p[5], p[6], p[7], b[1], dtype).view(batch, width, size)
+        hidden = hidden + product(out, p[5], p[6], p[7], b[1], dtype).view(batch, width, size)
         x = torch.nn.functional.rms_norm(hidden, [size], p[1], eps[2 * i + 1]).view(-1, size)
-        gate_up = int8_linear(x, p[8], p[9], p[10], b[2], dtype)  # [B T, 2 I]
+        gate_up = product(x, p[8], p[9], p[10], b[2], dtype)  # [B T, 2 I]
         inner = gate_up.shape[1] // 2
         gated = torch.nn.functional.silu(gate_up[:, :inner]) * gate_up[:, inner:]
-        hidden = hidden + int8_linear(gated, p[11], p[12], p[13], b[3], dtype).view(batch, width, size)
+        hidden = hidden + product(gated, p[11], p[12], p[13], b[3], dtype).view(batch, width, size)
     return hidden
 
 

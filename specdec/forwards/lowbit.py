@@ -20,7 +20,10 @@ model when given ``weights=``. The model a copy is built from is never modified.
 * ``"dynamic_int8"``: torch's own dynamic quantization (``torch.ao.quantization.quantize_dynamic``:
   int8 weights per output channel, activations quantized per tensor on the fly, fbgemm's kernels,
   which serve CPUs without VNNI too); CPU only, eager only (its packed weights do not compile);
-* ``"int4"``: int4 weight-only (``torchao``; needs a backend with int4 kernels).
+* ``"int4"``: int4 weights in groups of 32 along the input, scales and offsets per group: on a CPU
+  ``int4.Int4Linear`` (torch's own int4 kernel, bfloat16 activations; no extra package; the
+  residual stream is not rotated: the rotated copy agreed with the target less), elsewhere
+  ``torchao``'s int4 weight-only layers.
 
 A copy drafts on a static cache with compiled one-token forwards (torchao's int8 layers are slower
 than fp32 ones until compiled): :class:`LowPrecisionDraft` gives a generator the option.
@@ -41,12 +44,15 @@ import torch
 
 from ..compiled import check_compile_options, compiles_now
 from .attention import GROUPED_SDPA, register_grouped_sdpa
+from .int4 import available as int4_available
+from .int4 import quantize_linears as quantize_int4
 from .int8 import quantize_linears
 from .lean import install as install_lean
 from .rotation import rotatable, rotate_residual
 
 WEIGHTS = ("auto", "bfloat16", "float16", "int8", "w8a8", "int4", "dynamic_int8")
-QUANTIZED = ("int8", "w8a8", "int4")  # by torchao (w8a8 off the CPU)
+QUANTIZED = ("int8", "w8a8", "int4")  # by torchao (w8a8 and int4 off the CPU)
+OWN_ON_CPU = ("w8a8", "int4")  # on a CPU, specdec's own layers (int8.py, int4.py)
 EAGER_ONLY = ("dynamic_int8",)  # copies whose layers torch.compile cannot trace (packed weights)
 
 
@@ -74,7 +80,7 @@ def build_copy(model, weights: str):
         raise ValueError(f"a low-precision draft copy needs a text-only model; {type(model).__name__} is a "
                          "vision-language model (pass a text draft model instead)")
     on_cpu = next(model.parameters()).device.type == "cpu"
-    if weights in QUANTIZED and not (weights == "w8a8" and on_cpu):
+    if weights in QUANTIZED and not (weights in OWN_ON_CPU and on_cpu):
         quantize, config = _torchao(weights)
     if weights == "dynamic_int8" and not on_cpu:
         raise ValueError("weights='dynamic_int8' (torch's quantize_dynamic) runs on a CPU only")
@@ -87,6 +93,12 @@ def build_copy(model, weights: str):
             draft = _plain_copy(model)  # the rotated copy failed its check: it is spoilt
         quantize_linears(draft).eval()
         install_lean(draft)  # its eager steps in few operations (lean.py), where the layout allows
+        return draft
+    if weights == "int4" and on_cpu:  # int4 weights, bfloat16 activations (int4.py)
+        if not int4_available():
+            raise RuntimeError(f"weights='int4' on a CPU needs torch's CPU int4 kernel, which torch {torch.__version__} lacks")
+        quantize_int4(draft).eval()
+        install_lean(draft)
         return draft
     if weights != "w8a8":
         draft.to(torch.float16 if weights == "float16" else torch.bfloat16)

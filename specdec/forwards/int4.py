@@ -1,0 +1,117 @@
+"""Int4 matrix products for a CPU draft copy: int4 weights in groups, bfloat16 activations.
+
+A decoding step of a small model on a CPU is bound by reading its weights. This module stores a
+linear layer's weights as 4-bit integers, a scale and an offset (bfloat16) for every
+:data:`GROUP` consecutive weights of an output channel, and multiplies through torch's own int4
+kernel for CPUs (``torch._weight_int4pack_mm_for_cpu``, with bfloat16 activations; no extra
+package): an eighth of the fp32 bytes, half of an int8 copy's. For one row of SmolLM2-135M's
+layer products it took 16-25 us where the int8 x uint8 products of ``int8.py`` took about 45 us
+(docs/self_draft.md, "How the copy drafts").
+
+The weights are quantized to their group's own range (``lo + scale * q``, q in 0..15), the
+kernel's layout: it computes ``x @ ((q - 8) * scale + zero)^T`` with ``zero = lo + 8 scale``.
+
+Only the draft uses these layers: a draft is checked token by token against the target, so
+rounding changes which drafts are accepted, never the output.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+#: weights of an output channel that share one scale and offset
+GROUP = 32
+#: rows of a weight quantized at a time (``rotation.CHUNK_ROWS``: why)
+CHUNK_ROWS = 4096
+#: output widths that stack (``stack_int4``): the packing works in blocks of this many rows
+STACK_ROWS = 64
+#: an :class:`Int4Linear`'s weight buffers: the packed weights, one row per output channel, then
+#: the scales and offsets [K / GROUP, N, 2] (what stacking concatenates, along different dims)
+WEIGHT_BUFFERS = ("weight_int4", "scales_zeros")
+
+
+def available() -> bool:
+    """Whether this torch has the CPU int4 kernel."""
+    return hasattr(torch, "_weight_int4pack_mm_for_cpu") and hasattr(torch, "_convert_weight_to_int4pack_for_cpu")
+
+
+def int4_linear(x2: torch.Tensor, weight_int4: torch.Tensor, scales_zeros: torch.Tensor,
+                bias: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """:class:`Int4Linear`'s forward on the 2-D rows ``x2 [M, K]`` from its buffers, the result in
+    ``dtype``. A plain function of tensors (no module), so that ``lean.py`` can script it."""
+    group = x2.shape[1] // scales_zeros.shape[0]
+    y = torch._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), weight_int4, group, scales_zeros).to(dtype)
+    if bias is not None:
+        y = y + bias
+    return y
+
+
+def quantize(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [N, K]`` -> (q [N, K] int32 in 0..15, scales_zeros [K / group, N, 2] bfloat16)."""
+    n, k = weight.shape
+    q = torch.empty(n, k, dtype=torch.int32, device=weight.device)
+    scales_zeros = torch.empty(k // group, n, 2, dtype=torch.bfloat16, device=weight.device)
+    for first in range(0, n, CHUNK_ROWS):  # float temporaries of a few MB, whatever the layer's size
+        rows = slice(first, first + CHUNK_ROWS)
+        w = weight[rows].float().reshape(-1, k // group, group)
+        lo, hi = torch.aminmax(w, dim=2, keepdim=True)
+        scale = ((hi - lo) / 15).clamp_min_(1e-6)
+        q[rows] = ((w - lo) / scale).round_().clamp_(0, 15).reshape(-1, k).to(torch.int32)
+        scales_zeros[:, rows] = torch.cat([scale, lo + 8 * scale], dim=2).transpose(0, 1)
+    return q, scales_zeros
+
+
+class Int4Linear(torch.nn.Module):
+    """``y = x W^T + b`` with W stored as int4 in groups of :data:`GROUP` along its input."""
+
+    def __init__(self, linear: torch.nn.Linear, group: int = GROUP):
+        super().__init__()
+        if linear.in_features % group:
+            raise ValueError(f"int4 weights: in_features {linear.in_features} is not a multiple of {group}")
+        q, scales_zeros = quantize(linear.weight.detach(), group)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("weight_int4", torch._convert_weight_to_int4pack_for_cpu(q, 1))  # [N, K / 2]
+        self.register_buffer("scales_zeros", scales_zeros)  # [K / group, N, 2]
+        bias = linear.bias
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = int4_linear(x.reshape(-1, shape[-1]), self.weight_int4, self.scales_zeros, self.bias, x.dtype)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        group = self.in_features // self.scales_zeros.shape[0]
+        return f"in_features={self.in_features}, out_features={self.out_features}, weights=int4 (groups of {group}), activations=bfloat16"
+
+
+def stack_int4(parts: list[Int4Linear]) -> Int4Linear:
+    """One :class:`Int4Linear` computing ``parts`` (which read the same input) as one product, their
+    outputs side by side. Packing works row by row, so the stacked packed weights are the parts'
+    side by side; each part's weights become a view of them (its scales stay its own: they are
+    small, and a part's slice of the stacked ones would not be contiguous)."""
+    stacked = Int4Linear.__new__(Int4Linear)
+    torch.nn.Module.__init__(stacked)
+    stacked.in_features, stacked.out_features = parts[0].in_features, sum(p.out_features for p in parts)
+    stacked.register_buffer("weight_int4", torch.cat([p.weight_int4 for p in parts]))
+    stacked.register_buffer("scales_zeros", torch.cat([p.scales_zeros for p in parts], dim=1))
+    has_bias = any(p.bias is not None for p in parts)
+    stacked.register_buffer("bias", torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features)
+                                                for p in parts]) if has_bias else None)
+    first = 0
+    for part in parts:
+        part.weight_int4 = stacked.weight_int4[first: first + part.out_features]
+        first += part.out_features
+    return stacked
+
+
+def quantize_linears(model: torch.nn.Module, group: int = GROUP) -> torch.nn.Module:
+    """Replace every ``nn.Linear`` of ``model`` (in place) by an :class:`Int4Linear`."""
+    for name, child in list(model.named_children()):
+        if isinstance(child, torch.nn.Linear):
+            setattr(model, name, Int4Linear(child, group))
+        else:
+            quantize_linears(child, group)
+    return model
