@@ -4,9 +4,9 @@ A decoding step of a small model on a CPU is bound by reading its weights. This 
 linear layer's weights as 4-bit integers, a scale and an offset (bfloat16) for every
 :data:`GROUP` consecutive weights of an output channel, and multiplies through torch's own int4
 kernel for CPUs (``torch._weight_int4pack_mm_for_cpu``, with bfloat16 activations; no extra
-package): an eighth of the fp32 bytes, half of an int8 copy's. For one row of SmolLM2-135M's
-layer products it took 16-25 us where the int8 x uint8 products of ``int8.py`` took about 45 us
-(docs/self_draft.md, "How the copy drafts").
+package): an eighth of the fp32 bytes, half of an int8 copy's. Where int8 x uint8 products
+(``int8.py``) are fast it gains little: in a step of SmolLM2-135M's copy on an AMX Xeon its
+products took 49 us each against their 46 us (docs/self_draft.md, "Why it should pay").
 
 The weights are quantized to their group's own range (``lo + scale * q``, q in 0..15), the
 kernel's layout: it computes ``x @ ((q - 8) * scale + zero)^T`` with ``zero = lo + 8 scale``.

@@ -101,9 +101,9 @@ class _Layer:
         qkv = stack([attn.q_proj, attn.k_proj, attn.v_proj])
         gate_up = stack([mlp.gate_proj, mlp.up_proj])
         linears = (qkv, attn.o_proj, gate_up, mlp.down_proj)
-        empty = torch.empty(0)
+        padding = [torch.empty(0)] * (3 - len(kind.WEIGHT_BUFFERS))  # three tensors a layer, whatever the kind
         self.parts = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight] + [
-            tensor for lin in linears for tensor in ([getattr(lin, name) for name in kind.WEIGHT_BUFFERS] + [empty])[:3]]
+            tensor for lin in linears for tensor in [getattr(lin, name) for name in kind.WEIGHT_BUFFERS] + padding]
         self.biases = [lin.bias for lin in linears]
         self.eps = [_eps(layer.input_layernorm), _eps(layer.post_attention_layernorm)]
 
