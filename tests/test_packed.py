@@ -75,22 +75,35 @@ def test_the_switch_holds_only_inside_its_block_and_only_for_a_few_rows(model):
 def test_packing_waits_for_enough_forwards_then_decides_once(model, monkeypatch):
     timed = []
     monkeypatch.setattr(packed, "available", lambda: True)
-    monkeypatch.setattr(PackedLinears, "_time", lambda self: timed.append(1) or (0.5, 1.0))
+    monkeypatch.setattr(PackedLinears, "_time", lambda self, rows: timed.append(rows) or (0.5, 1.0))
     state = PackedLinears.of(model)
     assert [state.use(8) for _ in range(PACK_AFTER - 1)] == [False] * (PACK_AFTER - 1)
     assert not state.use(1) and not state.use(MAX_ROWS + 1)  # not counted
-    assert state.use(8) and state.use(MIN_ROWS) and timed == [1]
-    assert "500.00 ms against 1000.00 ms" in state.reason
+    assert state.use(8) and state.use(MIN_ROWS) and state.use(MAX_ROWS) and timed == list(packed.TIMED_ROWS)
+    assert "8 rows 500.00 against 1000.00 ms" in state.reason
+
+
+@pytest.mark.parametrize("gains, rows", [((8, 16), (8, MAX_ROWS)), ((4, 8), (MIN_ROWS, packed.MIDDLE_ROWS)),
+                                         ((8,), (8, packed.MIDDLE_ROWS))])
+def test_the_rows_served_are_those_that_timed_faster(model, monkeypatch, gains, rows):
+    monkeypatch.setattr(packed, "available", lambda: True)
+    monkeypatch.setattr(PackedLinears, "_time", lambda self, n: (0.5 if n in gains else 1.0, 1.0))
+    monkeypatch.setattr(PackedLinears, "packed_weight", lambda self, layer: None)
+    state = PackedLinears.of(model)
+    state.forwards = PACK_AFTER
+    assert state.use(8) and state.rows == rows
+    assert [state.use(n) for n in (rows[0] - 1, rows[0], rows[1], rows[1] + 1)] == [False, True, True, False]
+    assert f"{rows[0]}-{rows[1]} rows" in PackedLinears.decision(model)
 
 
 def test_packing_is_declined_where_it_is_not_faster_or_does_not_fit(model, monkeypatch):
     monkeypatch.setattr(packed, "available", lambda: True)
-    monkeypatch.setattr(PackedLinears, "_time", lambda self: (0.95, 1.0))  # within MIN_GAIN: not worth it
+    monkeypatch.setattr(PackedLinears, "_time", lambda self, rows: (0.95, 1.0))  # within MIN_GAIN: not worth it
     state = PackedLinears.of(model)
     state.forwards = PACK_AFTER
     assert not state.use(8) and state.decided is False
     PackedLinears.forget(model)
-    monkeypatch.setattr(PackedLinears, "_time", lambda self: (0.1, 1.0))
+    monkeypatch.setattr(PackedLinears, "_time", lambda self, rows: (0.1, 1.0))
     monkeypatch.setattr(packed, "memory_available", lambda: PackedLinears.of(model).extra_bytes())  # twice the share
     state = PackedLinears.of(model)
     state.forwards = PACK_AFTER
@@ -116,7 +129,7 @@ def test_a_call_verifies_through_packed_weights_and_keeps_generates_output(model
 def test_deciding_and_packing_are_one_time_work_and_said(model, monkeypatch):
     """The forward that decides and packs puts its seconds on the compile clock (the step is
     reported apart and prices nothing), and every layer is packed then, not in later forwards."""
-    monkeypatch.setattr(PackedLinears, "_time", lambda self: time.sleep(0.05) or (0.5, 1.0))
+    monkeypatch.setattr(PackedLinears, "_time", lambda self, rows: time.sleep(0.02) or (0.5, 1.0))
     state = PackedLinears.of(model)
     state.forwards = PACK_AFTER - 1
     assert PackedLinears.decision(model) is None
@@ -124,5 +137,6 @@ def test_deciding_and_packing_are_one_time_work_and_said(model, monkeypatch):
     assert state.use(8)
     assert compile_seconds() - before >= 0.05
     assert len(state._packed) == len(state.layers)
-    assert PackedLinears.decision(model) == (f"used for forwards of {MIN_ROWS}-{MAX_ROWS} rows: "
-                                             "packed 500.00 ms against 1000.00 ms at 8 rows")
+    assert PackedLinears.decision(model) == (
+        f"used for forwards of {MIN_ROWS}-{MAX_ROWS} rows: packed products timed faster here (4 rows 500.00 against "
+        "1000.00 ms; 8 rows 500.00 against 1000.00 ms; 16 rows 500.00 against 1000.00 ms)")

@@ -20,8 +20,9 @@ packed copies cost memory (about one to two times the layers' weights), so a mod
   nothing for packing it would not earn back: packing costs about five such forwards);
 * only where they fit: the extra bytes at most :data:`MEMORY_SHARE` of the memory available;
 * only where packed products timed faster than the layers' own on this machine (one decoder
-  layer's linear layers and the output layer at 8 rows, medians, interleaved), decided once per
-  model for the process (:meth:`PackedLinears.of`).
+  layer's linear layers and the output layer at 4, 8 and 16 rows, medians, interleaved), decided once per
+  model for the process (:meth:`PackedLinears.of`); so is the range of rows they serve (timed at
+  :data:`TIMED_ROWS`).
 
 The logits differ from the unpacked forward's only in rounding (the same products, summed in
 another order), as those of a multi-token verification already differ from one-token steps'.
@@ -40,11 +41,15 @@ import torch
 
 from ..compiled import one_time
 
-#: fewest rows (tokens x batch rows) a forward feeds for the packed products: fewer run as a
-#: matrix-vector product or close to one, which packing does not speed up (measured: 2-3 rows slower)
+#: fewest rows (tokens x batch rows) a forward may feed for the packed products: fewer run as a
+#: matrix-vector product or close to one, which packing does not speed up (2-3 rows: slower here)
 MIN_ROWS = 4
-#: most rows: from about 24 rows on, torch's own product costs what the packed one does (measured)
+#: most rows: from about 24 rows on, torch's own product cost what the packed one does here
 MAX_ROWS = 20
+#: the row counts timed when deciding: the range used starts at the first of the lower two that
+#: gains, and ends at MAX_ROWS where the last gains too, else at MIDDLE_ROWS
+TIMED_ROWS = (4, 8, 16)
+MIDDLE_ROWS = 12
 #: eligible forwards a model runs before its weights are packed (packing costs about five)
 PACK_AFTER = 20
 #: the packed copies' bytes may take at most this share of the memory available when packing
@@ -102,6 +107,7 @@ class PackedLinears:
         self.layers = [m for m in model.modules() if _eligible(m)]
         self.forwards = 0  # eligible forwards seen
         self.decided: bool | None = None  # None: not yet; then whether packed products are used
+        self.rows = (MIN_ROWS, MAX_ROWS)  # the row counts they serve (measured when deciding)
         self.reason = ""
         self._packed: dict[int, _Packed] = {}
 
@@ -141,7 +147,7 @@ class PackedLinears:
     def use(self, rows: int) -> bool:
         """Whether a forward feeding ``rows`` rows runs the packed products (counting it, and
         deciding once enough have run)."""
-        if not (MIN_ROWS <= rows <= MAX_ROWS) or not self.layers:
+        if not (self.rows[0] <= rows <= self.rows[1]) or not self.layers:
             return False
         if self.decided is None:
             self.forwards += 1
@@ -158,7 +164,7 @@ class PackedLinears:
         """What was decided and why (``out.stats.choices["packed_weights"]``), or None before deciding."""
         if self.decided is None:
             return None
-        return f"{'used' if self.decided else 'not used'} for forwards of {MIN_ROWS}-{MAX_ROWS} rows: {self.reason}"
+        return f"{'used for forwards of %d-%d rows' % self.rows if self.decided else 'not used'}: {self.reason}"
 
     def _decide(self) -> tuple[bool, str]:
         if not available():
@@ -166,15 +172,21 @@ class PackedLinears:
         free = memory_available()
         if free is not None and self.extra_bytes() > MEMORY_SHARE * free:
             return False, f"{self.extra_bytes() / 2**20:.0f} MB of packed weights would not fit ({free / 2**20:.0f} MB available)"
-        packed, own = self._time()
-        faster = packed <= MIN_GAIN * own
-        return faster, f"packed {packed * 1e3:.2f} ms against {own * 1e3:.2f} ms at 8 rows"
+        times = {rows: self._time(rows) for rows in TIMED_ROWS}  # {rows: (packed, own)}
+        gains = [rows for rows, (packed, own) in times.items() if packed <= MIN_GAIN * own]
+        said = "; ".join(f"{rows} rows {packed * 1e3:.2f} against {own * 1e3:.2f} ms" for rows, (packed, own) in times.items())
+        if TIMED_ROWS[1] not in gains:
+            return False, f"packed products no faster here ({said})"
+        self.rows = (MIN_ROWS if TIMED_ROWS[0] in gains else TIMED_ROWS[1],
+                     MAX_ROWS if TIMED_ROWS[2] in gains else MIDDLE_ROWS)
+        return True, f"packed products timed faster here ({said})"
 
-    def _time(self, reps: int = 5) -> tuple[float, float]:
-        """(packed, own) median seconds of one decoder layer's linear layers and the largest one."""
+    def _time(self, rows: int, reps: int = 5) -> tuple[float, float]:
+        """(packed, own) median seconds of one decoder layer's linear layers and the largest one
+        on ``rows`` rows."""
         middle = len(self.layers) // 2  # a decoder layer's linear layers come one after another
         probe = self.layers[middle: middle + 8] + [max(self.layers, key=lambda layer: layer.weight.numel())]
-        inputs = [torch.randn(8, layer.in_features) for layer in probe]
+        inputs = [torch.randn(rows, layer.in_features) for layer in probe]
         timings: dict[str, list[float]] = {"packed": [], "own": []}
         with torch.no_grad():
             for r in range(reps + 1):
@@ -234,6 +246,7 @@ class _PackedForward:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         layer = self.layer
-        if x.dtype != torch.float32 or x.device.type != "cpu" or not (MIN_ROWS <= x.numel() // max(x.shape[-1], 1) <= MAX_ROWS):
+        low, high = self.state.rows
+        if x.dtype != torch.float32 or x.device.type != "cpu" or not (low <= x.numel() // max(x.shape[-1], 1) <= high):
             return torch.nn.functional.linear(x, layer.weight, layer.bias)
         return self.state.product(layer, x)
