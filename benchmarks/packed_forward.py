@@ -82,7 +82,7 @@ def report(result: dict, meta: dict) -> None:
              f"{meta['machine']}; torch {meta['torch']}, transformers {meta['transformers']}; {meta['threads']} "
              f"threads; SmolLM2-135M fp32; cached context {meta['context']} tokens a row; median of {meta['reps']} "
              "(variants taking turns). Reproduce: `python benchmarks/packed_forward.py`.", "",
-             f"Packed products serve forwards of {MIN_ROWS}-{MAX_ROWS} rows (tokens x batch rows); others run the "
+             f"Packed products may serve forwards of {MIN_ROWS}-{MAX_ROWS} rows (tokens x batch rows); others run the "
              "model's own either way (controls). This machine's one-time decision: "
              f"{'use them' if result['decision']['use'] else 'do not use them'} ({result['decision']['reason']}).", "",
              "| rows x tokens | fed | own | packed | own / packed | top tokens |", "| --- | --- | --- | --- | --- | --- |"]
