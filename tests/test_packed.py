@@ -140,3 +140,25 @@ def test_deciding_and_packing_are_one_time_work_and_said(model, monkeypatch):
     assert PackedLinears.decision(model) == (
         f"used for forwards of {MIN_ROWS}-{MAX_ROWS} rows: packed products timed faster here (4 rows 500.00 against "
         "1000.00 ms; 8 rows 500.00 against 1000.00 ms; 16 rows 500.00 against 1000.00 ms)")
+
+
+def test_forwards_that_time_the_model_do_not_count_towards_packing(model):
+    state = PackedLinears.of(model)
+    with packed.measuring():
+        assert not any(state.use(8) for _ in range(2 * PACK_AFTER))
+    assert state.forwards == 0 and state.decided is None
+    state.use(8)
+    assert state.forwards == 1
+
+
+def test_choosing_a_copy_and_calibrating_do_not_count_towards_packing(model):
+    from specdec.forwards.choose import StepTimer
+    from specdec.kv import CacheSettings
+    from specdec.policy.costs import calibrate
+
+    timer = StepTimer(model, torch.arange(3, 40)[None, :], 8, CacheSettings())
+    for width in (4, 8, 16):
+        timer.time(width)
+    timer.release()
+    calibrate(model, torch.arange(3, 40))
+    assert PackedLinears.of(model).forwards == 0

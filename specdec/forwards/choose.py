@@ -158,6 +158,12 @@ class StepTimer:
             self._forward(0, self.position, True)
 
     def _forward(self, start: int, width: int, first: bool = False) -> torch.Tensor:
+        from .packed import measuring
+
+        with measuring():  # no sign of use: these forwards do not get the target's weights packed
+            return self._fed(start, width, first)
+
+    def _fed(self, start: int, width: int, first: bool) -> torch.Tensor:
         fed = self.kv.padded_width(width, first)
         kwargs = {"input_ids": self.ids[:, start: start + fed], "position_ids": torch.arange(start, start + fed)[None, :],
                   self.cache_kwarg: self.kv.cache, "use_cache": True, "logits_to_keep": 1 if first else width}

@@ -16,8 +16,9 @@ feed :data:`MIN_ROWS` to :data:`MAX_ROWS` rows (tokens x batch rows); a one-toke
 model's own (so plain steps give ``generate``'s numbers bit for bit), and so does a prefill. The
 packed copies cost memory (about one to two times the layers' weights), so a model gets them:
 
-* only after :data:`PACK_AFTER` such forwards in the process (a short call, or a first one, pays
-  nothing for packing it would not earn back: packing costs about five such forwards);
+* only after :data:`PACK_AFTER` such forwards in the process, not counting those that time the
+  model (:func:`measuring`): a short call, or a first one, pays nothing for packing it would not
+  earn back (packing costs about five such forwards);
 * only where they fit: the extra bytes at most :data:`MEMORY_SHARE` of the memory available;
 * only where packed products timed faster than the layers' own on this machine (one decoder
   layer's linear layers and the output layer at 4, 8 and 16 rows, medians, interleaved), decided once per
@@ -58,6 +59,22 @@ MEMORY_SHARE = 0.5
 MIN_GAIN = 0.9
 #: the pack's row hint (MKL's packing layout for small row counts; any row count may use it)
 HINT_ROWS = 16
+
+
+_MEASURING = threading.local()  # .on: this thread times forwards (they are no sign of use)
+
+
+@contextmanager
+def measuring():
+    """Inside the block, this thread's forwards time a model (choosing a copy, calibrating the
+    policy's costs): they do not count towards :data:`PACK_AFTER`, so that a first call's
+    measuring does not get its model packed within that call."""
+    before = getattr(_MEASURING, "on", False)
+    _MEASURING.on = True
+    try:
+        yield
+    finally:
+        _MEASURING.on = before
 
 
 def available() -> bool:
@@ -150,6 +167,8 @@ class PackedLinears:
         if not (self.rows[0] <= rows <= self.rows[1]) or not self.layers:
             return False
         if self.decided is None:
+            if getattr(_MEASURING, "on", False):
+                return False
             self.forwards += 1
             if self.forwards < PACK_AFTER:
                 return False

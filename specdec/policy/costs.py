@@ -25,6 +25,7 @@ import weakref
 import torch
 
 from ..device import synchronize
+from ..forwards.packed import measuring
 from ..kv import CacheSettings, make_kv
 from ..modelinfo import cache_argument
 
@@ -217,7 +218,7 @@ def calibrate(model, tokens: torch.Tensor, cache: CacheSettings | None = None, s
     else:
         own, made = None, make_kv(model, 1, context + CALIBRATED[-1] + 1, cache)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), measuring():  # timing forwards: no sign of use, they get no weights packed
             prefix = tokens.repeat(context // tokens.numel() + 1)[:context]
             curve = _time_widths(model, made, cache_kwarg, prefix, reps, CALIBRATED)
     finally:
