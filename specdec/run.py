@@ -68,6 +68,7 @@ class DecodeRun:
         # several, so the target's rows that end apart are shifted into line instead (a copy of the
         # lagging rows' cache; docs/performance.md, "Batches")
         self.target.refeed_limit = 0
+        PackedLinears.calling(target)  # a model called again gets its weights packed (forwards/packed.py)
         if prompt.prefix is not None:
             self.target.continue_from(prompt.prefix)
         self.followers: list[ModelState] = []  # assistants in the target's token space

@@ -162,3 +162,14 @@ def test_choosing_a_copy_and_calibrating_do_not_count_towards_packing(model):
     timer.release()
     calibrate(model, torch.arange(3, 40))
     assert PackedLinears.of(model).forwards == 0
+
+
+def test_a_model_called_again_is_packed_at_once(model, monkeypatch):
+    monkeypatch.setattr(packed, "available", lambda: True)
+    monkeypatch.setattr(PackedLinears, "_time", lambda self, rows: (0.5, 1.0))
+    monkeypatch.setattr(PackedLinears, "packed_weight", lambda self, layer: None)
+    PackedLinears.calling(model)
+    state = PackedLinears.of(model)
+    assert not state.use(8) and state.calls == 1  # a first call: only after PACK_AFTER forwards
+    PackedLinears.calling(model)
+    assert state.use(8) and state.calls == 2

@@ -16,9 +16,10 @@ feed :data:`MIN_ROWS` to :data:`MAX_ROWS` rows (tokens x batch rows); a one-toke
 model's own (so plain steps give ``generate``'s numbers bit for bit), and so does a prefill. The
 packed copies cost memory (about one to two times the layers' weights), so a model gets them:
 
-* only after :data:`PACK_AFTER` such forwards in the process, not counting those that time the
-  model (:func:`measuring`): a short call, or a first one, pays nothing for packing it would not
-  earn back (packing costs about five such forwards);
+* only in a model's second call (a process that calls a model again is expected to keep calling
+  it), or once it has run :data:`PACK_AFTER` such forwards, not counting those that time the model
+  (:func:`measuring`): a first call pays nothing for packing unless it is long enough to earn it
+  back (deciding and packing cost about five such forwards);
 * only where they fit: the extra bytes at most :data:`MEMORY_SHARE` of the memory available;
 * only where packed products timed faster than the layers' own on this machine (one decoder
   layer's linear layers and the output layer at 4, 8 and 16 rows, medians, interleaved), decided once per
@@ -51,7 +52,7 @@ MAX_ROWS = 20
 #: gains, and ends at MAX_ROWS where the last gains too, else at MIDDLE_ROWS
 TIMED_ROWS = (4, 8, 16)
 MIDDLE_ROWS = 12
-#: eligible forwards a model runs before its weights are packed (packing costs about five)
+#: eligible forwards after which a model's weights are packed within its first call (packing costs about five)
 PACK_AFTER = 20
 #: the packed copies' bytes may take at most this share of the memory available when packing
 MEMORY_SHARE = 0.5
@@ -123,6 +124,7 @@ class PackedLinears:
     def __init__(self, model: torch.nn.Module):
         self.layers = [m for m in model.modules() if _eligible(m)]
         self.forwards = 0  # eligible forwards seen
+        self.calls = 0  # decoding calls of the model (SpecDecoder.generate) begun
         self.decided: bool | None = None  # None: not yet; then whether packed products are used
         self.rows = (MIN_ROWS, MAX_ROWS)  # the row counts they serve (measured when deciding)
         self.reason = ""
@@ -144,6 +146,13 @@ class PackedLinears:
         state.decided = bool(use and available() and state.layers)
         state.reason = "pinned"
         return state
+
+    @classmethod
+    def calling(cls, model: torch.nn.Module) -> None:
+        """A decoding call of ``model`` begins (counted on a CPU only: elsewhere nothing is packed)."""
+        weight = next(model.parameters(), None)
+        if weight is not None and weight.device.type == "cpu":
+            cls.of(model).calls += 1
 
     @classmethod
     def decision(cls, model: torch.nn.Module) -> str | None:
@@ -170,7 +179,7 @@ class PackedLinears:
             if getattr(_MEASURING, "on", False):
                 return False
             self.forwards += 1
-            if self.forwards < PACK_AFTER:
+            if self.forwards < PACK_AFTER and self.calls < 2:
                 return False
             with one_time():  # the step is reported apart, and prices nothing
                 self.decided, self.reason = self._decide()
@@ -200,7 +209,7 @@ class PackedLinears:
                      MAX_ROWS if TIMED_ROWS[2] in gains else MIDDLE_ROWS)
         return True, f"packed products timed faster here ({said})"
 
-    def _time(self, rows: int, reps: int = 5) -> tuple[float, float]:
+    def _time(self, rows: int, reps: int = 3) -> tuple[float, float]:
         """(packed, own) median seconds of one decoder layer's linear layers and the largest one
         on ``rows`` rows."""
         middle = len(self.layers) // 2  # a decoder layer's linear layers come one after another
