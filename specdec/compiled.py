@@ -200,15 +200,20 @@ def compiling(model, key: tuple):
 
 
 @contextmanager
-def warming():
-    """Marks this thread as warming up (``SpecDecoder.warmup``): forwards that compile only when
-    warmed up (:func:`compiles_now`) compile inside it."""
-    before = getattr(_CLOCK, "warming", False)
-    _CLOCK.warming = True
+def flagged(local: threading.local, name: str):
+    """Sets the thread-local flag ``local.<name>`` inside the block, and back to what it was after."""
+    before = getattr(local, name, False)
+    setattr(local, name, True)
     try:
         yield
     finally:
-        _CLOCK.warming = before
+        setattr(local, name, before)
+
+
+def warming():
+    """Marks this thread as warming up (``SpecDecoder.warmup``): forwards that compile only when
+    warmed up (:func:`compiles_now`) compile inside it. A context manager."""
+    return flagged(_CLOCK, "warming")
 
 
 def compiles_now(model) -> bool:

@@ -41,7 +41,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..compiled import one_time
+from ..compiled import flagged, one_time
 
 #: fewest rows (tokens x batch rows) a forward may feed for the packed products: fewer run as a
 #: matrix-vector product or close to one, which packing does not speed up (2-3 rows: slower here)
@@ -65,17 +65,11 @@ HINT_ROWS = 16
 _MEASURING = threading.local()  # .on: this thread times forwards (they are no sign of use)
 
 
-@contextmanager
 def measuring():
-    """Inside the block, this thread's forwards time a model (choosing a copy, calibrating the
-    policy's costs): they do not count towards :data:`PACK_AFTER`, so that a first call's
-    measuring does not get its model packed within that call."""
-    before = getattr(_MEASURING, "on", False)
-    _MEASURING.on = True
-    try:
-        yield
-    finally:
-        _MEASURING.on = before
+    """A context manager: inside it, this thread's forwards time a model (choosing a copy,
+    calibrating the policy's costs), and do not count towards :data:`PACK_AFTER`, so that a first
+    call's measuring does not get its model packed within that call."""
+    return flagged(_MEASURING, "on")
 
 
 def available() -> bool:
