@@ -22,9 +22,9 @@ packed copies cost memory (about one to two times the layers' weights), so a mod
   back (deciding and packing cost about five such forwards);
 * only where they fit: the extra bytes at most :data:`MEMORY_SHARE` of the memory available;
 * only where packed products timed faster than the layers' own on this machine (one decoder
-  layer's linear layers and the output layer at 4, 8 and 16 rows, medians, interleaved), decided once per
-  model for the process (:meth:`PackedLinears.of`); so is the range of rows they serve (timed at
-  :data:`TIMED_ROWS`).
+  layer's linear layers and the output layer at :data:`TIMED_ROWS` rows, medians, interleaved),
+  decided once per model for the process (:meth:`PackedLinears.of`), with the range of rows they
+  serve.
 
 The logits differ from the unpacked forward's only in rounding (the same products, summed in
 another order), as those of a multi-token verification already differ from one-token steps'.
@@ -52,7 +52,8 @@ MAX_ROWS = 20
 #: gains, and ends at MAX_ROWS where the last gains too, else at MIDDLE_ROWS
 TIMED_ROWS = (4, 8, 16)
 MIDDLE_ROWS = 12
-#: eligible forwards after which a model's weights are packed within its first call (packing costs about five)
+#: eligible forwards after which a model's weights are packed within its first call (deciding and
+#: packing cost about five)
 PACK_AFTER = 20
 #: the packed copies' bytes may take at most this share of the memory available when packing
 MEMORY_SHARE = 0.5
