@@ -5,8 +5,9 @@ linear layer's weights as 4-bit integers, a scale and an offset (bfloat16) for e
 :data:`GROUP` consecutive weights of an output channel, and multiplies through torch's own int4
 kernel for CPUs (``torch._weight_int4pack_mm_for_cpu``, with bfloat16 activations; no extra
 package): an eighth of the fp32 bytes, half of an int8 copy's. Where int8 x uint8 products
-(``int8.py``) are fast it gains little: in a step of SmolLM2-135M's copy on an AMX Xeon its
-products took 49 us each against their 46 us (docs/self_draft.md, "Why it should pay").
+(``int8.py``) are fast it does not pay: on an AMX Xeon SmolLM2-135M's int4 copy stepped a quarter
+faster than its w8a8 copy but agreed with the target less, for 1.49x against 1.59x on Spec-Bench
+(docs/self_draft.md, "Measured on Spec-Bench").
 
 The weights are quantized to their group's own range (``lo + scale * q``, q in 0..15), the
 kernel's layout: it computes ``x @ ((q - 8) * scale + zero)^T`` with ``zero = lo + 8 scale``.
