@@ -79,11 +79,12 @@ def register_grouped_sdpa() -> None:
 
 
 @contextmanager
-def grouped_attention(model, device: torch.device):
+def grouped_attention(model, device: torch.device | None):
     """Run ``model``'s text attention as :func:`grouped_sdpa` inside the block, where it is
-    transformers' ``sdpa`` and ``device`` is a CPU; its own setting again afterwards."""
+    transformers' ``sdpa`` and ``device`` is a CPU (None: leave it as it is); its own setting
+    again afterwards."""
     config = model.config.get_text_config()
-    if device.type != "cpu" or getattr(config, "_attn_implementation", None) != "sdpa":
+    if device is None or device.type != "cpu" or getattr(config, "_attn_implementation", None) != "sdpa":
         yield
         return
     register_grouped_sdpa()

@@ -52,8 +52,10 @@ class AcceptanceTracker:
                  prior_weight: float = 2.0, decay: float = 0.9, idle_decay: float = 0.97,
                  untried: float | None = None):
         self.priors = tuple(float(p) for p in (prior if isinstance(prior, (tuple, list)) else (prior,)))
-        self.offered = torch.zeros(len(self.priors), batch, positions, dtype=torch.float64)  # [S, B, K]
-        self.accepted = torch.zeros_like(self.offered)
+        # [S][B][K] plain numbers: the loop updates and reads them every step, a few hundred at most
+        self.offered = [[[0.0] * positions for _ in range(batch)] for _ in self.priors]
+        self.accepted = [[[0.0] * positions for _ in range(batch)] for _ in self.priors]
+        self.positions = positions
         self.prior_weight, self.decay, self.idle_decay = prior_weight, decay, idle_decay
         # per source: the acceptance it is priced at before any of its drafts was verified (None: tried)
         self.untried: list[float | None] = [max(p, untried) if untried is not None else None for p in self.priors]
@@ -63,40 +65,51 @@ class AcceptanceTracker:
         source 0). Position 1's prior is the source's prior; position i's is the estimate at
         position i-1, so positions rarely reached borrow from the shallower ones (conditional
         acceptance seldom falls with depth: a copy that held for i-1 tokens tends to hold on)."""
+        return torch.tensor(self.estimate_rows(sources), dtype=torch.float64).reshape(self.batch, self.positions)
+
+    @property
+    def batch(self) -> int:
+        return len(self.offered[0])
+
+    def estimate_rows(self, sources: torch.Tensor | list[int] | None = None) -> list[list[float]]:
+        """:meth:`estimate` as lists of plain numbers [B][K] (what the policy computes with)."""
         w = self.prior_weight
-        batch = self.offered.shape[1]
-        picks = [0] * batch if sources is None else sources.cpu().tolist()
+        batch = self.batch
+        picks = [0] * batch if sources is None else sources.cpu().tolist() if isinstance(sources, torch.Tensor) \
+            else list(sources)
         rows = []
         for b, s in enumerate(picks):  # plain floats: B x K is small
             if self.untried[s] is not None:  # the first draft at the optimistic price, deeper ones below it
-                rows.append([self.untried[s]] + [min(self.priors[s], UNTRIED_DEEP)] * (self.offered.shape[2] - 1))
+                rows.append([self.untried[s]] + [min(self.priors[s], UNTRIED_DEEP)] * (self.positions - 1))
                 continue
             rate, row = self.priors[s], []
-            for a, o in zip(self.accepted[s, b].tolist(), self.offered[s, b].tolist()):
+            for a, o in zip(self.accepted[s][b], self.offered[s][b]):
                 rate = (a + rate * w) / (o + w)
                 row.append(rate)
             rows.append(row)
-        return torch.tensor(rows, dtype=torch.float64).reshape(self.offered.shape[1:])
+        return rows
 
     def update(self, offered: torch.Tensor, accepted: torch.Tensor, sources: torch.Tensor | None = None) -> None:
         """offered [B], accepted [B] drafts of this step, drafted by ``sources [B]`` (default:
         source 0); position i is tried if offered > i and every earlier draft was accepted."""
-        positions = torch.arange(self.offered.shape[2])[None, None, :]  # [1, 1, K]
-        offered, accepted = offered.cpu()[None, :, None], accepted.cpu()[None, :, None]  # [1, B, 1]
-        picks = torch.zeros(offered.shape[1], dtype=torch.long) if sources is None else sources.cpu().long()
-        mine = (torch.arange(len(self.priors))[:, None] == picks[None, :])[..., None]  # [S, B, 1]
-        drafted = mine & (offered > 0)
-        tried = drafted & (positions < offered) & (positions <= accepted)  # [S, B, K]
-        hit = drafted & (positions < accepted)
-        keep = torch.where(drafted, self.decay, self.idle_decay).double()  # [S, B, 1]
-        self.offered.mul_(keep).add_(tried.double())
-        self.accepted.mul_(keep).add_(hit.double())
-        for s in drafted.flatten(1).any(1).nonzero().flatten().tolist():  # sources verified this step
-            self.untried[s] = None
+        offers, accepts = offered.tolist(), accepted.tolist()
+        picks = [0] * len(offers) if sources is None else sources.tolist()
+        for s, (offered_s, accepted_s) in enumerate(zip(self.offered, self.accepted)):
+            for b, (offer, accept, pick) in enumerate(zip(offers, accepts, picks)):
+                drafted = pick == s and offer > 0
+                keep = self.decay if drafted else self.idle_decay
+                row_offered, row_accepted = offered_s[b], accepted_s[b]
+                for i in range(self.positions):
+                    tried = drafted and i < offer and i <= accept
+                    row_offered[i] = row_offered[i] * keep + (1.0 if tried else 0.0)
+                    row_accepted[i] = row_accepted[i] * keep + (1.0 if drafted and i < accept else 0.0)
+                if drafted:  # a source verified this step
+                    self.untried[s] = None
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        rows = rows.cpu()
-        self.offered, self.accepted = self.offered[:, rows], self.accepted[:, rows]
+        rows = rows.tolist()
+        self.offered = [[source[r] for r in rows] for source in self.offered]
+        self.accepted = [[source[r] for r in rows] for source in self.accepted]
 
 
 class ConfidenceCalibration:

@@ -129,13 +129,17 @@ class CostModel:
 
     def predict(self, tokens: torch.Tensor | float, context: float = 0.0) -> torch.Tensor:
         """Seconds for forwards feeding ``tokens`` (any shape) after ``context`` cached tokens."""
-        curve = self._curve(float(context))
         x = torch.as_tensor(tokens, dtype=torch.float64)
+        return torch.tensor(self.seconds_for(x.reshape(-1).tolist(), context), dtype=torch.float64).reshape(x.shape)
+
+    def seconds_for(self, tokens: list[float], context: float = 0.0) -> list[float]:
+        """:meth:`predict` in plain numbers (what the loop prices every step with)."""
+        curve = self._curve(float(context))
         out = []
-        for t in x.reshape(-1).tolist():
-            lo, hi, w = _bracket(self.grid, t)
+        for t in tokens:
+            lo, hi, w = _bracket(self.grid, float(t))
             out.append(curve[lo] + (curve[hi] - curve[lo]) * w)  # linear past the last point too
-        return torch.tensor(out, dtype=torch.float64).reshape(x.shape)
+        return out
 
     def _curve(self, context: float) -> list[float]:
         """Seconds at each ``COST_GRID`` count after ``context`` cached tokens, never cheaper for more."""
@@ -170,7 +174,7 @@ class CostModel:
         x = float(max(tokens, 1))
         if x > COST_GRID[-1] or self.rate == 0.0 or seconds <= 0.0:
             return
-        predicted = float(self.predict(x, context))
+        predicted = self.seconds_for([x], context)[0]
         # one forward slowed by another process must not move the model far: the ratio is clipped to 1.5x
         ratio = min(max(seconds / predicted, 1 / 1.5), 1.5)
         self.load *= ratio ** LOAD_RATE

@@ -74,24 +74,33 @@ def _expected(rates: list[float]) -> list[float]:
     return out
 
 
-def choose_width(accept: torch.Tensor, available: torch.Tensor, step_seconds: torch.Tensor,
-                 value: torch.Tensor | None = None) -> int:
+def _floats(x):
+    """A tensor's values as (nested lists of) Python floats; a list as it is."""
+    return x.double().tolist() if isinstance(x, torch.Tensor) else x
+
+
+def choose_width(accept: torch.Tensor | list, available: torch.Tensor | list, step_seconds: torch.Tensor | list,
+                 value: torch.Tensor | list | None = None) -> int:
     """The number of drafts W that maximises the batch's committed tokens per second, each row's
     tokens weighted by ``value [B]`` (default 1: see :meth:`DraftPolicy.row_values`).
 
     accept [B, K] conditional acceptance per row and position; available [B] drafts each row can
     offer (at most K); step_seconds [K+1] the cost of a step that verifies w drafts (w = 0..K),
-    drafting included. Row b verifies ``min(W, available[b])``. Ties go to the smaller W.
+    drafting included. Row b verifies ``min(W, available[b])``. Ties go to the smaller W. Each
+    argument may be a tensor or (nested) lists of numbers (what the loop passes: fewer operations).
     """
-    k = accept.shape[1]
+    rows, seconds = _floats(accept), _floats(step_seconds)
+    k = accept.shape[1] if isinstance(accept, torch.Tensor) else len(rows[0]) if rows else len(seconds) - 1
+    offers = [int(a) for a in (available.tolist() if isinstance(available, torch.Tensor) else available)]
     total = [0.0] * (k + 1)  # committed tokens of the batch for w = 0..K, weighted
-    weights = [1.0] * accept.shape[0] if value is None else value.double().tolist()
-    for rates, offer, weight in zip(accept.double().tolist(), available.long().clamp(0, k).tolist(), weights):
+    weights = [1.0] * len(rows) if value is None else _floats(value)
+    for rates, offer, weight in zip(rows, offers, weights):
         expected = _expected(rates)
+        offer = min(max(offer, 0), k)
         for w in range(k + 1):
             total[w] += weight * expected[min(w, offer)]
-    widest = int(available.max()) if available.numel() else 0
-    rate = [t / max(c, 1e-12) for t, c in zip(total, step_seconds.double().tolist())][: widest + 1]
+    widest = max(offers, default=0)
+    rate = [t / max(c, 1e-12) for t, c in zip(total, seconds)][: widest + 1]
     best = max(rate)
     return next(w for w, r in enumerate(rate) if r >= best * (1 - 1e-9))  # the smallest of the best
 
@@ -317,23 +326,27 @@ class DraftPolicy:
         what keeps the long-run rate highest; leaving the paid drafts out would compare each
         further draft with a step made to look cheap, and end blocks of drafts that all pay.)"""
         made = confidence.shape[1]
-        counts = available.cpu().clamp(0, self.max_drafts)
-        seconds = self._step_seconds(counts.shape[0], pending, context, self.draft_seconds_per_token)
-        return choose_width(self._estimate(None, confidence), counts, seconds, self._value(counts)) > made
+        counts = self._offers(available)
+        seconds = self._step_seconds(len(counts), pending, context, self.draft_seconds_per_token)
+        return choose_width(self._estimate(None, confidence), counts, seconds, self._value(len(counts))) > made
 
-    def _estimate(self, sources: torch.Tensor | None, confidence: torch.Tensor | None) -> torch.Tensor:
-        """[B, K] conditional acceptance per position: the tracker's, scaled where a draft came with
+    def _offers(self, counts: torch.Tensor) -> list[int]:
+        """counts [B] as plain numbers within 0..max_drafts."""
+        return [min(max(int(c), 0), self.max_drafts) for c in counts.tolist()]
+
+    def _estimate(self, sources: torch.Tensor | None, confidence: torch.Tensor | None) -> list[list[float]]:
+        """[B][K] conditional acceptance per position: the tracker's, scaled where a draft came with
         the drafter's probability by how acceptance at that probability compares with the source's
         overall (:meth:`ConfidenceCalibration.factor`)."""
-        estimate = self.acceptance.estimate(sources)
+        estimate = self.acceptance.estimate_rows(sources)
         if confidence is None or confidence.numel() == 0:
             return estimate
-        picks = [0] * estimate.shape[0] if sources is None else sources.cpu().tolist()
-        width = min(confidence.shape[1], estimate.shape[1])
+        picks = [0] * len(estimate) if sources is None else sources.cpu().tolist()
+        width = min(confidence.shape[1], self.acceptance.positions)
         for b, (row, s) in enumerate(zip(confidence[:, :width].cpu().tolist(), picks)):
             for i, c in enumerate(row):
                 if c == c:  # not NaN
-                    estimate[b, i] = min(float(estimate[b, i]) * self.calibration.factor(c, s), 1.0)
+                    estimate[b][i] = min(estimate[b][i] * self.calibration.factor(c, s), 1.0)
         return estimate
 
     def _cap(self, counts: torch.Tensor, pending: int, context: int, per_draft: float,
@@ -342,33 +355,31 @@ class DraftPolicy:
         """counts [B] capped at the width that maximises committed tokens per second, where each
         draft costs ``per_draft`` seconds to make on top of verifying it, and drafting at all
         ``setup`` seconds."""
-        available = counts.cpu().clamp(0, self.max_drafts)  # [B]
-        seconds = self._step_seconds(available.shape[0], pending, context, per_draft, setup)
-        width = choose_width(self._estimate(sources, confidence), available, seconds, self._value(available))
-        return available.clamp(max=width).to(counts.device)
+        available = self._offers(counts)  # [B]
+        seconds = self._step_seconds(len(available), pending, context, per_draft, setup)
+        width = choose_width(self._estimate(sources, confidence), available, seconds, self._value(len(available)))
+        return torch.tensor([min(a, width) for a in available], dtype=counts.dtype, device=counts.device)
 
-    def _value(self, rows: torch.Tensor) -> torch.Tensor | None:
-        """This step's :meth:`row_values` where they describe these rows."""
+    def _value(self, rows: int) -> torch.Tensor | None:
+        """This step's :meth:`row_values` where they describe ``rows`` rows."""
         value = self.value
-        return value if value is not None and value.shape[0] == rows.shape[0] else None
+        return value if value is not None and value.shape[0] == rows else None
 
     def _step_seconds(self, batch: int, pending: int, context: int, per_draft: float,
-                      setup: float = 0.0) -> torch.Tensor:
+                      setup: float = 0.0) -> list[float]:
         """[max_drafts + 1] seconds of a step of ``batch`` rows that verifies w = 0.. drafts a row."""
-        widths = torch.arange(self.max_drafts + 1, dtype=torch.float64)
-        return (self.costs.predict((widths + pending) * batch, context) + per_draft * widths
-                + setup * (widths > 0) + self.step_overhead)
+        forwards = self.costs.seconds_for([(w + pending) * batch for w in range(self.max_drafts + 1)], context)
+        return [f + per_draft * w + (setup if w else 0.0) + self.step_overhead for w, f in enumerate(forwards)]
 
     def rates(self, counts: torch.Tensor, pending: int, context: int, source: int = 0) -> torch.Tensor:
         """[B] committed tokens per second row b is expected to reach this step if it verifies the
         best number, up to ``counts[b]``, of drafts from ``source`` (zero drafts included: plain
         decoding). Source 0's drafts cost the measured drafting time; other sources' are free."""
         per_draft = self.draft_seconds_per_token if source == 0 else 0.0
-        available = counts.cpu().clamp(0, self.max_drafts).tolist()
-        seconds = self._step_seconds(len(available), pending, context, per_draft).tolist()
-        estimate = self.acceptance.estimate(torch.full((len(available),), source, dtype=torch.long))
+        available = self._offers(counts)
+        seconds = self._step_seconds(len(available), pending, context, per_draft)
         out = []
-        for accept, offer in zip(estimate.tolist(), available):
+        for accept, offer in zip(self.acceptance.estimate_rows([source] * len(available)), available):
             expected = _expected(accept)
             out.append(max(expected[w] / max(seconds[w], 1e-12) for w in range(offer + 1)))
         return torch.tensor(out, dtype=torch.float64)
@@ -398,5 +409,5 @@ class DraftPolicy:
                                             if self.drafting_measured else per_token)
             self.drafting_measured = True
             if self.assistant is not None:
-                one = float(self.costs.predict(self.acceptance.offered.shape[1], float(self.shape[1])))
+                one = float(self.costs.predict(self.acceptance.batch, float(self.shape[1])))
                 DraftingMemory.learn(self.assistant, self.draft_seconds_per_token / max(one, 1e-12))
