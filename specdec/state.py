@@ -159,13 +159,18 @@ class ModelState:
     def append(self, ids: torch.Tensor, counts: torch.Tensor | None = None) -> None:
         """Append ``ids [B, E]`` (the first ``counts[b]`` of each row) to the row sequences."""
         extra = ids.shape[1]
+        if extra == 0:
+            return
         self.grow(int(self.lengths.max()) + extra)
+        at = torch.arange(extra, device=self.device)[None, :]  # [1, E]
+        cols = self.lengths[:, None] + at  # [B, E], within the capacity grown above
+        ids = ids.to(device=self.device, dtype=self.tokens.dtype)
         if counts is None:
-            counts = torch.full((self.batch_size,), extra, dtype=torch.long, device=self.device)
-        cols = self.lengths[:, None] + torch.arange(extra, device=self.device)[None, :]  # [B, E]
-        keep = torch.arange(extra, device=self.device)[None, :] < counts[:, None]
-        rows = torch.arange(self.batch_size, device=self.device)[:, None].expand_as(cols)
-        self.tokens[rows[keep], cols[keep]] = ids[keep]
+            self.tokens.scatter_(1, cols, ids)
+            self.lengths = self.lengths + extra
+            return
+        keep = at < counts[:, None]  # a row's columns past its count keep what they hold
+        self.tokens.scatter_(1, cols, torch.where(keep, ids, self.tokens.gather(1, cols)))
         self.lengths = self.lengths + counts
 
     def commit(self, start: torch.Tensor, block: torch.Tensor, keep: torch.Tensor, cached: torch.Tensor) -> None:

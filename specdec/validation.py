@@ -189,9 +189,11 @@ def check_proposal(proposal, plugin: str, batch: int, vocab: int, do_sample: boo
         raise ValueError(f"{where}: Proposal.lengths {lengths.tolist()} must lie in [0, K={k}] "
                          f"(token_ids holds K={k} drafts per row)")
     valid = torch.arange(k, device=ids.device)[None, :] < lengths.to(ids.device)[:, None]  # [B, K]
-    drafted = ids[valid]
-    if drafted.numel() and (int(drafted.min()) < 0 or int(drafted.max()) >= vocab):
-        raise ValueError(f"{where} proposed ids outside the target's vocabulary [0, {vocab})")
+    drafted = ids[valid] if k else ids.new_zeros(0)
+    if drafted.numel():
+        lowest, highest = torch.aminmax(drafted)
+        if int(lowest) < 0 or int(highest) >= vocab:
+            raise ValueError(f"{where} proposed ids outside the target's vocabulary [0, {vocab})")
     sources = proposal.sources
     if sources is not None and (not isinstance(sources, torch.Tensor) or sources.dtype not in INTEGER_DTYPES
                                 or tuple(sources.shape) != (batch,)
