@@ -95,12 +95,15 @@ class DraftModelGenerator(LowPrecisionDraft, CandidateGenerator):
         for i in range(k):
             logits = self.assistant.next_logits()[:, : self.shared_vocab].float()  # [B, V]
             logits = ctx.scores(logits, torch.stack(ids, dim=1) if ids else None)  # the target's processors
-            p = ctx.probs(logits)
-            token = sample(p, ctx.generator) if ctx.sampling.do_sample else logits.argmax(dim=-1)
             if ctx.sampling.do_sample:
+                p = ctx.probs(logits)
+                token = sample(p, ctx.generator)
                 probs.append(torch.nn.functional.pad(p, (0, self.target_vocab - self.shared_vocab)))
+                confidence.append(p.gather(1, token[:, None]))  # [B, 1]: the draft's own probability of it
+            else:  # the argmax (the first of equal maxima) and its softmax probability, without the softmax
+                top, token = logits.max(dim=-1)
+                confidence.append(torch.exp(logits - top[:, None]).sum(dim=-1, keepdim=True).reciprocal())
             ids.append(token)
-            confidence.append(p.gather(1, token[:, None]))  # [B, 1]: the draft's own probability of it
             if i + 1 < k and not ctx.keep_drafting(torch.stack(ids, dim=1), torch.cat(confidence, dim=1), lengths):
                 break
             if i + 1 < k:  # the last draft is fed next step, and only if the target accepts it

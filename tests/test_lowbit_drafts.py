@@ -113,3 +113,38 @@ def test_catching_up_is_not_priced_as_drafting(monkeypatch):
     lags = generator_session[0].lags
     assert max(lags) > CATCH_UP  # the first proposal after the pause caught up on ten steps
     assert observed and all(lag <= CATCH_UP for lag in observed)
+
+
+def test_greedy_drafts_are_the_argmax_with_its_softmax_probability(pair, monkeypatch):
+    """Under greedy decoding each draft is the argmax of the assistant's logits and its confidence
+    that token's softmax probability (computed without the softmax)."""
+    from specdec.assistant import Assistant
+
+    target, draft = pair
+    seen, proposals = [], []
+    next_logits, propose = Assistant.next_logits, DraftModelGenerator.propose
+
+    def recording_logits(self):
+        logits = next_logits(self)
+        seen.append(logits.detach().clone())
+        return logits
+
+    def recording_propose(self, ctx, max_drafts):
+        seen.clear()
+        proposal = propose(self, ctx, max_drafts)
+        proposals.append((proposal, list(seen)))
+        return proposal
+
+    monkeypatch.setattr(Assistant, "next_logits", recording_logits)
+    monkeypatch.setattr(DraftModelGenerator, "propose", recording_propose)
+    ids = repetitive_prompt(10)
+    out = SpecDecoder(target, draft, schedule="fixed", num_tokens=3).generate(ids, max_new_tokens=12)
+    assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=12, do_sample=False))
+    checked = 0
+    for proposal, logits in proposals:
+        for i, step in enumerate(logits[: proposal.token_ids.shape[1]]):
+            probs = torch.softmax(step.float(), dim=-1)
+            assert torch.equal(proposal.token_ids[:, i], step.argmax(dim=-1))
+            assert torch.allclose(proposal.confidence[:, i], probs.gather(1, step.argmax(-1, keepdim=True))[:, 0])
+            checked += 1
+    assert checked >= 6
