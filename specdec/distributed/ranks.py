@@ -91,19 +91,15 @@ def stage_layout(model) -> tuple[bool, ...] | None:
 
 
 def new_dynamic_cache(layout: tuple[bool, ...] | None = None):
-    """A ``DynamicCache`` of :class:`~specdec.growing.GrowingLayer` s (appending in place); for a
-    pipeline stage, with ``DummyLayer`` s where it holds no layer, so that masks are sized from a
-    layer it holds (an empty first layer would size them from nothing)."""
+    """A ``DynamicCache``; for a pipeline stage, with ``DummyLayer`` s where it holds no layer, so
+    that masks are sized from a layer it holds (an empty first layer would size them from nothing)."""
     from transformers import DynamicCache
 
-    from ..growing import GrowingLayer
-
     cache = DynamicCache()
-    cache.layer_class_to_replicate = GrowingLayer
     if layout is not None and not all(layout):
-        from transformers.cache_utils import DummyLayer
+        from transformers.cache_utils import DummyLayer, DynamicLayer
 
-        cache.layers[:] = [GrowingLayer() if held else DummyLayer() for held in layout]
+        cache.layers[:] = [DynamicLayer() if held else DummyLayer() for held in layout]
     return cache
 
 
