@@ -189,7 +189,7 @@ def check_proposal(proposal, plugin: str, batch: int, vocab: int, do_sample: boo
         raise ValueError(f"{where}: Proposal.lengths {lengths.tolist()} must lie in [0, K={k}] "
                          f"(token_ids holds K={k} drafts per row)")
     valid = torch.arange(k, device=ids.device)[None, :] < lengths.to(ids.device)[:, None]  # [B, K]
-    drafted = ids[valid] if k else ids.new_zeros(0)
+    drafted = ids[valid]
     if drafted.numel():
         lowest, highest = torch.aminmax(drafted)
         if int(lowest) < 0 or int(highest) >= vocab:

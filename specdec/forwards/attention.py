@@ -79,12 +79,14 @@ def register_grouped_sdpa() -> None:
 
 
 @contextmanager
-def grouped_attention(model, device: torch.device | None):
+def grouped_attention(model, device: torch.device, width: int | None = None):
     """Run ``model``'s text attention as :func:`grouped_sdpa` inside the block, where it is
-    transformers' ``sdpa`` and ``device`` is a CPU (None: leave it as it is); its own setting
-    again afterwards."""
+    transformers' ``sdpa``, ``device`` is a CPU and the forward feeds more than one token a row
+    (``width``; None: unknown): one query goes back to transformers there anyway, so a one-token
+    forward skips the wrapper. Its own setting again afterwards."""
     config = model.config.get_text_config()
-    if device is None or device.type != "cpu" or getattr(config, "_attn_implementation", None) != "sdpa":
+    if (width == 1 or device.type != "cpu"
+            or getattr(config, "_attn_implementation", None) != "sdpa"):
         yield
         return
     register_grouped_sdpa()

@@ -181,9 +181,8 @@ def model_logits(model, kwargs: dict, *, direct: bool = False, fast_head: bool =
     fed = kwargs.get("inputs_embeds") if fed is None else fed
     device = model.device if fed is None else fed.device
     rows = 0 if fed is None else fed.shape[0] * fed.shape[1]
-    # one token a row: transformers' own attention folds its query heads without a copy already
-    grouped = device if fed is None or fed.dim() < 2 or fed.shape[1] > 1 else None
-    with grouped_attention(model, grouped), packed_linears(model, rows, device) as packed:
+    width = fed.shape[1] if fed is not None and fed.dim() >= 2 else None
+    with grouped_attention(model, device, width), packed_linears(model, rows, device) as packed:
         return _logits(model, kwargs, direct, fast_head and not packed)
 
 

@@ -75,8 +75,10 @@ class AcceptanceTracker:
         """:meth:`estimate` as lists of plain numbers [B][K] (what the policy computes with)."""
         w = self.prior_weight
         batch = self.batch
-        picks = [0] * batch if sources is None else sources.cpu().tolist() if isinstance(sources, torch.Tensor) \
-            else list(sources)
+        if sources is None:
+            picks = [0] * batch
+        else:
+            picks = sources.tolist() if isinstance(sources, torch.Tensor) else list(sources)
         rows = []
         for b, s in enumerate(picks):  # plain floats: B x K is small
             if self.untried[s] is not None:  # the first draft at the optimistic price, deeper ones below it
