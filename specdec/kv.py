@@ -159,14 +159,18 @@ class DynamicKV:
         """Start from a copy of another cache holding ``slots`` slots (a prefix)."""
         self.cache = copy.deepcopy(cache)
 
-    def adopt(self, cache, slots: int, dtype: torch.dtype, start: int = 0) -> None:
+    def adopt(self, cache, slots: int, dtype: torch.dtype, start: int = 0, rows: torch.Tensor | None = None) -> None:
         """Hold another model's first ``slots`` slots, in ``dtype``: those from ``start`` are copied
-        (the ones below are the same already)."""
+        (the ones below are the same already), and all of ``rows`` (indices) where given."""
         held = self.cache.get_seq_length() if start else 0
         if start == 0 or held < start:  # nothing to keep (or less than assumed): copy everything
             self.cache, start = new_dynamic_cache(self.layout), 0
         elif held > start:
             self.cache.crop(start - held)  # transformers' crop takes the (negative) count to remove
+        if start and rows is not None:
+            for mine, layer in zip(self.cache.layers, cache.layers):
+                mine.keys[rows, :, :start] = layer.keys[rows, :, :start].to(dtype)
+                mine.values[rows, :, :start] = layer.values[rows, :, :start].to(dtype)
         for i, layer in enumerate(cache.layers):
             self.cache.update(layer.keys[:, :, start:slots].to(dtype, copy=True),
                               layer.values[:, :, start:slots].to(dtype, copy=True), i)
@@ -282,13 +286,17 @@ class StaticKV:
                 new_layer.values.copy_(old_layer.values[rows])
         POOL.release(model, old)
 
-    def adopt(self, cache, slots: int, dtype: torch.dtype, start: int = 0) -> None:
+    def adopt(self, cache, slots: int, dtype: torch.dtype, start: int = 0, rows: torch.Tensor | None = None) -> None:
         """Hold another model's first ``slots`` slots, in ``dtype``: those from ``start`` are copied
-        (the ones below are the same already; slots past ``slots`` are masked out)."""
+        (the ones below are the same already; slots past ``slots`` are masked out), and all of
+        ``rows`` (indices) where given."""
         self._reserve(self.model_ref(), slots)
         batch = int(cache.layers[0].keys.shape[0])
         for new_layer, layer in zip(self.cache.layers, cache.layers):
             _ensure_initialized(new_layer, layer, batch, dtype)
+            if start and rows is not None:
+                new_layer.keys[rows, :, :start] = layer.keys[rows, :, :start].to(dtype)
+                new_layer.values[rows, :, :start] = layer.values[rows, :, :start].to(dtype)
             new_layer.keys[:, :, start:slots].copy_(layer.keys[:, :, start:slots])
             new_layer.values[:, :, start:slots].copy_(layer.values[:, :, start:slots])
 

@@ -210,12 +210,18 @@ class DecodeRun:
     def _catching_up(self) -> bool:
         """Whether an assistant prefills (it has not yet run) or catches up on steps it sat out in
         this proposal: either way the proposal's time says nothing of a draft's cost."""
-        return any(s.is_first_iteration or s.pending_width() > CATCH_UP
-                   for s in self.assistants if s not in self.borrowers)
+        return any(s.is_first_iteration or (s.pending_width() > CATCH_UP and s not in self.borrowers)
+                   for s in self.assistants)
 
     def _draft(self, asked: torch.Tensor, room: torch.Tensor) -> tuple[Proposal, float, tuple[torch.Tensor, ...]]:
         """Propose and admit -> (proposal, when propose returned, (made, candidates, offered) [B] each);
-        under a grammar, the drafts it forbids cut and the tokens it forces added."""
+        under a grammar, the drafts it forbids cut and the tokens it forces added. An assistant
+        that borrows the target's cache takes it the first time drafts are asked for (a call
+        that never drafts never copies it)."""
+        if bool((asked > 0).any()):
+            for state in self.borrowers:
+                if state.is_first_iteration:
+                    state.mirror(self.target)
         proposal = self.session.propose(self.ctx, asked)
         drafted = time.perf_counter()
         made, candidates, offered = self._admit(proposal, asked)
@@ -330,7 +336,8 @@ class DecodeRun:
         self.feed.tokens(block[0, : int(record.kept[0])])
         for state in self.followers:
             if state in self.borrowers:
-                state.mirror(self.target)
+                if not state.is_first_iteration:  # the first copy waits for drafts (_draft)
+                    state.mirror(self.target)
             else:
                 state.sync(self.target.tokens, self.target.lengths, since=committed)
         drafter = record.drafter_view()  # the generator's drafts only

@@ -218,6 +218,8 @@ class ModelState:
         """Keep only ``rows`` (indices into the batch), e.g. once others have finished."""
         self.kv.select_rows(rows, self.cached_slots)
         self.tokens, self.lengths, self.offsets = self.tokens[rows], self.lengths[rows], self.offsets[rows]
+        if self._mirrored is not None:  # the rows kept hold what they held at the last mirror
+            self._mirrored = (self._mirrored[0][rows], self._mirrored[1])
         self.positions = self.positions.select_rows(rows)
         self._trim_left()
 
@@ -236,16 +238,21 @@ class ModelState:
 
         For a model that can read ``other``'s keys and values (the same cache layout and tokens: a
         copy of the target at lower precision). Only the slots ``other`` may have written since the
-        last mirror are copied (from the cache length it had then), unless either state moved its
-        rows since (a shift, a trim, dropped rows): then everything is. Replaces the prefill on a
-        first iteration, which must have no prefill-only inputs."""
+        last mirror are copied (from the cache length it had then), and the whole of each row that
+        either state moved since (a shift); everything where every row moved (a trim) or there was
+        no earlier mirror. Replaces the prefill on a first iteration, which must have no
+        prefill-only inputs."""
         if self.is_first_iteration and self.prefill_inputs:
             raise RuntimeError("mirror() replaces a text-only prefill; this state takes prefill inputs")
         last = self._mirrored  # (offsets, cached slots) of `other` at the last mirror
-        unmoved = last is not None and torch.equal(last[0], other.offsets) and torch.equal(last[0], self.offsets)
         dtype = self.model.get_input_embeddings().weight.dtype  # what this model's keys and values are kept in
-        start = min(last[1], other.cached_slots) if unmoved else 0
-        self.kv.adopt(other.kv.cache, other.cached_slots, dtype, start=start)
+        start, rows = 0, None
+        if last is not None and last[0].shape == other.offsets.shape == self.offsets.shape:
+            moved = (other.offsets != last[0]) | (self.offsets != last[0])  # [B]
+            if not bool(moved.all()):
+                start = min(last[1], other.cached_slots)
+                rows = moved.nonzero().flatten() if bool(moved.any()) else None
+        self.kv.adopt(other.kv.cache, other.cached_slots, dtype, start=start, rows=rows)
         self.tokens, self.lengths = other.tokens.clone(), other.lengths.clone()
         self.offsets, self.cached_slots = other.offsets.clone(), other.cached_slots
         self.is_first_iteration = False

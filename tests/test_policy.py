@@ -529,6 +529,29 @@ def test_a_row_ahead_of_the_batch_is_worth_only_its_share_of_a_step():
     assert choose_width(accept, everyone, seconds, value) > 0  # the last rows' drafts still pay
 
 
+def test_what_a_step_that_verified_drafts_costs_besides_its_forward_is_learnt_apart():
+    """Steps that verified drafts pay more outside the forward (rows realigned, assistants kept in
+    step): learnt apart from plain steps, from the plain steps' figure on, so that a batch where
+    that extra outweighs what the drafts save stays plain; plain steps do not move it."""
+    costs = CostModel([0.05 * (1 + x / 16) for x in COST_GRID], rate=0.0)
+    policy = DraftPolicy(costs, AcceptanceTracker(4, 8, prior=0.5), 8, 0.005)
+    for _ in range(10):
+        policy.observe_overhead(0.002)
+    assert policy.draft_overhead is None and policy.step_overhead == pytest.approx(0.002, rel=0.2)
+    before = policy._step_seconds(4, 1, 0, policy.draft_seconds_per_token)
+    assert before[1] - before[0] == pytest.approx(costs.predict(8).item() - costs.predict(4).item() + 0.005)
+    available = torch.tensor([8, 8, 8, 8])
+    assert choose_width(policy.acceptance.estimate(), available, before) > 0
+    policy.observe_overhead(0.08, drafts=True)
+    assert policy.draft_overhead == pytest.approx(0.8 * policy.step_overhead + 0.2 * 0.08)
+    for _ in range(20):
+        policy.observe_overhead(0.08, drafts=True)
+        policy.observe_overhead(0.002)
+    after = policy._step_seconds(4, 1, 0, policy.draft_seconds_per_token)
+    assert after[0] == pytest.approx(before[0], rel=0.01) and after[1] > before[1] + 0.07
+    assert choose_width(policy.acceptance.estimate(), available, after) == 0
+
+
 def test_a_first_slow_draft_is_not_a_drafts_price_and_a_call_that_stopped_drafting_tries_again():
     """An assistant's first proposal in the process carries first-use work (allocations, a first
     run of its forward): it is not learnt from. A measured cost then replaces the prior, and where

@@ -21,7 +21,9 @@ from specdec.forwards.lowbit import build_copy
 from candidate_generators.self_draft import merge, tensor_bytes
 from specdec import SpecDecoder
 from specdec.generators import Proposal
+from specdec.kv import DynamicKV, StaticKV
 from specdec.models import tiny_random
+from specdec.policy import COST_GRID
 from specdec.state import ModelState
 
 from helpers import DRAFTING_PAYS, FAST_COMPILE, assert_batch_is_exact, left_pad, pin_costs, repetitive_prompt, tiny_llava
@@ -155,17 +157,27 @@ def test_warmup_compiles_the_draft_steps_and_nothing_later(target):
     assert counters["stats"]["unique_graphs"] == graphs
 
 
-@pytest.mark.parametrize("model,weights,refeed_limit", [("target", "bfloat16", 16), ("target", "w8a8", 16),
-                                                       ("target", "bfloat16", 0), ("flat_target", "w8a8", 0)])
-def test_the_copy_mirrors_the_targets_cache(request, model, weights, refeed_limit, monkeypatch):
+@pytest.mark.parametrize("model,weights,refeed_limit,stop", [
+    ("target", "bfloat16", 16, False), ("target", "w8a8", 16, False), ("target", "bfloat16", 0, False),
+    ("flat_target", "w8a8", 0, False), ("flat_target", "w8a8", 0, True)])
+def test_the_copy_mirrors_the_targets_cache(request, model, weights, refeed_limit, stop, monkeypatch):
     """The copy never feeds the prompt or a committed token: its cache starts as a copy of the
     target's prefill keys and values (in the copy's dtype) and takes the target's keys and values
     of each verified block; the first step verifies no drafts, and output stays exact, also when
     rows that drift apart are shifted in the cache every step (``REFEED_LIMIT`` 0; the flat target's
-    rows accept different numbers of drafts)."""
+    rows accept different numbers of drafts): then a mirror copies the shifted rows whole and the
+    others from where the last mirror left off, also after a row stopped at its end of sequence
+    (``stop``) and left the batch."""
     target = request.getfixturevalue(model)
     monkeypatch.setattr(ModelState, "REFEED_LIMIT", refeed_limit)
-    mirror, mirrored = ModelState.mirror, []
+    mirror, mirrored, partial, batches = ModelState.mirror, [], [], []
+    for kind in (DynamicKV, StaticKV):
+        def adopt(self, cache, slots, dtype, start=0, rows=None, _adopt=kind.adopt):
+            batches.append((cache.layers[0].keys.shape[0], start))
+            if start and rows is not None:
+                partial.append(rows.numel() < cache.layers[0].keys.shape[0])
+            _adopt(self, cache, slots, dtype, start=start, rows=rows)
+        monkeypatch.setattr(kind, "adopt", adopt)
 
     def checked_mirror(self, other):  # after each mirror the copy holds exactly the target's slots
         mirror(self, other)
@@ -180,19 +192,41 @@ def test_the_copy_mirrors_the_targets_cache(request, model, weights, refeed_limi
     copy = decoder.candidate_generator._copies.get(target, weights)
     fed: list[int] = []
     hook = copy.register_forward_pre_hook(lambda _m, _a, kw: fed.append(kw["input_ids"].shape[1]), with_kwargs=True)
-    rows = [repetitive_prompt(30, seed=5)[0], repetitive_prompt(17, seed=6)[0]]
+    rows = [repetitive_prompt(30, seed=5)[0], repetitive_prompt(17, seed=6)[0], repetitive_prompt(24, seed=7)[0]]
+    # an end of sequence the second row reaches early (the others may not)
+    eos = int(target.generate(rows[1][None], max_new_tokens=6, do_sample=False)[0, -1]) if stop else []
     padded, mask = left_pad(rows, pad_id=257)
     try:
-        out = decoder.generate(padded, mask, max_new_tokens=20)
+        out = decoder.generate(padded, mask, max_new_tokens=20, eos_token_id=eos)
     finally:
         hook.remove()
     for b, row in enumerate(rows):
-        want = target.generate(row[None, :], max_new_tokens=20, do_sample=False)[0, row.numel():]
+        want = target.generate(row[None, :], max_new_tokens=20, do_sample=False, eos_token_id=eos)[0, row.numel():]
         assert torch.equal(out.sequences[b, padded.shape[1]: padded.shape[1] + want.numel()], want)
     assert len(mirrored) >= 2
+    assert all(partial) and (bool(partial) or model != "flat_target")  # shifted rows copied alone
+    if stop:  # after a row left, mirrors go on from where they left off
+        assert next(start for batch, start in batches if batch == len(rows) - 1) > 0
     assert fed[0] == 1 and max(fed) <= 1 + refeed_limit  # the target's new token (and short re-feeds in a batch)
     assert out.stats.drafts_verified[0] >= 2  # the first step (both rows) verified no drafts
     assert out.stats.accepted_tokens > 0
+
+
+def test_a_call_that_never_drafts_never_copies_the_targets_cache(monkeypatch):
+    """The copy takes the target's cache the first time the policy asks for drafts: where a
+    forward of more than one token a row costs far more than drafts could save, no step asks, and
+    the cache is never copied; the output is the target's."""
+    target = pin_costs(tiny_random("llama", seed=9)[0], tuple(float(x) ** 3 for x in COST_GRID), rate=0.0)
+    mirror, mirrored = ModelState.mirror, []
+    monkeypatch.setattr(ModelState, "mirror", lambda self, other: (mirrored.append(1), mirror(self, other)))
+    rows = [repetitive_prompt(20, seed=3)[0], repetitive_prompt(12, seed=4)[0]]
+    padded, mask = left_pad(rows, pad_id=257)
+    out = SpecDecoder(target, "self_draft", weights="bfloat16", compile_draft=False).generate(
+        padded, mask, max_new_tokens=12)
+    for b, row in enumerate(rows):
+        want = target.generate(row[None, :], max_new_tokens=12, do_sample=False)[0, row.numel():]
+        assert torch.equal(out.sequences[b, padded.shape[1]: padded.shape[1] + want.numel()], want)
+    assert out.stats.drafted_tokens == 0 and not mirrored
 
 
 def test_prefill_from_target_refuses_another_cache_layout(target):

@@ -143,7 +143,10 @@ class DraftPolicy:
     #: propose time per proposed token: a prior until the first measurement, then a decayed mean
     draft_seconds_per_token: float = 0.0
     measured: bool = True  # False: fixed costs and a fixed drafting cost, decisions free of timings
-    step_overhead: float = 0.0  # seconds of a step outside the target forward and drafting (decayed mean)
+    step_overhead: float = 0.0  # seconds of a plain step outside the target forward (decayed mean)
+    #: the same for a step that verified drafts (realigning rows that accepted apart, keeping the
+    #: assistants in step); None until one is seen: the plain step's
+    draft_overhead: float | None = None
     drafting_measured: bool = False  # whether draft_seconds_per_token is a measurement yet
     #: acceptance given the drafter's own probability, for generators that give one
     calibration: ConfidenceCalibration | None = None
@@ -273,7 +276,7 @@ class DraftPolicy:
         if record.confidence is not None:
             self.calibration.update(record.confidence, record.offered, record.accepted, sources)
         if not record.first and not record.compiling:
-            self.observe_overhead(record.overhead())
+            self.observe_overhead(record.overhead(), drafts=bool(record.offered.max() > 0))
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (finished rows left the batch)."""
@@ -369,7 +372,9 @@ class DraftPolicy:
                       setup: float = 0.0) -> list[float]:
         """[max_drafts + 1] seconds of a step of ``batch`` rows that verifies w = 0.. drafts a row."""
         forwards = self.costs.seconds_for([(w + pending) * batch for w in range(self.max_drafts + 1)], context)
-        return [f + per_draft * w + (setup if w else 0.0) + self.step_overhead for w, f in enumerate(forwards)]
+        plain = self.step_overhead
+        drafting = plain if self.draft_overhead is None else self.draft_overhead
+        return [f + (per_draft * w + setup + drafting if w else plain) for w, f in enumerate(forwards)]
 
     def rates(self, counts: torch.Tensor, pending: int, context: int, source: int = 0) -> torch.Tensor:
         """[B] committed tokens per second row b is expected to reach this step if it verifies the
@@ -384,11 +389,20 @@ class DraftPolicy:
             out.append(max(expected[w] / max(seconds[w], 1e-12) for w in range(offer + 1)))
         return torch.tensor(out, dtype=torch.float64)
 
-    def observe_overhead(self, seconds: float) -> None:
+    def observe_overhead(self, seconds: float, drafts: bool = False) -> None:
         """A step spent ``seconds`` outside the target forward and drafting (verification, commit,
-        syncing, bookkeeping): a cost every step pays, whatever K, which favours longer blocks."""
-        if self.measured:
-            self.step_overhead = 0.8 * self.step_overhead + 0.2 * max(seconds, 0.0)
+        syncing, bookkeeping): a cost every step pays, whatever K, which favours longer blocks. A
+        step that verified ``drafts`` pays more (rows that accepted apart realign, assistants catch
+        up on the block): learnt apart, so that a batch where that costs more than the drafts save
+        stays plain."""
+        if not self.measured:
+            return
+        seconds = max(seconds, 0.0)
+        if not drafts:
+            self.step_overhead = 0.8 * self.step_overhead + 0.2 * seconds
+        else:  # from the plain steps' until one is seen: one slow step moves it a fifth of the way
+            known = self.step_overhead if self.draft_overhead is None else self.draft_overhead
+            self.draft_overhead = 0.8 * known + 0.2 * seconds
 
     def observe_idle(self) -> None:
         """A step drafted nothing: a measured drafting cost drifts towards its prior by
