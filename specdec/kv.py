@@ -118,10 +118,10 @@ class DynamicKV:
 
     slots = 0  # grows with what it holds
 
-    def __init__(self, model, batch: int, capacity: int, settings: CacheSettings):
-        self.settings, self.batch = settings, batch
+    def __init__(self, model, batch: int, capacity: int, settings: CacheSettings, reach: int = 0):
+        self.settings, self.batch, self.reach = settings, batch, reach  # reach: slots the call can use
         self.layout = stage_layout(model)  # a pipeline stage: the layers it holds (specdec/distributed/)
-        self.cache = new_dynamic_cache(self.layout)
+        self.cache = new_dynamic_cache(self.layout, reach)
 
     def forward(self, model, kwargs: dict, *, first_slot: int, width: int, first: bool, mask,
                 needs_mask: bool, direct: bool = False) -> torch.Tensor:
@@ -153,7 +153,7 @@ class DynamicKV:
         if cached_slots:
             self.cache.batch_select_indices(rows)
         else:  # emptied layers keep their old batch size (batch_select_indices skips them)
-            self.cache = new_dynamic_cache(self.layout)
+            self.cache = new_dynamic_cache(self.layout, self.reach)
 
     def load(self, cache, slots: int) -> None:
         """Start from a copy of another cache holding ``slots`` slots (a prefix)."""
@@ -164,7 +164,7 @@ class DynamicKV:
         (the ones below are the same already), and all of ``rows`` (indices) where given."""
         held = self.cache.get_seq_length() if start else 0
         if start == 0 or held < start:  # nothing to keep (or less than assumed): copy everything
-            self.cache, start = new_dynamic_cache(self.layout), 0
+            self.cache, start = new_dynamic_cache(self.layout, self.reach), 0
         elif held > start:
             self.cache.crop(start - held)  # transformers' crop takes the (negative) count to remove
         if start and rows is not None:
@@ -360,4 +360,4 @@ def make_kv(model, batch: int, capacity: int, settings: CacheSettings | None, re
     settings = settings or CacheSettings()
     if settings.static:
         return StaticKV(model, batch, capacity, settings, reach)
-    return DynamicKV(model, batch, capacity, settings)
+    return DynamicKV(model, batch, capacity, settings, reach or 0)

@@ -166,8 +166,9 @@ class DecodeRun:
         room = self.settings.max_new_tokens - (target.lengths - self.prompt_lengths) - 1  # [B] drafts a row may take
         room = torch.minimum(room, target.position_room().clamp_min(0))  # and no draft past learned positions
         pending, context = target.pending_width(), target.cached_slots  # context: slots attended besides those fed
-        first, catching_up = target.is_first_iteration, self._catching_up()
+        first = target.is_first_iteration
         asked = self._plan(room, pending, context)  # [B]
+        catching_up = self._catching_up(asked)
         proposal, drafted, (made, candidates, offered) = self.ranks.drafts(  # the decider's, on every rank
             lambda: self._draft(asked, room), room, self.drafting.max_drafts, target)  # [B] each
         k = int(offered.max())
@@ -207,11 +208,12 @@ class DecodeRun:
             return torch.zeros_like(room)
         return asked
 
-    def _catching_up(self) -> bool:
-        """Whether an assistant prefills (it has not yet run) or catches up on steps it sat out in
-        this proposal: either way the proposal's time says nothing of a draft's cost."""
-        return any(s.is_first_iteration or (s.pending_width() > CATCH_UP and s not in self.borrowers)
-                   for s in self.assistants)
+    def _catching_up(self, asked: torch.Tensor) -> bool:
+        """Whether an assistant prefills (it has not yet run), catches up on steps it sat out, or
+        takes the target's cache for the first time (drafts ``asked`` [B] of it) in this proposal:
+        either way the proposal's time says nothing of a draft's cost."""
+        return any((s.is_first_iteration and bool((asked > 0).any())) if s in self.borrowers
+                   else s.is_first_iteration or s.pending_width() > CATCH_UP for s in self.assistants)
 
     def _draft(self, asked: torch.Tensor, room: torch.Tensor) -> tuple[Proposal, float, tuple[torch.Tensor, ...]]:
         """Propose and admit -> (proposal, when propose returned, (made, candidates, offered) [B] each);

@@ -90,16 +90,23 @@ def stage_layout(model) -> tuple[bool, ...] | None:
     return tuple(type(layer).__name__ != "PipelineIdentityLayer" for layer in layers)
 
 
-def new_dynamic_cache(layout: tuple[bool, ...] | None = None):
-    """A ``DynamicCache``; for a pipeline stage, with ``DummyLayer`` s where it holds no layer, so
-    that masks are sized from a layer it holds (an empty first layer would size them from nothing)."""
+def new_dynamic_cache(layout: tuple[bool, ...] | None = None, reach: int = 0):
+    """A ``DynamicCache`` of :class:`~specdec.growing.GrowingLayer` s (appending in place, their
+    buffers never past ``reach`` slots where it covers what they hold); for a pipeline stage, with
+    ``DummyLayer`` s where it holds no layer, so that masks are sized from a layer it holds (an
+    empty first layer would size them from nothing)."""
+    from functools import partial
+
     from transformers import DynamicCache
 
-    cache = DynamicCache()
-    if layout is not None and not all(layout):
-        from transformers.cache_utils import DummyLayer, DynamicLayer
+    from ..growing import GrowingLayer
 
-        cache.layers[:] = [DynamicLayer() if held else DummyLayer() for held in layout]
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = partial(GrowingLayer, reach)
+    if layout is not None and not all(layout):
+        from transformers.cache_utils import DummyLayer
+
+        cache.layers[:] = [GrowingLayer(reach) if held else DummyLayer() for held in layout]
     return cache
 
 

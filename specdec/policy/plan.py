@@ -406,10 +406,16 @@ class DraftPolicy:
 
     def observe_idle(self) -> None:
         """A step drafted nothing: a measured drafting cost drifts towards its prior by
-        :data:`IDLE_DRIFT`, so that one slow measurement cannot stop a call drafting for good (it
-        is measured again once drafting looks worth a try)."""
-        if self.measured and self.drafting_measured and self.draft_prior > 0:
+        :data:`IDLE_DRIFT` (and so does what the process remembers of it), and a drafting step's
+        overhead towards a plain step's, so that one slow measurement cannot stop drafting for
+        good, in this call or a later one (it is measured again once drafting looks worth a try)."""
+        if not self.measured:
+            return
+        if self.draft_overhead is not None:
+            self.draft_overhead += IDLE_DRIFT * (self.step_overhead - self.draft_overhead)
+        if self.drafting_measured and self.draft_prior > 0:
             self.draft_seconds_per_token += IDLE_DRIFT * (self.draft_prior - self.draft_seconds_per_token)
+            self._remember()
 
     def observe_drafting(self, seconds: float, proposed: int) -> None:
         """``propose`` took ``seconds`` for a block of ``proposed`` drafts (the widest row of
@@ -422,6 +428,11 @@ class DraftPolicy:
             self.draft_seconds_per_token = (0.8 * self.draft_seconds_per_token + 0.2 * per_token
                                             if self.drafting_measured else per_token)
             self.drafting_measured = True
-            if self.assistant is not None:
-                one = float(self.costs.predict(self.acceptance.batch, float(self.shape[1])))
-                DraftingMemory.learn(self.assistant, self.draft_seconds_per_token / max(one, 1e-12))
+            self._remember()
+
+    def _remember(self) -> None:
+        """Tell :class:`DraftingMemory` the drafting cost as it stands, as a share of a one-token
+        forward of this batch and context."""
+        if self.assistant is not None:
+            one = self.costs.seconds_for([self.acceptance.batch], float(self.shape[1]))[0]
+            DraftingMemory.learn(self.assistant, self.draft_seconds_per_token / max(one, 1e-12))
