@@ -550,6 +550,10 @@ def test_what_a_step_that_verified_drafts_costs_besides_its_forward_is_learnt_ap
     after = policy._step_seconds(4, 1, 0, policy.draft_seconds_per_token)
     assert after[0] == pytest.approx(before[0], rel=0.01) and after[1] > before[1] + 0.07
     assert choose_width(policy.acceptance.estimate(), available, after) == 0
+    for _ in range(120):  # steps that drafted nothing: it drifts back, and drafting is tried again
+        policy.observe_idle()
+    assert policy.draft_overhead < 0.08 * 0.1
+    assert choose_width(policy.acceptance.estimate(), available, policy._step_seconds(4, 1, 0, 0.0)) > 0
 
 
 def test_a_first_slow_draft_is_not_a_drafts_price_and_a_call_that_stopped_drafting_tries_again():
@@ -571,6 +575,9 @@ def test_a_first_slow_draft_is_not_a_drafts_price_and_a_call_that_stopped_drafti
     for _ in range(30):
         policy.observe_idle()  # steps that drafted nothing
     assert 0.01 < policy.draft_seconds_per_token < 0.5 * 0.25 + 0.01
+    # and so does what the process remembers for the next call
+    assert policy_module.DraftingMemory.share(policy.assistant) == pytest.approx(
+        policy.draft_seconds_per_token / costs.predict(1).item())
     for _ in range(200):
         policy.observe_idle()
     seconds = policy._step_seconds(1, 1, 0, policy.draft_seconds_per_token)
