@@ -2,9 +2,8 @@
 
 transformers' ``DynamicLayer`` appends a forward's keys and values with ``torch.cat``: every
 forward copies every slot cached so far, in every layer, so a one-token step costs more the
-longer the context (SmolLM2-135M fp32, 2 threads, on the Xeon of docs/performance.md: a
-one-token forward 32.6 -> 32.2 ms at a 200-token context and 36.1 -> 33.7 ms at 800 with this
-layer). :class:`GrowingLayer` keeps each layer's keys and values in buffers with room to spare
+longer the context (what this saves on one machine: docs/performance.md, "Batches").
+:class:`GrowingLayer` keeps each layer's keys and values in buffers with room to spare
 (:data:`GROWTH` times what it needs whenever it runs out, never more than the slots the call can
 reach where it is told them) and hands attention views of the slots filled so far.
 
