@@ -10,7 +10,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from specdec.forwards.int8 import Int8Linear, quantize_linears
+from specdec.forwards import int8 as int8_module
+from specdec.forwards.int8 import Int8Linear, int8_product, quantize_linears
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -85,3 +86,23 @@ def test_quantizing_in_chunks_of_rows_is_quantizing_whole(monkeypatch):
         assert torch.equal(getattr(chunked, name), getattr(whole, name))
     w = linear.weight.detach()
     assert torch.equal(whole.weight_scale, (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny))
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 9), st.integers(0, 1000))
+def test_rows_one_at_a_time_give_the_same_numbers(rows, rowwise, seed):
+    """Up to ``rowwise`` rows are multiplied one at a time (a faster path on some CPUs): the
+    integer sums, and so the layer's output, are the same numbers as one product of all rows."""
+    g = torch.Generator().manual_seed(seed)
+    layer = Int8Linear(torch.nn.Linear(48, 40).requires_grad_(False))
+    x = torch.randn(rows, 48, generator=g)
+    together = int8_product(x, layer.weight_int8, layer.weight_scale, layer.weight_offset, 1)
+    assert torch.equal(int8_product(x, layer.weight_int8, layer.weight_scale, layer.weight_offset, rowwise), together)
+
+
+def test_the_rows_taken_one_at_a_time_are_measured_here():
+    """``measure_rowwise`` picks a count from timings on this machine, once a process, before the
+    first layer is made."""
+    Int8Linear(torch.nn.Linear(8, 8))
+    assert int8_module._MEASURED and 1 <= int8_module.ROWWISE_ROWS <= 8
+    assert int8_module.measure_rowwise() == int8_module.ROWWISE_ROWS

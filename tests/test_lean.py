@@ -19,7 +19,7 @@ from specdec.models import tiny_random
 from specdec.modelinfo import cache_argument
 
 
-def exact_product(x2, weight_int8, weight_scale, weight_offset):
+def exact_product(x2, weight_int8, weight_scale, weight_offset, rowwise=1):
     """The int8 product with de-quantized weights and unquantized activations: no rounding to amplify."""
     return x2 @ (weight_int8.float() * weight_scale[:, None]).T
 

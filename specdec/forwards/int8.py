@@ -18,28 +18,76 @@ rounding changes which drafts are accepted, never the output.
 
 from __future__ import annotations
 
+import statistics
+import time
 from typing import Optional
 
 import torch
 
 
+#: the most rows :func:`int8_product` multiplies one at a time. On some CPUs torch's uint8 x int8
+#: product has a fast path for a single row only (an Intel Xeon with AMX: 7 us for one row of a
+#: 576 x 1536 weight, 47 us for two), so a few rows run faster one by one; where it has none,
+#: the rows go together. Measured once a process, on the machine (:func:`measure_rowwise`), when
+#: the first :class:`Int8Linear` is made.
+ROWWISE_ROWS = 1
+_MEASURED = False
+
+
+def measure_rowwise(reps: int = 15) -> int:
+    """Set :data:`ROWWISE_ROWS` from timings here (once a process): the most rows (up to 8) for
+    which :func:`int8_product` one row at a time, and at every smaller count, took less than all
+    rows at once, on a 576 x 1536 weight (medians of ``reps`` rounds, the variants in turn)."""
+    global ROWWISE_ROWS, _MEASURED
+    if _MEASURED:
+        return ROWWISE_ROWS
+    _MEASURED = True
+    weight = torch.randint(-127, 128, (1536, 576), dtype=torch.int8)
+    scale, offset = torch.rand(1536), torch.rand(1536)
+    timed: dict[tuple[int, int], list[float]] = {(rows, way): [] for rows in range(2, 9) for way in (1, rows)}
+    try:
+        for _ in range(reps):
+            for rows, way in timed:
+                x = torch.randn(rows, 576)
+                started = time.perf_counter()
+                int8_product(x, weight, scale, offset, way)
+                timed[rows, way].append(time.perf_counter() - started)
+    except RuntimeError:  # no int8 product here: nothing to choose
+        return ROWWISE_ROWS
+    for rows in range(2, 9):
+        if statistics.median(timed[rows, rows]) >= statistics.median(timed[rows, 1]):
+            break
+        ROWWISE_ROWS = rows
+    return ROWWISE_ROWS
+
+
 def int8_product(x2: torch.Tensor, weight_int8: torch.Tensor, weight_scale: torch.Tensor,
-                 weight_offset: torch.Tensor) -> torch.Tensor:
+                 weight_offset: torch.Tensor, rowwise: int = 1) -> torch.Tensor:
     """[M, N] ``x2 [M, K]`` (float32) times the int8 weights ``weight_int8 [N, K]`` (scales
     ``weight_scale [N]``, ``weight_offset [N]``: :class:`Int8Linear`'s buffers), each row of ``x2``
-    quantized to uint8 over its own range: ``lo + scale * q``, q in 0..255, its lowest value exact.
-    A plain function of tensors (no module), so that ``lean.py`` can script it."""
+    quantized to uint8 over its own range: ``lo + scale * q``, q in 0..255, its lowest value exact;
+    up to ``rowwise`` rows (:data:`ROWWISE_ROWS`) multiplied one at a time (integer sums: the same
+    numbers). A plain function of tensors (no module), so that ``lean.py`` can script it."""
     lo, hi = torch.aminmax(x2, dim=1, keepdim=True)  # [M, 1] each
     scale = (hi - lo).mul_(1 / 255).clamp_min_(1e-12)  # [M, 1]
     q = (x2 - lo).div_(scale).round_().to(torch.uint8)  # [M, K]
-    return (torch._int_mm(q, weight_int8.t()) * weight_scale).mul_(scale).addcmul_(lo, weight_offset)
+    rows = q.shape[0]
+    if 1 < rows <= rowwise:
+        parts = []
+        for i in range(rows):
+            parts.append(torch._int_mm(q[i: i + 1], weight_int8.t()))
+        products = torch.cat(parts)
+    else:
+        products = torch._int_mm(q, weight_int8.t())
+    return (products * weight_scale).mul_(scale).addcmul_(lo, weight_offset)
 
 
 def int8_linear(x2: torch.Tensor, weight_int8: torch.Tensor, weight_scale: torch.Tensor, weight_offset: torch.Tensor,
-                bias: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+                bias: Optional[torch.Tensor], dtype: torch.dtype, rowwise: int = 1) -> torch.Tensor:
     """:class:`Int8Linear`'s forward on the 2-D rows ``x2 [M, K]`` from its buffers, the result in
     ``dtype`` (the input's). A plain function, as :func:`int8_product`."""
-    y = int8_product(x2 if x2.dtype == torch.float32 else x2.float(), weight_int8, weight_scale, weight_offset)
+    y = int8_product(x2 if x2.dtype == torch.float32 else x2.float(), weight_int8, weight_scale, weight_offset,
+                     rowwise)
     if bias is not None:
         y = y.add_(bias)
     return y if y.dtype == dtype else y.to(dtype)
@@ -57,6 +105,7 @@ class Int8Linear(torch.nn.Module):
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
+        measure_rowwise()
         w = linear.weight.detach()  # [N, K]
         lo, hi = torch.aminmax(w, dim=1)  # the largest magnitude per row, without a copy of |w|
         scale = (torch.maximum(hi, -lo).float() / 127).clamp_min(torch.finfo(torch.float32).tiny)  # [N]
@@ -74,8 +123,11 @@ class Int8Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        # compiled, all rows at once: inductor may hand a one-row slice to the product with a zero
+        # row stride (the module doc)
+        rowwise = 1 if torch.compiler.is_compiling() else ROWWISE_ROWS
         y = int8_linear(x.reshape(-1, shape[-1]), self.weight_int8, self.weight_scale, self.weight_offset, self.bias,
-                        x.dtype)
+                        x.dtype, rowwise)
         return y.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

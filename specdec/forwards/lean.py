@@ -113,22 +113,24 @@ def _eps(norm) -> float:
 
 
 def product(x2: torch.Tensor, weight: torch.Tensor, second: torch.Tensor, third: torch.Tensor,
-            bias: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+            bias: Optional[torch.Tensor], dtype: torch.dtype, rowwise: int) -> torch.Tensor:
     """A copy's linear layer on the rows ``x2 [M, K]``: int8 weights (``weight`` int8, its scales
-    and offsets) or int4 ones (``weight`` packed, ``second`` its scales and zeros)."""
+    and offsets; up to ``rowwise`` rows one at a time, ``int8.ROWWISE_ROWS``) or int4 ones
+    (``weight`` packed, ``second`` its scales and zeros)."""
     if weight.dtype == torch.int8:
-        return int8_linear(x2, weight, second, third, bias, dtype)
+        return int8_linear(x2, weight, second, third, bias, dtype, rowwise)
     return int4_linear(x2, weight, second, bias, dtype)
 
 
 def decoder_layers(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor],
                    keys: List[torch.Tensor], values: List[torch.Tensor], start: int, end: int,
                    parts: List[List[torch.Tensor]], biases: List[List[Optional[torch.Tensor]]], eps: List[float],
-                   heads: int, kv_heads: int, dim: int, scaling: float) -> torch.Tensor:
+                   heads: int, kv_heads: int, dim: int, scaling: float, rowwise: int) -> torch.Tensor:
     """``hidden [B, T, H]`` through every decoder layer (``parts[i]``, ``biases[i]``: layer i's
     tensors, :class:`_Layer`), writing each layer's keys and values for slots ``start:end`` into
     ``keys[i]`` / ``values[i]`` [B, kv_heads, slots, dim] and attending over slots ``:end`` (``mask``
-    [B, 1, groups * T, end] or None: every slot). ``cos``/``sin`` [B, T, 1, dim]. A plain function
+    [B, 1, groups * T, end] or None: every slot). ``cos``/``sin`` [B, T, 1, dim]; ``rowwise``: see
+    :func:`product`. A plain function
     of tensors, lists and numbers, so that it can be scripted: one call runs the whole stack without
     returning to Python between operations."""
     batch, width, size = hidden.shape[0], hidden.shape[1], hidden.shape[2]
@@ -137,7 +139,7 @@ def decoder_layers(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, m
     for i in range(len(parts)):
         p, b = parts[i], biases[i]
         x = torch.nn.functional.rms_norm(hidden, [size], p[0], eps[2 * i]).view(-1, size)
-        qkv = product(x, p[2], p[3], p[4], b[0], dtype).view(batch, width, -1)  # [B, T, (heads + 2 kv) dim]
+        qkv = product(x, p[2], p[3], p[4], b[0], dtype, rowwise).view(batch, width, -1)  # [B, T, (heads + 2 kv) dim]
         qk = qkv[:, :, :qk_cols].view(batch, width, heads + kv_heads, dim)
         qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin  # rotary, queries and keys at once
         keys[i][:, :, start:end] = qk[:, :, heads:].transpose(1, 2)
@@ -148,12 +150,12 @@ def decoder_layers(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, m
             query.reshape(batch, kv_heads, groups * width, dim), keys[i][:, :, :end], values[i][:, :, :end],
             attn_mask=mask, scale=scaling)
         out = out.view(batch, kv_heads, groups, width, dim).permute(0, 3, 1, 2, 4).reshape(batch * width, heads * dim)
-        hidden = hidden + product(out, p[5], p[6], p[7], b[1], dtype).view(batch, width, size)
+        hidden = hidden + product(out, p[5], p[6], p[7], b[1], dtype, rowwise).view(batch, width, size)
         x = torch.nn.functional.rms_norm(hidden, [size], p[1], eps[2 * i + 1]).view(-1, size)
-        gate_up = product(x, p[8], p[9], p[10], b[2], dtype)  # [B T, 2 I]
+        gate_up = product(x, p[8], p[9], p[10], b[2], dtype, rowwise)  # [B T, 2 I]
         inner = gate_up.shape[1] // 2
         gated = torch.nn.functional.silu(gate_up[:, :inner]) * gate_up[:, inner:]
-        hidden = hidden + product(gated, p[11], p[12], p[13], b[3], dtype).view(batch, width, size)
+        hidden = hidden + product(gated, p[11], p[12], p[13], b[3], dtype, rowwise).view(batch, width, size)
     return hidden
 
 
@@ -233,7 +235,7 @@ class LeanForward:
             hidden = self.layers(hidden, cos[:, :, None], sin[:, :, None],
                                  self._mask(attention_mask, batch, width, start, end), [c.keys for c in caches],
                                  [c.values for c in caches], start, end, self.parts, self.biases, self.eps, self.heads,
-                                 self.kv_heads, self.head_dim, self.scaling)
+                                 self.kv_heads, self.head_dim, self.scaling, int8.ROWWISE_ROWS)
         for c in caches:
             c.cumulative_length.fill_(end)
         if isinstance(logits_to_keep, int) and logits_to_keep > 0:
