@@ -220,10 +220,10 @@ class DecodeRun:
         under a grammar, the drafts it forbids cut and the tokens it forces added. An assistant
         that borrows the target's cache takes it the first time drafts are asked for (a call
         that never drafts never copies it)."""
-        if bool((asked > 0).any()):
-            for state in self.borrowers:
-                if state.is_first_iteration:
-                    state.mirror(self.target)
+        waiting = [state for state in self.borrowers if state.is_first_iteration]
+        if waiting and bool((asked > 0).any()):
+            for state in waiting:
+                state.mirror(self.target)
         proposal = self.session.propose(self.ctx, asked)
         drafted = time.perf_counter()
         made, candidates, offered = self._admit(proposal, asked)

@@ -123,9 +123,9 @@ class Int8Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        # compiled, all rows at once: inductor may hand a one-row slice to the product with a zero
-        # row stride (the module doc)
-        rowwise = 1 if torch.compiler.is_compiling() else ROWWISE_ROWS
+        # measured for a CPU; compiled, all rows at once: inductor may hand a one-row slice to the
+        # product with a zero row stride (the module doc)
+        rowwise = ROWWISE_ROWS if x.device.type == "cpu" and not torch.compiler.is_compiling() else 1
         y = int8_linear(x.reshape(-1, shape[-1]), self.weight_int8, self.weight_scale, self.weight_offset, self.bias,
                         x.dtype, rowwise)
         return y.reshape(*shape[:-1], self.out_features)
