@@ -61,6 +61,7 @@ def stepped(model, ids: torch.Tensor, mask: torch.Tensor, widths: list[int]) -> 
 def test_the_lean_forward_computes_the_copys_own(llama, batch, exact):
     copy = build_copy(llama, "w8a8")
     assert isinstance(copy.forward, lean.LeanForward) and not copy.forward.scripted
+    assert all(layer.mlp.down_proj.rotation() is not None for layer in copy.model.layers)  # rotated inputs too
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 250, (batch, 24), generator=gen)
     mask = torch.ones_like(ids)
@@ -142,6 +143,13 @@ def test_layouts_it_does_not_know_are_left_alone():
     assert lean.lean_problem(tiny_random("llama", seed=1)[0]) is not None  # float layers: not a w8a8 copy
 
 
+def test_an_input_rotated_anywhere_but_the_mlp_output_is_not_served(llama):
+    copy = build_copy(llama, "w8a8")
+    attention = copy.model.layers[0].self_attn
+    attention.o_proj = Int8Linear(torch.nn.Linear(attention.o_proj.in_features, attention.o_proj.out_features), rotate=True)
+    assert "rotated" in lean.lean_problem(copy)
+
+
 def test_stacked_layers_compute_their_parts_and_share_their_storage():
     torch.manual_seed(0)
     parts = [Int8Linear(torch.nn.Linear(32, n, bias=bias)) for n, bias in ((16, True), (8, False), (8, True))]
@@ -155,6 +163,8 @@ def test_stacked_layers_compute_their_parts_and_share_their_storage():
     base = stacked.weight_int8.untyped_storage().data_ptr()
     assert all(p.weight_int8.untyped_storage().data_ptr() == base for p in parts)
     assert parts[1].bias is None and stacked.bias[16:24].abs().sum() == 0
+    with pytest.raises(ValueError, match="rotated"):
+        stack_linears([Int8Linear(torch.nn.Linear(32, 8), rotate=True), Int8Linear(torch.nn.Linear(32, 8))])
 
 
 def test_a_token_whose_own_slot_is_masked_out_stays_finite(llama):

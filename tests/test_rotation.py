@@ -105,9 +105,9 @@ def test_rotating_in_chunks_of_rows_is_rotating_whole(monkeypatch):
     scale = torch.rand(12, generator=torch.Generator().manual_seed(1)) + 0.5
     whole = lambda w: torch.matmul(torch.matmul(a.T, w.reshape(10, a.shape[0], b.shape[0])), b).reshape(10, 12)  # noqa: E731
     monkeypatch.setattr(rotation, "CHUNK_ROWS", 3)
-    out = rotation._rotate_columns(weight, a, b, scale, torch.empty_like(weight))
+    out = rotation.rotate_columns(weight, a, b, scale, torch.empty_like(weight))
     torch.testing.assert_close(out, whole(weight * scale[None, :]))
     torch.testing.assert_close(out, (weight * scale[None, :]) @ torch.kron(a, b))  # the rotation it stands for
     want = whole(weight)
-    assert rotation._rotate_columns(weight, a, b) is weight
+    assert rotation.rotate_columns(weight, a, b) is weight
     torch.testing.assert_close(weight, want)

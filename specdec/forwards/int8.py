@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Optional
+from typing import Container, List, Optional
 
 import torch
+
+from .rotation import rotate_columns, kron_orthogonal
 
 
 #: the most rows :func:`int8_product` multiplies one at a time. On some CPUs torch's uint8 x int8
@@ -82,12 +84,24 @@ def int8_product(x2: torch.Tensor, weight_int8: torch.Tensor, weight_scale: torc
     return (products * weight_scale).mul_(scale).addcmul_(lo, weight_offset)
 
 
+def rotate_input(x2: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[M, m n] ``x2`` times ``kron(a, b)`` (``a [m, m]``, ``b [n, n]``), factor by factor: each row
+    as an ``[m, n]`` matrix ``X`` becomes ``a^T X b``."""
+    if x2.shape[0] == 1:  # two plain products: half the time of the batched ones for one row
+        return torch.mm(torch.mm(a.t(), x2.view(a.shape[0], b.shape[0])), b).view(x2.shape)
+    return torch.matmul(torch.matmul(a.t(), x2.reshape(-1, a.shape[0], b.shape[0])), b).reshape(x2.shape)
+
+
 def int8_linear(x2: torch.Tensor, weight_int8: torch.Tensor, weight_scale: torch.Tensor, weight_offset: torch.Tensor,
-                bias: Optional[torch.Tensor], dtype: torch.dtype, rowwise: int = 1) -> torch.Tensor:
+                bias: Optional[torch.Tensor], dtype: torch.dtype, rowwise: int = 1,
+                rotation: Optional[List[torch.Tensor]] = None) -> torch.Tensor:
     """:class:`Int8Linear`'s forward on the 2-D rows ``x2 [M, K]`` from its buffers, the result in
-    ``dtype`` (the input's). A plain function, as :func:`int8_product`."""
-    y = int8_product(x2 if x2.dtype == torch.float32 else x2.float(), weight_int8, weight_scale, weight_offset,
-                     rowwise)
+    ``dtype`` (the input's); ``rotation``: the factors its input is rotated by first (its weights
+    were rotated alike), or None. A plain function, as :func:`int8_product`."""
+    x2 = x2 if x2.dtype == torch.float32 else x2.float()
+    if rotation is not None:
+        x2 = rotate_input(x2, rotation[0], rotation[1])
+    y = int8_product(x2, weight_int8, weight_scale, weight_offset, rowwise)
     if bias is not None:
         y = y.add_(bias)
     return y if y.dtype == dtype else y.to(dtype)
@@ -98,15 +112,28 @@ CHUNK_ROWS = 4096
 
 #: an :class:`Int8Linear`'s weight buffers, one row per output channel (what stacking concatenates)
 WEIGHT_BUFFERS = ("weight_int8", "weight_scale", "weight_offset")
+#: an :class:`Int8Linear`'s input rotation factors (both None where its input is not rotated)
+ROTATION_BUFFERS = ("rotation_a", "rotation_b")
 
 
 class Int8Linear(torch.nn.Module):
-    """``y = x W^T + b`` with W stored as int8 per output channel and x quantized per token to uint8."""
+    """``y = x W^T + b`` with W stored as int8 per output channel and x quantized per token to uint8.
 
-    def __init__(self, linear: torch.nn.Linear):
+    With ``rotate=True`` the layer quantizes ``x Q`` and stores ``W Q`` (``Q`` an orthogonal
+    Kronecker product, ``rotation.kron_orthogonal``): the same product in exact arithmetic, but a
+    rotated token spreads its few large channels over all of them, so its 256 levels resolve the
+    rest better. It costs two small products a token; a copy spends it where activations have
+    such channels (the MLP's output layer, whose input is ``act(gate) * up``: docs/self_draft.md)."""
+
+    def __init__(self, linear: torch.nn.Linear, rotate: bool = False):
         super().__init__()
         measure_rowwise()
         w = linear.weight.detach()  # [N, K]
+        rotation = kron_orthogonal(w.shape[1]) if rotate else (None, None)
+        if rotate:
+            w = rotate_columns(w.float(), *rotation, out=torch.empty(w.shape, dtype=torch.float32, device=w.device))
+        for name, factor in zip(ROTATION_BUFFERS, rotation):
+            self.register_buffer(name, None if factor is None else factor.to(w.device))
         lo, hi = torch.aminmax(w, dim=1)  # the largest magnitude per row, without a copy of |w|
         scale = (torch.maximum(hi, -lo).float() / 127).clamp_min(torch.finfo(torch.float32).tiny)  # [N]
         q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
@@ -127,19 +154,28 @@ class Int8Linear(torch.nn.Module):
         # product with a zero row stride (the module doc)
         rowwise = ROWWISE_ROWS if x.device.type == "cpu" and not torch.compiler.is_compiling() else 1
         y = int8_linear(x.reshape(-1, shape[-1]), self.weight_int8, self.weight_scale, self.weight_offset, self.bias,
-                        x.dtype, rowwise)
+                        x.dtype, rowwise, self.rotation())
         return y.reshape(*shape[:-1], self.out_features)
 
+    def rotation(self) -> list[torch.Tensor] | None:
+        """The factors the input is rotated by, or None."""
+        return None if self.rotation_a is None else [self.rotation_a, self.rotation_b]
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, weights=int8, activations=uint8"
+        rotated = ", input rotated" if self.rotation_a is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, weights=int8, activations=uint8{rotated}"
 
 
 def stack_linears(parts: list[Int8Linear]) -> Int8Linear:
     """One :class:`Int8Linear` computing ``parts`` (which read the same input) as one product, their
     outputs side by side; each part's buffers become views of the stacked ones (nothing is stored
     twice, and the parts compute what they did: scales are per output channel)."""
+    if any(p.rotation_a is not None for p in parts):
+        raise ValueError("layers whose inputs are rotated do not stack")
     stacked = Int8Linear.__new__(Int8Linear)
     torch.nn.Module.__init__(stacked)
+    for name in ROTATION_BUFFERS:
+        stacked.register_buffer(name, None)
     stacked.in_features, stacked.out_features = parts[0].in_features, sum(p.out_features for p in parts)
     for name in WEIGHT_BUFFERS:
         stacked.register_buffer(name, torch.cat([getattr(p, name) for p in parts]))
@@ -157,11 +193,12 @@ def stack_linears(parts: list[Int8Linear]) -> Int8Linear:
     return stacked
 
 
-def quantize_linears(model: torch.nn.Module) -> torch.nn.Module:
-    """Replace every ``nn.Linear`` of ``model`` (in place) by an :class:`Int8Linear`."""
+def quantize_linears(model: torch.nn.Module, rotate: Container[torch.nn.Module] = ()) -> torch.nn.Module:
+    """Replace every ``nn.Linear`` of ``model`` (in place) by an :class:`Int8Linear`, those in
+    ``rotate`` with their inputs rotated."""
     for name, child in list(model.named_children()):
         if isinstance(child, torch.nn.Linear):
-            setattr(model, name, Int8Linear(child))
+            setattr(model, name, Int8Linear(child, rotate=child in rotate))
         else:
-            quantize_linears(child)
+            quantize_linears(child, rotate)
     return model

@@ -43,7 +43,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from . import int4, int8
 from .int4 import Int4Linear, int4_linear
-from .int8 import Int8Linear, int8_linear
+from .int8 import Int8Linear, int8_linear, rotate_input
 from .rotation import rotatable
 
 #: widest forward this path runs (a draft step, a re-feed); wider ones (a prefill) run the model's own
@@ -85,6 +85,8 @@ def lean_problem(model) -> str | None:
             return f"an MLP activation other than SiLU ({type(mlp.act_fn).__name__})"
         if mlp.gate_proj.out_features != mlp.up_proj.out_features:
             return "gate and up projections of different widths"
+        if any(getattr(lin, "rotation_a", None) is not None for lin in (*attn.children(), mlp.gate_proj, mlp.up_proj)):
+            return "an input rotated other than the MLP output layer's"
     return None
 
 
@@ -92,7 +94,8 @@ class _Layer:
     """One decoder layer's tensors as :func:`decoder_layers` takes them: ``parts`` = the two norms'
     scales, then three tensors for each of query-key-value, the attention output, gate-up and
     down (:func:`product`'s: int8 weights, scales and offsets; or int4 weights, scales-and-zeros
-    and an empty tensor); ``biases`` = those four layers' biases (or None); ``eps`` = the norms'."""
+    and an empty tensor), then the two factors down's input is rotated by (``Int8Linear``'s
+    ``rotate``; two empty tensors where it is not); ``biases`` = those four layers' biases (or None); ``eps`` = the norms'."""
 
     def __init__(self, layer):
         attn, mlp = layer.self_attn, layer.mlp
@@ -102,8 +105,10 @@ class _Layer:
         gate_up = stack([mlp.gate_proj, mlp.up_proj])
         linears = (qkv, attn.o_proj, gate_up, mlp.down_proj)
         padding = [torch.empty(0)] * (3 - len(kind.WEIGHT_BUFFERS))  # three tensors a layer, whatever the kind
+        rotation = mlp.down_proj.rotation() if kind is int8 else None
         self.parts = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight] + [
-            tensor for lin in linears for tensor in [getattr(lin, name) for name in kind.WEIGHT_BUFFERS] + padding]
+            tensor for lin in linears for tensor in [getattr(lin, name) for name in kind.WEIGHT_BUFFERS] + padding] + (
+            rotation if rotation is not None else [torch.empty(0), torch.empty(0)])
         self.biases = [lin.bias for lin in linears]
         self.eps = [_eps(layer.input_layernorm), _eps(layer.post_attention_layernorm)]
 
@@ -155,6 +160,8 @@ def decoder_layers(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, m
         gate_up = product(x, p[8], p[9], p[10], b[2], dtype, rowwise)  # [B T, 2 I]
         inner = gate_up.shape[1] // 2
         gated = torch.nn.functional.silu(gate_up[:, :inner]) * gate_up[:, inner:]
+        if p[14].numel() > 0:
+            gated = rotate_input(gated, p[14], p[15])
         hidden = hidden + product(gated, p[11], p[12], p[13], b[3], dtype, rowwise).view(batch, width, size)
     return hidden
 

@@ -48,7 +48,7 @@ from .int4 import available as int4_available
 from .int4 import quantize_linears as quantize_int4
 from .int8 import quantize_linears
 from .lean import install as install_lean
-from .rotation import rotatable, rotate_residual
+from .rotation import mlp_outputs, rotatable, rotate_residual
 
 WEIGHTS = ("auto", "bfloat16", "float16", "int8", "w8a8", "int4", "dynamic_int8")
 QUANTIZED = ("int8", "w8a8", "int4")  # by torchao (w8a8 and int4 off the CPU)
@@ -91,7 +91,7 @@ def build_copy(model, weights: str):
         # a rotated residual stream is easier to quantize (rotation.py), where the layout allows
         if rotatable(draft) is None and not rotate_residual(draft, reference=model):
             draft = _plain_copy(model)  # the rotated copy failed its check: it is spoilt
-        quantize_linears(draft).eval()
+        quantize_linears(draft, rotate=mlp_outputs(draft)).eval()  # the MLP's output layers read rotated inputs
         install_lean(draft)  # its eager steps in few operations (lean.py), where the layout allows
         return draft
     if weights == "int4" and on_cpu:  # int4 weights, bfloat16 activations (int4.py)

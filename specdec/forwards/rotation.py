@@ -22,6 +22,12 @@ Only the pre-norm decoder layout is rotated (transformers' Llama, Mistral, Qwen2
 forward does not reproduce the original's logits (:func:`rotate_residual` checks).
 A rotated w8a8 copy agrees with the target more often than an unrotated one, which is its only
 purpose (the agreement measured per variant: docs/self_draft.md, "How the copy drafts").
+
+The input of each MLP's output layer (``act(gate) * up``) is not on the residual stream, and it
+has the largest outlier channels of all; no rotation folds into the weights there (the product
+of gate and up is elementwise). :func:`mlp_outputs` names those layers, and ``int8.Int8Linear``
+rotates their input at run time by the same kind of Kronecker product: two small products a
+token per layer, bought back several times over in agreement.
 """
 
 from __future__ import annotations
@@ -64,10 +70,33 @@ def rotatable(model, linear: type = torch.nn.Linear) -> str | None:
     return None
 
 
+#: a layer's input is rotated online only where the smaller Kronecker factor has at least this
+#: many rows: otherwise the other factor approaches a dense ``size x size`` product per token
+MIN_FACTOR = 8
+
+
+def mlp_outputs(model) -> list[torch.nn.Linear]:
+    """The MLP output layers (``mlp.down_proj``) of ``model``'s decoder layers whose inputs a w8a8
+    copy rotates online (``int8.Int8Linear``'s ``rotate``): their input, ``act(gate) * up``,
+    has a few channels far larger than the rest, which the residual stream's rotation does not
+    reach. Only linear layers whose input size has a Kronecker factor of :data:`MIN_FACTOR` or more."""
+    found = []
+    for layer in getattr(model.get_decoder(), "layers", ()):
+        down = getattr(getattr(layer, "mlp", None), "down_proj", None)
+        if isinstance(down, torch.nn.Linear) and smaller_factor(down.in_features) >= MIN_FACTOR:
+            found.append(down)
+    return found
+
+
+def smaller_factor(size: int) -> int:
+    """The largest divisor of ``size`` up to its square root (the rows of :func:`kron_orthogonal`'s ``a``)."""
+    return max(d for d in range(1, int(size ** 0.5) + 1) if size % d == 0)
+
+
 def kron_orthogonal(size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Two random orthogonal factors (a [m, m], b [n, n], m * n = size, m the largest divisor of
     ``size`` up to its square root) whose Kronecker product is the rotation."""
-    m = max(d for d in range(1, int(size ** 0.5) + 1) if size % d == 0)
+    m = smaller_factor(size)
     gen = torch.Generator().manual_seed(seed)
     factors = []
     for n in (m, size // m):
@@ -82,7 +111,7 @@ def kron_orthogonal(size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tenso
 CHUNK_ROWS = 4096
 
 
-def _rotate_columns(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None = None,
+def rotate_columns(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None = None,
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """weight [N, m*n] -> (weight * scale) @ kron(a, b), written to ``out`` (default: ``weight``
     itself), ``CHUNK_ROWS`` rows at a time."""
@@ -117,15 +146,15 @@ def rotate_residual(model, reference=None, seed: int = 0) -> bool:
     final = decoder.norm.weight.float()
     # the head first, into a weight of its own: it may share its weight with the embedding, which
     # is rotated without the final norm's scale
-    head.weight = torch.nn.Parameter(_rotate_columns(head.weight, a, b, final, torch.empty_like(head.weight)),
+    head.weight = torch.nn.Parameter(rotate_columns(head.weight, a, b, final, torch.empty_like(head.weight)),
                                      requires_grad=False)
-    _rotate_columns(embed.weight, a, b)
+    rotate_columns(embed.weight, a, b)
     decoder.norm.weight.fill_(1.0)
     for layer in decoder.layers:
         for norm, reads in ((layer.input_layernorm, READS), (layer.post_attention_layernorm, READS_MLP)):
             scale = norm.weight.float()
             for path in reads:
-                _rotate_columns(_get(layer, path).weight, a, b, scale)
+                rotate_columns(_get(layer, path).weight, a, b, scale)
             norm.weight.fill_(1.0)
         for path in WRITES:
             lin = _get(layer, path)
