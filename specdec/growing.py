@@ -49,6 +49,22 @@ class GrowingLayer(DynamicLayer):
         self.keys, self.values = self._key_buffer[:, :, :end], self._value_buffer[:, :, :end]
         return self.keys, self.values
 
+    def reserve(self, like: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value buffers, with room for ``end`` slots and holding the slots cached so
+        far, for a forward that writes its own slots into them (``like`` [B, heads, T, D]: their
+        layout); :meth:`filled` then makes the first ``end`` slots the layer's keys and values."""
+        if not self.is_initialized:
+            self.lazy_initialization(like, like)
+            self._key_buffer = self._value_buffer = None
+        held = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+        if not self._writable(like, like, end):
+            self._regrow(like, like, held, end)
+        return self._key_buffer, self._value_buffer
+
+    def filled(self, end: int) -> None:
+        """The first ``end`` slots of the buffers are the layer's keys and values (after :meth:`reserve`)."""
+        self.keys, self.values = self._key_buffer[:, :, :end], self._value_buffer[:, :, :end]
+
     def _writable(self, key_states: torch.Tensor, value_states: torch.Tensor, end: int) -> bool:
         """Whether the buffers have room for ``end`` slots and ``keys``/``values`` are still views of
         their first slots (nothing replaced them since the last update)."""

@@ -33,6 +33,7 @@ import weakref
 import torch
 
 from .attention import grouped_attention
+from .direct import DirectForward
 from .packed import packed_linears
 
 #: heads smaller than this (vocabulary x hidden size) run as the model runs them: a small head
@@ -171,24 +172,40 @@ def _observers_only(module: torch.nn.Module) -> bool:
     return all(getattr(getattr(h, "__self__", None), "observes_only", False) for h in hooks)
 
 
+def _observed(model: torch.nn.Module, run):
+    """``run()`` between ``model``'s forward hooks, all of them specdec's timers (they only count:
+    they are called with no arguments to read)."""
+    for hook in list(model._forward_pre_hooks.values()):
+        hook(model, ())
+    out = run()
+    for hook in list(model._forward_hooks.values()):
+        hook(model, (), None)
+    return out
+
+
 def model_logits(model, kwargs: dict, *, direct: bool = False, fast_head: bool = True) -> torch.Tensor:
     """``model(**kwargs).logits`` (``model.forward`` if ``direct``: no module hooks), with the output
     layer as :class:`FastHead` where ``fast_head`` and the model qualifies, grouped-query
-    attention without copies of the cache on a CPU (``attention.grouped_attention``), and a
+    attention without copies of the cache on a CPU (``attention.grouped_attention``), a
     forward of a few tokens through packed weights where they pay (``packed.packed_linears``,
-    the output layer's among them: no fast head then)."""
+    the output layer's among them: no fast head then), and otherwise the decoder's layers as one
+    scripted function where the model qualifies (``direct.DirectForward``)."""
     fed = kwargs.get("input_ids")
     fed = kwargs.get("inputs_embeds") if fed is None else fed
     device = model.device if fed is None else fed.device
     rows = 0 if fed is None else fed.shape[0] * fed.shape[1]
     width = fed.shape[1] if fed is not None and fed.dim() >= 2 else None
     with grouped_attention(model, device, width), packed_linears(model, rows, device) as packed:
-        return _logits(model, kwargs, direct, fast_head and not packed)
+        return _logits(model, kwargs, direct, fast_head and not packed, not packed)
 
 
-def _logits(model, kwargs: dict, direct: bool, fast_head: bool) -> torch.Tensor:
+def _logits(model, kwargs: dict, direct: bool, fast_head: bool, layers_direct: bool) -> torch.Tensor:
     call = model.forward if direct else model
     head = FastHead.of(model) if fast_head else None
+    forward = DirectForward.of(model) if layers_direct and kwargs.get("input_ids") is not None else None
+    if forward is not None and forward.serves(model, kwargs, direct):
+        run = lambda: forward(kwargs, head if head is not None else model.get_output_embeddings())  # noqa: E731
+        return run() if direct else _observed(model, run)
     layer = head.layer if head is not None else None
     ids = kwargs.get("input_ids")
     if (head is None or ids is None or ids.numel() > MAX_TOKENS or layer._forward_hooks or layer._forward_pre_hooks

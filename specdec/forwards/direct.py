@@ -1,0 +1,344 @@
+"""The target's forward of a few tokens in the same operations as its own, without its modules.
+
+A one-token step of a small model on a CPU spends a fifth or more of its time outside the
+products: ``transformers``' module calls, mask and cache bookkeeping, Python between thousands of
+small tensor operations. :func:`decoder_layers` is the decoder stack of the Llama layout as one
+function of tensors, the same operations in the same order as the model's own modules (RMSNorm
+in float32 then cast, query, key and value as three products, the rotary embedding, attention
+through ``scaled_dot_product_attention`` with grouped heads, the gated MLP), scripted by
+TorchScript once a process so that it runs without Python between them. For one token and no
+padding it gives the model's own logits bit for bit; with a mask (several tokens, a padded
+batch) the mask is the causal one over the slots each row holds, as specdec's grouped attention
+computes it, so the logits differ from the model's own at most in rounding, as a verification's
+always did.
+
+:meth:`DirectForward.of` decides once per model and process whether the model gets it: a
+float model on a CPU whose layers are the Llama layout (``lean.layout_problem``) with plain
+``nn.Linear`` projections, whose direct one-token logits equal its own bit for bit on a probe
+(anything a model does that this function does not, e.g. a scaled embedding, fails here), and
+whose direct step timed faster than its own (medians, taking turns). It serves a forward
+(:meth:`DirectForward.serves`) on a :class:`specdec.growing.GrowingLayer` cache (specdec's dynamic
+cache) of at most :data:`MAX_ROWS` rows (tokens x batch rows: more go through the packed weights
+of ``packed.py``), asking for logits only, with no module hooks but specdec's own timers; anything
+else runs the model's own forward.
+
+The model is only read: its weights are used in place, nothing is stacked or copied.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+import warnings
+import weakref
+from typing import List, Optional
+
+import torch
+
+from ..distributed import new_dynamic_cache
+from ..growing import GrowingLayer
+from .packed import MIN_ROWS
+
+#: most rows (tokens x batch rows) a direct forward serves: from ``packed.MIN_ROWS`` on, the
+#: packed products serve (they gain more there than leaving the modules does)
+MAX_ROWS = MIN_ROWS - 1
+#: the direct step is used only if it takes at most this share of the model's own
+MIN_GAIN = 0.95
+#: the keyword arguments it understands (any other sends the call to the model's own forward)
+KNOWN = {"input_ids", "position_ids", "past_key_values", "cache", "attention_mask", "use_cache", "logits_to_keep"}
+ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj"}
+MLP_PARTS = {"gate_proj", "up_proj", "down_proj", "act_fn"}
+LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The Llama layout's RMSNorm, operation for operation."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def decoder_layers(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor],
+                   keys: List[torch.Tensor], values: List[torch.Tensor], start: int,
+                   parts: List[List[torch.Tensor]], biases: List[List[Optional[torch.Tensor]]], eps: List[float],
+                   heads: int, kv_heads: int, dim: int, scaling: float) -> torch.Tensor:
+    """``hidden [B, T, H]`` through every decoder layer, writing layer i's keys and values for
+    slots ``start:start+T`` into the buffers ``keys[i]`` / ``values[i]`` [B, kv_heads, slots, dim]
+    and attending over the slots up to there (``mask [B, 1, T, end]`` boolean, or None: all of
+    them). ``parts[i]``: the two norms' scales, then the weights of q, k, v, o, gate, up, down;
+    ``biases[i]``: those seven layers' biases; ``cos``/``sin`` [B, 1, T, dim]."""
+    batch, width = hidden.shape[0], hidden.shape[1]
+    end = start + width
+    for i in range(len(parts)):
+        p, b = parts[i], biases[i]
+        x = _rms_norm(hidden, p[0], eps[2 * i])
+        query = torch.nn.functional.linear(x, p[2], b[0]).view(batch, width, heads, dim).transpose(1, 2)
+        key = torch.nn.functional.linear(x, p[3], b[1]).view(batch, width, kv_heads, dim).transpose(1, 2)
+        value = torch.nn.functional.linear(x, p[4], b[2]).view(batch, width, kv_heads, dim).transpose(1, 2)
+        query = _rotate(query, cos, sin)
+        keys[i][:, :, start:end] = _rotate(key, cos, sin)
+        values[i][:, :, start:end] = value
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, keys[i][:, :, :end], values[i][:, :, :end], attn_mask=mask, scale=scaling, enable_gqa=True)
+        out = out.transpose(1, 2).contiguous().reshape(batch, width, heads * dim)
+        hidden = hidden + torch.nn.functional.linear(out, p[5], b[3])
+        x = _rms_norm(hidden, p[1], eps[2 * i + 1])
+        gated = torch.nn.functional.silu(torch.nn.functional.linear(x, p[6], b[4])) * torch.nn.functional.linear(
+            x, p[7], b[5])
+        hidden = hidden + torch.nn.functional.linear(gated, p[8], b[6])
+    return hidden
+
+
+_SCRIPTED: dict = {}
+_SCRIPT_LOCK = threading.Lock()
+
+
+def scripted_layers():
+    """:func:`decoder_layers` scripted by TorchScript (once a process), or None where this torch
+    cannot (then it runs as Python). Run without the profiling executor, as ``lean.scripted_layers``
+    explains."""
+    with _SCRIPT_LOCK:
+        if "layers" not in _SCRIPTED:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    _SCRIPTED["layers"] = torch.jit.script(decoder_layers)
+            except Exception:  # a torch without TorchScript, or one that cannot script it
+                _SCRIPTED["layers"] = None
+        return _SCRIPTED["layers"]
+
+
+def layout_problem(model) -> str | None:
+    """Why :class:`DirectForward` cannot compute ``model``'s forward, or None where it can."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if decoder is None or not hasattr(decoder, "layers") or not hasattr(decoder, "rotary_emb"):
+        return "no decoder layers with a rotary embedding"
+    if not all(hasattr(decoder, name) for name in ("embed_tokens", "norm")):
+        return "no token embedding or final norm on the decoder"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "a sliding attention window"
+    if float(getattr(config, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
+        return "a partial rotary embedding"
+    if getattr(config, "vision_config", None) is not None:
+        return "a vision-language model"
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear:
+        return "an output layer other than nn.Linear"
+    for layer in decoder.layers:
+        if {n for n, _ in layer.named_children()} != LAYER_PARTS:
+            return "a decoder layer with parts other than the Llama layout's"
+        attn, mlp = layer.self_attn, layer.mlp
+        if {n for n, _ in attn.named_children()} != ATTENTION_PARTS or {n for n, _ in mlp.named_children()} != MLP_PARTS:
+            return "attention or an MLP with parts other than Llama's"
+        linears = [getattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")] + [
+            getattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
+        if any(type(lin) is not torch.nn.Linear or type(lin.weight.data) is not torch.Tensor
+               or not lin.weight.dtype.is_floating_point or lin.weight.device.type != "cpu" for lin in linears):
+            return "projections other than plain float nn.Linear layers on a CPU"
+        if getattr(attn, "sliding_window", None) or getattr(attn, "scaling", None) is None:
+            return "attention with a sliding window, or without a scaling"
+        if not isinstance(mlp.act_fn, torch.nn.SiLU) and type(mlp.act_fn).__name__ != "SiLUActivation":
+            return f"an MLP activation other than SiLU ({type(mlp.act_fn).__name__})"
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            if not type(norm).__name__.endswith("RMSNorm") or not hasattr(norm, "variance_epsilon"):
+                return "norms other than the Llama layout's RMSNorm"
+    return None
+
+
+def _hooked(model, direct: bool) -> bool:
+    """Whether a forward hook would miss the direct forward or see it wrong: a global one, any on
+    a module inside ``model`` (they would not run), or, unless the call is ``direct`` (the model's
+    own hooks do not run then either), one on ``model`` other than specdec's own timers (which
+    ``head.model_logits`` runs around it: they only count)."""
+    from torch.nn.modules import module as nn_module
+
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return True
+    modules = model.modules()
+    next(modules)  # the model itself
+    if any(m._forward_hooks or m._forward_pre_hooks for m in modules):
+        return True
+    return not direct and not all(getattr(getattr(hook, "__self__", None), "observes_only", False)
+                                  for hook in (*model._forward_hooks.values(), *model._forward_pre_hooks.values()))
+
+
+class DirectForward:
+    """One model's direct forward (see the module doc)."""
+
+    _decided: "weakref.WeakKeyDictionary[torch.nn.Module, DirectForward | None]" = weakref.WeakKeyDictionary()
+    _lock = threading.Lock()
+
+    def __init__(self, model):
+        decoder = model.get_decoder()
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.scaling = float(decoder.layers[0].self_attn.scaling)
+        self.decoder, self.model = decoder, weakref.ref(model)
+        self.parts, self.biases, self.eps = [], [], []
+        for layer in decoder.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+            self.parts.append([layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+                              + [lin.weight for lin in linears])
+            self.biases.append([lin.bias for lin in linears])
+            self.eps += [float(layer.input_layernorm.variance_epsilon), float(layer.post_attention_layernorm.variance_epsilon)]
+        self.layers = scripted_layers() or decoder_layers
+
+    @classmethod
+    def of(cls, model) -> "DirectForward | None":
+        """The model's direct forward, or None where it runs its own (decided once per model)."""
+        with cls._lock:
+            if model in cls._decided:
+                return cls._decided[model]
+        direct = cls._decide(model)
+        with cls._lock:
+            return cls._decided.setdefault(model, direct)
+
+    @classmethod
+    def pin(cls, model, use: bool) -> "DirectForward | None":
+        """Decide for ``model`` without timing (for tests): True uses the direct forward where the
+        model qualifies and its probe matches, False never. Returns what is now in use."""
+        direct = cls._candidate(model) if use else None
+        if direct is not None and not direct._matches(model):
+            direct = None
+        with cls._lock:
+            cls._decided[model] = direct
+        return direct
+
+    @classmethod
+    def forget(cls, model) -> None:
+        with cls._lock:
+            cls._decided.pop(model, None)
+
+    @classmethod
+    def _candidate(cls, model) -> "DirectForward | None":
+        if layout_problem(model) is not None:
+            return None
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return None  # a sharded model's layers gather through hooks and plans of their own
+        return cls(model)
+
+    @classmethod
+    def _decide(cls, model) -> "DirectForward | None":
+        direct = cls._candidate(model)
+        if direct is None or not direct._matches(model):
+            return None
+        return direct if direct._faster(model) else None
+
+    # -- serving ------------------------------------------------------------------------------
+    def serves(self, model, kwargs: dict, direct: bool) -> bool:
+        """Whether this forward computes ``kwargs``' (a call of ``model.forward`` if ``direct``,
+        else of ``model``)."""
+        ids, cache = kwargs.get("input_ids"), _cache(kwargs)
+        if ids is None or ids.dim() != 2 or ids.numel() > MAX_ROWS or kwargs.get("position_ids") is None:
+            return False
+        if not set(kwargs) <= KNOWN or torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return False
+        mask = kwargs.get("attention_mask")
+        if mask is not None and mask.dim() != 2:
+            return False
+        layers = getattr(cache, "layers", None)
+        if layers is None or len(layers) != len(self.parts) or not all(type(layer) is GrowingLayer for layer in layers):
+            return False
+        return not _hooked(model, direct)
+
+    def __call__(self, kwargs: dict, head) -> torch.Tensor:
+        """The logits of ``kwargs``' forward (served: :meth:`serves`); ``head`` maps the final
+        hidden states [B, T, H] to logits."""
+        ids, positions, cache = kwargs["input_ids"], kwargs["position_ids"], _cache(kwargs)
+        batch, width = ids.shape
+        layers = cache.layers
+        start = layers[0].keys.shape[-2] if layers[0].is_initialized and layers[0].keys.dim() == 4 else 0
+        end = start + width
+        hidden = self.decoder.embed_tokens(ids)
+        cos, sin = self.decoder.rotary_emb(hidden, positions)  # [B, T, D]
+        like = hidden.new_empty(batch, self.kv_heads, width, self.head_dim)
+        buffers = [layer.reserve(like, end) for layer in layers]
+        with torch.jit.optimized_execution(False):
+            hidden = self.layers(hidden, cos[:, None], sin[:, None], _mask(kwargs.get("attention_mask"), width, start, end),
+                                 [k for k, _ in buffers], [v for _, v in buffers], start, self.parts, self.biases,
+                                 self.eps, self.heads, self.kv_heads, self.head_dim, self.scaling)
+        for layer in layers:
+            layer.filled(end)
+        keep = kwargs.get("logits_to_keep", 0)
+        if isinstance(keep, int) and keep > 0:
+            hidden = hidden[:, -keep:]
+        return head(self.decoder.norm(hidden))
+
+    # -- deciding -----------------------------------------------------------------------------
+    def _probe(self, model, steps: int = 4):
+        """(own logits, direct logits) of ``steps`` one-token steps after a short prefix."""
+        vocab = model.get_input_embeddings().weight.shape[0]
+        device = model.get_input_embeddings().weight.device
+        ids = ((torch.arange(8 + steps, device=device) * 97 + 11) % vocab)[None]
+        own, mine = [], []
+        with torch.no_grad():
+            for out, run in ((own, self._own_step), (mine, self._direct_step)):
+                cache = new_dynamic_cache()
+                model.forward(input_ids=ids[:, :8], past_key_values=cache, use_cache=True)
+                for i in range(8, 8 + steps):
+                    out.append(run(model, ids[:, i:i + 1], torch.tensor([[i]], device=device), cache))
+        return own, mine
+
+    @staticmethod
+    def _own_step(model, ids, positions, cache):
+        return model.forward(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True).logits
+
+    def _direct_step(self, model, ids, positions, cache):
+        return self({"input_ids": ids, "position_ids": positions, "past_key_values": cache},
+                    model.get_output_embeddings())
+
+    def _matches(self, model) -> bool:
+        """Whether the direct one-token logits equal the model's own, bit for bit, on a probe."""
+        try:
+            own, mine = self._probe(model)
+        except (TypeError, ValueError, RuntimeError, AttributeError, IndexError):
+            return False
+        return all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(own, mine))
+
+    def _faster(self, model, rounds: int = 5) -> bool:
+        """Whether a direct one-token step beats the model's own here (medians, taking turns)."""
+        device = model.get_input_embeddings().weight.device
+        ids = torch.arange(3, 67, device=device)[None] % model.get_input_embeddings().weight.shape[0]
+        times: dict = {self._own_step: [], self._direct_step: []}
+        with torch.no_grad():
+            caches = {}
+            for run in times:
+                caches[run] = new_dynamic_cache()
+                model.forward(input_ids=ids, past_key_values=caches[run], use_cache=True)
+            for i in range(rounds):
+                for run, taken in times.items():
+                    started = time.perf_counter()
+                    run(model, ids[:, :1], torch.tensor([[ids.shape[1]]], device=device), caches[run])
+                    taken.append(time.perf_counter() - started)
+                    caches[run].crop(-1)
+        return statistics.median(times[self._direct_step]) < MIN_GAIN * statistics.median(times[self._own_step])
+
+
+def _cache(kwargs: dict):
+    cache = kwargs.get("past_key_values")
+    return cache if cache is not None else kwargs.get("cache")
+
+
+def _mask(attention_mask: torch.Tensor | None, width: int, start: int, end: int) -> torch.Tensor | None:
+    """[B, 1, T, end] boolean: the slots each new token sees (causal, and only the row's real
+    tokens, its own slot always), or None where one token sees every slot (no padding)."""
+    if width == 1 and (attention_mask is None or bool(attention_mask[:, :end].all())):
+        return None
+    device = attention_mask.device if attention_mask is not None else None
+    slots = torch.arange(end, device=device)
+    mine = (start + torch.arange(width, device=device))[:, None]  # [T, 1]
+    allowed = (slots[None, :] <= mine)[None]  # [1, T, end]
+    if attention_mask is not None:
+        allowed = (allowed & attention_mask[:, None, :end].bool()) | (slots[None, :] == mine)[None]
+    return allowed[:, None]
