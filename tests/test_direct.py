@@ -136,6 +136,10 @@ def test_it_serves_few_rows_on_specdecs_dynamic_cache_only(pin):
         assert not forward.serves(model, kwargs(1, 1, plain), direct=True)  # transformers' own layers
         assert not forward.serves(model, {**kwargs(1, 1, grown), "output_hidden_states": True}, direct=True)
     assert not forward.serves(model, kwargs(1, 1, grown), direct=True)  # a forward autograd records
+    with torch.no_grad():  # transformers' output-capturing hooks, left on the layers by a forward that asked for
+        model.forward(input_ids=torch.ones(1, 3, dtype=torch.long), output_hidden_states=True)  # hidden states,
+        assert any(layer._forward_hooks for layer in model.model.layers)  # record nothing outside such a forward
+        assert forward.serves(model, kwargs(1, 1, grown), direct=False)
 
 
 def test_decoding_with_it_is_token_for_token_generate_and_its_forwards_are_counted(pin, monkeypatch):

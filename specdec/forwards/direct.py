@@ -155,7 +155,7 @@ def layout_problem(model) -> str | None:
 
 def _hooked(model, direct: bool) -> bool:
     """Whether a forward hook would miss the direct forward or see it wrong: a global one, any on
-    a module inside ``model`` (they would not run), or, unless the call is ``direct`` (the model's
+    a module inside ``model`` (they would not run) but transformers' idle output capturing, or, unless the call is ``direct`` (the model's
     own hooks do not run then either), one on ``model`` other than specdec's own timers (which
     ``head.model_logits`` runs around it: they only count)."""
     from torch.nn.modules import module as nn_module
@@ -164,10 +164,17 @@ def _hooked(model, direct: bool) -> bool:
         return True
     modules = model.modules()
     next(modules)  # the model itself
-    if any(m._forward_hooks or m._forward_pre_hooks for m in modules):
+    if any(not _capturing(hook) for m in modules for hook in (*m._forward_hooks.values(), *m._forward_pre_hooks.values())):
         return True
     return not direct and not all(getattr(getattr(hook, "__self__", None), "observes_only", False)
                                   for hook in (*model._forward_hooks.values(), *model._forward_pre_hooks.values()))
+
+
+def _capturing(hook) -> bool:
+    """Whether ``hook`` is one of the hooks ``transformers`` leaves on a model's layers once a
+    forward asked for hidden states or attentions: they record only inside such a forward of the
+    model's own, and do nothing otherwise."""
+    return getattr(hook, "__qualname__", "").startswith(("install_output_capuring_hook.", "install_output_capturing_hook."))
 
 
 class DirectForward:
