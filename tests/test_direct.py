@@ -88,6 +88,28 @@ def test_several_tokens_and_padded_rows_are_the_models_own_up_to_rounding(rows, 
         torch.testing.assert_close(a.values, b.values, rtol=1e-5, atol=1e-5)
 
 
+def test_products_through_packed_weights_are_the_models_own_up_to_rounding(pin):
+    """In a forward that ``packed.py`` packs weights for, the direct products go through them."""
+    from specdec.forwards.packed import PackedLinears, available
+
+    if not available():
+        pytest.skip("this torch has no MKL packed products")
+    model = tiny_random("llama", seed=6)[0]
+    forward = pin(model)
+    state = PackedLinears.pin(model, True)
+    ids = torch.randint(3, 250, (2, 16), generator=torch.Generator().manual_seed(6))
+    cache = new_dynamic_cache()
+    with torch.no_grad():
+        model.forward(input_ids=ids[:, :10], past_key_values=cache, use_cache=True)
+        want = model.forward(input_ids=ids, use_cache=False).logits[:, 10:]
+        kwargs = {"input_ids": ids[:, 10:], "position_ids": torch.arange(10, 16).expand(2, 6), "past_key_values": cache}
+        assert forward.serves(model, kwargs, direct=True)
+        got = forward(kwargs, model.get_output_embeddings(), packed=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert len(state._packed) >= 7 * len(model.model.layers)  # every decoder layer's products were packed
+    PackedLinears.forget(model)
+
+
 def test_layouts_it_does_not_compute_are_left_to_the_model():
     assert layout_problem(tiny_random("llama", seed=1)[0]) is None
     for arch in ("qwen3", "mistral", "gemma2"):  # query/key norms; a sliding window; other norms
@@ -132,7 +154,7 @@ def test_it_serves_few_rows_on_specdecs_dynamic_cache_only(pin):
         model.forward(input_ids=torch.ones(1, 4, dtype=torch.long), past_key_values=plain, use_cache=True)
     with torch.no_grad():
         assert forward.serves(model, kwargs(1, direct_module.MAX_ROWS, grown), direct=True)
-        assert not forward.serves(model, kwargs(1, direct_module.MAX_ROWS + 1, grown), direct=True)  # packed rows
+        assert not forward.serves(model, kwargs(1, direct_module.MAX_ROWS + 1, grown), direct=True)  # a prefill: the model's own
         assert not forward.serves(model, kwargs(1, 1, plain), direct=True)  # transformers' own layers
         assert not forward.serves(model, {**kwargs(1, 1, grown), "output_hidden_states": True}, direct=True)
     assert not forward.serves(model, kwargs(1, 1, grown), direct=True)  # a forward autograd records

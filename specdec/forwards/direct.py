@@ -18,8 +18,8 @@ float model on a CPU whose layers are the Llama layout (``lean.layout_problem``)
 (anything a model does that this function does not, e.g. a scaled embedding, fails here), and
 whose direct step timed faster than its own (medians, taking turns). It serves a forward
 (:meth:`DirectForward.serves`) on a :class:`specdec.growing.GrowingLayer` cache (specdec's dynamic
-cache) of at most :data:`MAX_ROWS` rows (tokens x batch rows: more go through the packed weights
-of ``packed.py``), asking for logits only, with no module hooks but specdec's own timers; anything
+cache) of at most ``packed.MAX_ROWS`` rows (tokens x batch rows; their products through the
+weights packed for MKL where ``packed.py`` packs them for the forward), asking for logits only, with no module hooks but specdec's own timers; anything
 else runs the model's own forward.
 
 The model is only read: its weights are used in place, nothing is stacked or copied.
@@ -38,11 +38,8 @@ import torch
 
 from ..distributed import new_dynamic_cache
 from ..growing import GrowingLayer
-from .packed import MIN_ROWS
-
-#: most rows (tokens x batch rows) a direct forward serves: from ``packed.MIN_ROWS`` on, the
-#: packed products serve (they gain more there than leaving the modules does)
-MAX_ROWS = MIN_ROWS - 1
+from .packed import MAX_ROWS, PackedLinears
+from .packed import available as packed_available
 #: the direct step is used only if it takes at most this share of the model's own
 MIN_GAIN = 0.95
 #: the keyword arguments it understands (any other sends the call to the model's own forward)
@@ -60,6 +57,17 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * x.to(dtype)
 
 
+if packed_available():
+    def _linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """``F.linear``, or through the weight packed for MKL where ``packed`` is not empty (``packed.py``)."""
+        if packed.numel() > 0:
+            return torch.ops.mkl._mkl_linear(x.contiguous(), packed, weight, bias, x.numel() // x.shape[-1])
+        return torch.nn.functional.linear(x, weight, bias)
+else:
+    def _linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return torch.nn.functional.linear(x, weight, bias)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
@@ -67,32 +75,33 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def decoder_layers(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor],
                    keys: List[torch.Tensor], values: List[torch.Tensor], start: int,
-                   parts: List[List[torch.Tensor]], biases: List[List[Optional[torch.Tensor]]], eps: List[float],
+                   parts: List[List[torch.Tensor]], packed: List[List[torch.Tensor]],
+                   biases: List[List[Optional[torch.Tensor]]], eps: List[float],
                    heads: int, kv_heads: int, dim: int, scaling: float) -> torch.Tensor:
     """``hidden [B, T, H]`` through every decoder layer, writing layer i's keys and values for
     slots ``start:start+T`` into the buffers ``keys[i]`` / ``values[i]`` [B, kv_heads, slots, dim]
     and attending over the slots up to there (``mask [B, 1, T, end]`` boolean, or None: all of
     them). ``parts[i]``: the two norms' scales, then the weights of q, k, v, o, gate, up, down;
+    ``packed[i]``: those seven weights packed for MKL, or empty tensors (plain products);
     ``biases[i]``: those seven layers' biases; ``cos``/``sin`` [B, 1, T, dim]."""
     batch, width = hidden.shape[0], hidden.shape[1]
     end = start + width
     for i in range(len(parts)):
-        p, b = parts[i], biases[i]
+        p, w, b = parts[i], packed[i], biases[i]
         x = _rms_norm(hidden, p[0], eps[2 * i])
-        query = torch.nn.functional.linear(x, p[2], b[0]).view(batch, width, heads, dim).transpose(1, 2)
-        key = torch.nn.functional.linear(x, p[3], b[1]).view(batch, width, kv_heads, dim).transpose(1, 2)
-        value = torch.nn.functional.linear(x, p[4], b[2]).view(batch, width, kv_heads, dim).transpose(1, 2)
+        query = _linear(x, p[2], w[0], b[0]).view(batch, width, heads, dim).transpose(1, 2)
+        key = _linear(x, p[3], w[1], b[1]).view(batch, width, kv_heads, dim).transpose(1, 2)
+        value = _linear(x, p[4], w[2], b[2]).view(batch, width, kv_heads, dim).transpose(1, 2)
         query = _rotate(query, cos, sin)
         keys[i][:, :, start:end] = _rotate(key, cos, sin)
         values[i][:, :, start:end] = value
         out = torch.nn.functional.scaled_dot_product_attention(
             query, keys[i][:, :, :end], values[i][:, :, :end], attn_mask=mask, scale=scaling, enable_gqa=True)
         out = out.transpose(1, 2).contiguous().reshape(batch, width, heads * dim)
-        hidden = hidden + torch.nn.functional.linear(out, p[5], b[3])
+        hidden = hidden + _linear(out, p[5], w[3], b[3])
         x = _rms_norm(hidden, p[1], eps[2 * i + 1])
-        gated = torch.nn.functional.silu(torch.nn.functional.linear(x, p[6], b[4])) * torch.nn.functional.linear(
-            x, p[7], b[5])
-        hidden = hidden + torch.nn.functional.linear(gated, p[8], b[6])
+        gated = torch.nn.functional.silu(_linear(x, p[6], w[4], b[4])) * _linear(x, p[7], w[5], b[5])
+        hidden = hidden + _linear(gated, p[8], w[6], b[6])
     return hidden
 
 
@@ -191,15 +200,17 @@ class DirectForward:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.scaling = float(decoder.layers[0].self_attn.scaling)
         self.decoder, self.model = decoder, weakref.ref(model)
-        self.parts, self.biases, self.eps = [], [], []
+        self.parts, self.biases, self.eps, self.linears = [], [], [], []
         for layer in decoder.layers:
             attn, mlp = layer.self_attn, layer.mlp
             linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+            self.linears.append(linears)
             self.parts.append([layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
                               + [lin.weight for lin in linears])
             self.biases.append([lin.bias for lin in linears])
             self.eps += [float(layer.input_layernorm.variance_epsilon), float(layer.post_attention_layernorm.variance_epsilon)]
         self.layers = scripted_layers() or decoder_layers
+        self.unpacked = [[torch.empty(0)] * 7 for _ in decoder.layers]
 
     @classmethod
     def of(cls, model) -> "DirectForward | None":
@@ -259,9 +270,10 @@ class DirectForward:
             return False
         return not _hooked(model, direct)
 
-    def __call__(self, kwargs: dict, head) -> torch.Tensor:
+    def __call__(self, kwargs: dict, head, packed: bool = False) -> torch.Tensor:
         """The logits of ``kwargs``' forward (served: :meth:`serves`); ``head`` maps the final
-        hidden states [B, T, H] to logits."""
+        hidden states [B, T, H] to logits; ``packed``: the products go through the model's weights
+        packed for MKL (``packed.packed_linears`` said so for this forward)."""
         ids, positions, cache = kwargs["input_ids"], kwargs["position_ids"], _cache(kwargs)
         batch, width = ids.shape
         layers = cache.layers
@@ -271,10 +283,14 @@ class DirectForward:
         cos, sin = self.decoder.rotary_emb(hidden, positions)  # [B, T, D]
         like = hidden.new_empty(batch, self.kv_heads, width, self.head_dim)
         buffers = [layer.reserve(like, end) for layer in layers]
+        weights = self.unpacked
+        if packed:
+            state = PackedLinears.of(self.model())
+            weights = [[state.packed_weight(linear) for linear in linears] for linears in self.linears]
         with torch.jit.optimized_execution(False):
             hidden = self.layers(hidden, cos[:, None], sin[:, None], _mask(kwargs.get("attention_mask"), width, start, end),
-                                 [k for k, _ in buffers], [v for _, v in buffers], start, self.parts, self.biases,
-                                 self.eps, self.heads, self.kv_heads, self.head_dim, self.scaling)
+                                 [k for k, _ in buffers], [v for _, v in buffers], start, self.parts, weights,
+                                 self.biases, self.eps, self.heads, self.kv_heads, self.head_dim, self.scaling)
         for layer in layers:
             layer.filled(end)
         keep = kwargs.get("logits_to_keep", 0)

@@ -196,15 +196,15 @@ def model_logits(model, kwargs: dict, *, direct: bool = False, fast_head: bool =
     rows = 0 if fed is None else fed.shape[0] * fed.shape[1]
     width = fed.shape[1] if fed is not None and fed.dim() >= 2 else None
     with grouped_attention(model, device, width), packed_linears(model, rows, device) as packed:
-        return _logits(model, kwargs, direct, fast_head and not packed, not packed)
+        return _logits(model, kwargs, direct, fast_head and not packed, packed)
 
 
-def _logits(model, kwargs: dict, direct: bool, fast_head: bool, layers_direct: bool) -> torch.Tensor:
+def _logits(model, kwargs: dict, direct: bool, fast_head: bool, packed: bool) -> torch.Tensor:
     call = model.forward if direct else model
     head = FastHead.of(model) if fast_head else None
-    forward = DirectForward.of(model) if layers_direct and kwargs.get("input_ids") is not None else None
+    forward = DirectForward.of(model) if kwargs.get("input_ids") is not None else None
     if forward is not None and forward.serves(model, kwargs, direct):
-        run = lambda: forward(kwargs, head if head is not None else model.get_output_embeddings())  # noqa: E731
+        run = lambda: forward(kwargs, head if head is not None else model.get_output_embeddings(), packed)  # noqa: E731
         return run() if direct else _observed(model, run)
     layer = head.layer if head is not None else None
     ids = kwargs.get("input_ids")
