@@ -16,7 +16,8 @@ always did.
 float model on a CPU whose layers are the Llama layout (``lean.layout_problem``) with plain
 ``nn.Linear`` projections, whose direct one-token logits equal its own bit for bit on a probe
 (anything a model does that this function does not, e.g. a scaled embedding, fails here), and
-whose direct step timed faster than its own (medians, taking turns). It serves a forward
+whose direct steps timed faster than its own on that probe (medians of 5, taking turns); the
+step that decides counts as one-time work (reported apart, pricing nothing). It serves a forward
 (:meth:`DirectForward.serves`) on a :class:`specdec.growing.GrowingLayer` cache (specdec's dynamic
 cache) of at most ``packed.MAX_ROWS`` rows (tokens x batch rows; their products through the
 weights packed for MKL where ``packed.py`` packs them for the forward), asking for logits only, with no module hooks but specdec's own timers; anything
@@ -36,8 +37,10 @@ from typing import List, Optional
 
 import torch
 
+from ..compiled import one_time
 from ..distributed import new_dynamic_cache
 from ..growing import GrowingLayer
+from ..modelinfo import cache_argument
 from .packed import MAX_ROWS, PackedLinears
 from .packed import available as packed_available
 #: the direct step is used only if it takes at most this share of the model's own
@@ -248,10 +251,9 @@ class DirectForward:
 
     @classmethod
     def _decide(cls, model) -> "DirectForward | None":
-        direct = cls._candidate(model)
-        if direct is None or not direct._matches(model):
-            return None
-        return direct if direct._faster(model) else None
+        with one_time():  # the step that decides is reported apart, and prices nothing
+            direct = cls._candidate(model)
+            return direct if direct is not None and all(direct._verdict(model)) else None
 
     # -- serving ------------------------------------------------------------------------------
     def serves(self, model, kwargs: dict, direct: bool) -> bool:
@@ -299,53 +301,47 @@ class DirectForward:
         return head(self.decoder.norm(hidden))
 
     # -- deciding -----------------------------------------------------------------------------
-    def _probe(self, model, steps: int = 4):
-        """(own logits, direct logits) of ``steps`` one-token steps after a short prefix."""
+    def _probe(self, model, steps: int = 5) -> tuple[list, list, list, list]:
+        """``steps`` one-token steps after a short prefix, the model's own and direct in turn on
+        caches of their own: (own logits, direct logits, own seconds, direct seconds)."""
         vocab = model.get_input_embeddings().weight.shape[0]
         device = model.get_input_embeddings().weight.device
         ids = ((torch.arange(8 + steps, device=device) * 97 + 11) % vocab)[None]
-        own, mine = [], []
+        runs = (self._own_step, self._direct_step)
+        logits: tuple[list, list] = ([], [])
+        seconds: tuple[list, list] = ([], [])
         with torch.no_grad():
-            for out, run in ((own, self._own_step), (mine, self._direct_step)):
-                cache = new_dynamic_cache()
-                model.forward(input_ids=ids[:, :8], past_key_values=cache, use_cache=True)
-                for i in range(8, 8 + steps):
-                    out.append(run(model, ids[:, i:i + 1], torch.tensor([[i]], device=device), cache))
-        return own, mine
+            caches = [new_dynamic_cache() for _ in runs]
+            for cache in caches:
+                model.forward(input_ids=ids[:, :8], **{cache_argument(model): cache}, use_cache=True)
+            for i in range(8, 8 + steps):
+                for which in ((0, 1) if i % 2 else (1, 0)):
+                    started = time.perf_counter()
+                    logits[which].append(runs[which](model, ids[:, i:i + 1], torch.tensor([[i]], device=device),
+                                                     caches[which]))
+                    seconds[which].append(time.perf_counter() - started)
+        return logits[0], logits[1], seconds[0], seconds[1]
 
     @staticmethod
     def _own_step(model, ids, positions, cache):
-        return model.forward(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True).logits
+        return model.forward(input_ids=ids, position_ids=positions, **{cache_argument(model): cache}, use_cache=True).logits
 
     def _direct_step(self, model, ids, positions, cache):
         return self({"input_ids": ids, "position_ids": positions, "past_key_values": cache},
                     model.get_output_embeddings())
 
-    def _matches(self, model) -> bool:
-        """Whether the direct one-token logits equal the model's own, bit for bit, on a probe."""
+    def _verdict(self, model) -> tuple[bool, bool]:
+        """(whether the direct one-token logits equal the model's own bit for bit on a probe,
+        whether its steps were faster there: medians, taking turns)."""
         try:
-            own, mine = self._probe(model)
+            own, mine, own_seconds, my_seconds = self._probe(model)
         except (TypeError, ValueError, RuntimeError, AttributeError, IndexError):
-            return False
-        return all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(own, mine))
+            return False, False
+        equal = all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(own, mine))
+        return equal, statistics.median(my_seconds) < MIN_GAIN * statistics.median(own_seconds)
 
-    def _faster(self, model, rounds: int = 5) -> bool:
-        """Whether a direct one-token step beats the model's own here (medians, taking turns)."""
-        device = model.get_input_embeddings().weight.device
-        ids = torch.arange(3, 67, device=device)[None] % model.get_input_embeddings().weight.shape[0]
-        times: dict = {self._own_step: [], self._direct_step: []}
-        with torch.no_grad():
-            caches = {}
-            for run in times:
-                caches[run] = new_dynamic_cache()
-                model.forward(input_ids=ids, past_key_values=caches[run], use_cache=True)
-            for i in range(rounds):
-                for run, taken in times.items():
-                    started = time.perf_counter()
-                    run(model, ids[:, :1], torch.tensor([[ids.shape[1]]], device=device), caches[run])
-                    taken.append(time.perf_counter() - started)
-                    caches[run].crop(-1)
-        return statistics.median(times[self._direct_step]) < MIN_GAIN * statistics.median(times[self._own_step])
+    def _matches(self, model) -> bool:
+        return self._verdict(model)[0]
 
 
 def _cache(kwargs: dict):
