@@ -138,6 +138,34 @@ def test_hooks_it_would_skip_send_the_call_to_the_model(pin):
     user.remove()
 
 
+def test_weights_and_layers_replaced_after_deciding_are_never_computed_stale(pin):
+    model = tiny_random("llama", seed=7)[0]
+    forward = pin(model)
+    ids = torch.randint(3, 250, (1, 12), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight = torch.nn.Parameter(torch.randn_like(model.model.layers[1].mlp.up_proj.weight))
+    mine, _ = steps(model, ids, mask, [1, 1], use_direct=True)
+    own, _ = steps(model, ids, mask, [1, 1], use_direct=False)
+    assert all(torch.equal(a, b) for a, b in zip(mine, own))  # the new weight, read at the forward
+    attention = model.model.layers[0].self_attn
+
+    class Adapter(torch.nn.Module):  # a layer wrapped after deciding, as an adapter library does
+        def __init__(self, base):
+            super().__init__()
+            self.base = base
+
+        def forward(self, x):
+            return self.base(x) * 2
+
+    attention.q_proj = Adapter(attention.q_proj)
+    cache = new_dynamic_cache()
+    with torch.no_grad():
+        model.forward(input_ids=ids[:, :8], past_key_values=cache, use_cache=True)
+        assert not forward.serves(model, {"input_ids": ids[:, 8:9], "position_ids": torch.tensor([[8]]),
+                                          "past_key_values": cache}, direct=True)
+
+
 def test_it_serves_few_rows_on_specdecs_dynamic_cache_only(pin):
     model = tiny_random("llama", seed=5)[0]
     forward = pin(model)

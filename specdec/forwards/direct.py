@@ -167,9 +167,9 @@ def layout_problem(model) -> str | None:
 
 def _hooked(model, direct: bool) -> bool:
     """Whether a forward hook would miss the direct forward or see it wrong: a global one, any on
-    a module inside ``model`` (they would not run) but transformers' idle output capturing, or, unless the call is ``direct`` (the model's
-    own hooks do not run then either), one on ``model`` other than specdec's own timers (which
-    ``head.model_logits`` runs around it: they only count)."""
+    a module inside ``model`` (they would not run) but transformers' idle output capturing, or,
+    unless the call is ``direct`` (the model's own hooks do not run then either), one on ``model``
+    other than specdec's own timers (which ``head.model_logits`` runs around it: they only count)."""
     from torch.nn.modules import module as nn_module
 
     if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
@@ -203,17 +203,26 @@ class DirectForward:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.scaling = float(decoder.layers[0].self_attn.scaling)
         self.decoder, self.model = decoder, weakref.ref(model)
-        self.parts, self.biases, self.eps, self.linears = [], [], [], []
-        for layer in decoder.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-            self.linears.append(linears)
-            self.parts.append([layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-                              + [lin.weight for lin in linears])
-            self.biases.append([lin.bias for lin in linears])
-            self.eps += [float(layer.input_layernorm.variance_epsilon), float(layer.post_attention_layernorm.variance_epsilon)]
+        self.eps = [float(norm.variance_epsilon) for layer in decoder.layers
+                    for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
         self.layers = scripted_layers() or decoder_layers
         self.unpacked = [[torch.empty(0)] * 7 for _ in decoder.layers]
+
+    def tensors(self) -> tuple[list, list, list] | None:
+        """(each layer's 7 projections, :func:`decoder_layers`' ``parts`` and ``biases``) as the
+        model holds them now, or None where a projection is no longer a plain ``nn.Linear`` (a
+        layer replaced since deciding, e.g. by an adapter): read at every forward, so a weight
+        replaced or a module swapped is never computed stale."""
+        linears, parts, biases = [], [], []
+        for layer in self.decoder.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            mine = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+            if any(type(lin) is not torch.nn.Linear for lin in mine):
+                return None
+            linears.append(mine)
+            parts.append([layer.input_layernorm.weight, layer.post_attention_layernorm.weight] + [lin.weight for lin in mine])
+            biases.append([lin.bias for lin in mine])
+        return linears, parts, biases
 
     @classmethod
     def of(cls, model) -> "DirectForward | None":
@@ -268,9 +277,9 @@ class DirectForward:
         if mask is not None and mask.dim() != 2:
             return False
         layers = getattr(cache, "layers", None)
-        if layers is None or len(layers) != len(self.parts) or not all(type(layer) is GrowingLayer for layer in layers):
+        if layers is None or len(layers) != len(self.eps) // 2 or not all(type(layer) is GrowingLayer for layer in layers):
             return False
-        return not _hooked(model, direct)
+        return not _hooked(model, direct) and self.tensors() is not None
 
     def __call__(self, kwargs: dict, head, packed: bool = False) -> torch.Tensor:
         """The logits of ``kwargs``' forward (served: :meth:`serves`); ``head`` maps the final
@@ -285,14 +294,15 @@ class DirectForward:
         cos, sin = self.decoder.rotary_emb(hidden, positions)  # [B, T, D]
         like = hidden.new_empty(batch, self.kv_heads, width, self.head_dim)
         buffers = [layer.reserve(like, end) for layer in layers]
+        linears, parts, biases = self.tensors()
         weights = self.unpacked
         if packed:
             state = PackedLinears.of(self.model())
-            weights = [[state.packed_weight(linear) for linear in linears] for linears in self.linears]
+            weights = [[state.packed_weight(linear) for linear in mine] for mine in linears]
         with torch.jit.optimized_execution(False):
             hidden = self.layers(hidden, cos[:, None], sin[:, None], _mask(kwargs.get("attention_mask"), width, start, end),
-                                 [k for k, _ in buffers], [v for _, v in buffers], start, self.parts, weights,
-                                 self.biases, self.eps, self.heads, self.kv_heads, self.head_dim, self.scaling)
+                                 [k for k, _ in buffers], [v for _, v in buffers], start, parts, weights,
+                                 biases, self.eps, self.heads, self.kv_heads, self.head_dim, self.scaling)
         for layer in layers:
             layer.filled(end)
         keep = kwargs.get("logits_to_keep", 0)
