@@ -39,8 +39,9 @@ class AcceptanceStats:
     forward_costs: dict[int, list[float]] = field(default_factory=dict)
     #: seconds spent calibrating the forward-cost model (once per model and process)
     calibration_seconds: float = 0.0
-    #: seconds of forwards that compiled a graph (the first of each compiled shape in the process) or
-    #: packed a model's weights (``forwards/packed.py``, once per model)
+    #: seconds of forwards that compiled a graph (the first of each compiled shape in the process),
+    #: packed a model's weights (``forwards/packed.py``, once per model) or decided its direct
+    #: forward (``forwards/direct.py``, once per model)
     compile_seconds: float = 0.0
     #: one-time choices made for the call and why, e.g. {"weights": "w8a8", "weights_choice": "..."}
     choices: dict[str, str] = field(default_factory=dict)

@@ -260,9 +260,11 @@ class DirectForward:
 
     @classmethod
     def _decide(cls, model) -> "DirectForward | None":
-        with one_time():  # the step that decides is reported apart, and prices nothing
-            direct = cls._candidate(model)
-            return direct if direct is not None and all(direct._verdict(model)) else None
+        direct = cls._candidate(model)
+        if direct is None:
+            return None
+        with one_time():  # the step that probes is reported apart, and prices nothing
+            return direct if all(direct._verdict(model)) else None
 
     # -- serving ------------------------------------------------------------------------------
     def serves(self, model, kwargs: dict, direct: bool) -> bool:
