@@ -31,7 +31,6 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-import warnings
 import weakref
 from typing import List, Optional
 
@@ -41,8 +40,10 @@ from ..compiled import one_time
 from ..distributed import new_dynamic_cache
 from ..growing import GrowingLayer
 from ..modelinfo import cache_argument
+from .lean import script_once
 from .packed import MAX_ROWS, PackedLinears
 from .packed import available as packed_available
+
 #: the direct step is used only if it takes at most this share of the model's own
 MIN_GAIN = 0.95
 #: the keyword arguments it understands (any other sends the call to the model's own forward)
@@ -108,23 +109,11 @@ def decoder_layers(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, m
     return hidden
 
 
-_SCRIPTED: dict = {}
-_SCRIPT_LOCK = threading.Lock()
-
-
 def scripted_layers():
     """:func:`decoder_layers` scripted by TorchScript (once a process), or None where this torch
-    cannot (then it runs as Python). Run without the profiling executor, as ``lean.scripted_layers``
+    cannot (then it runs as Python); run without the profiling executor, as ``lean.scripted_layers``
     explains."""
-    with _SCRIPT_LOCK:
-        if "layers" not in _SCRIPTED:
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    _SCRIPTED["layers"] = torch.jit.script(decoder_layers)
-            except Exception:  # a torch without TorchScript, or one that cannot script it
-                _SCRIPTED["layers"] = None
-        return _SCRIPTED["layers"]
+    return script_once(decoder_layers)
 
 
 def layout_problem(model) -> str | None:

@@ -180,15 +180,21 @@ def scripted_layers():
     a draft step would pay and the policy would take for a draft's; and a graph it optimized for
     other shapes ran slower than the plain one (SmolLM2-135M's w8a8 copy: 17-18 ms a step against
     15 ms)."""
+    return script_once(decoder_layers)
+
+
+def script_once(function):
+    """``function`` scripted by TorchScript, once a process, or None where this torch cannot
+    script it (the caller then runs it as Python)."""
     with _SCRIPT_LOCK:
-        if "layers" not in _SCRIPTED:
+        if function not in _SCRIPTED:
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    _SCRIPTED["layers"] = torch.jit.script(decoder_layers)
-            except Exception:  # a torch without TorchScript, or one that cannot script it: run it as Python
-                _SCRIPTED["layers"] = None
-        return _SCRIPTED["layers"]
+                    _SCRIPTED[function] = torch.jit.script(function)
+            except Exception:  # a torch without TorchScript, or one that cannot script it
+                _SCRIPTED[function] = None
+        return _SCRIPTED[function]
 
 
 class LeanForward:
