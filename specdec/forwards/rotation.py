@@ -27,7 +27,7 @@ The input of each MLP's output layer (``act(gate) * up``) is not on the residual
 has the largest outlier channels of all; no rotation folds into the weights there (the product
 of gate and up is elementwise). :func:`mlp_outputs` names those layers, and ``int8.Int8Linear``
 rotates their input at run time by the same kind of Kronecker product: two small products a
-token per layer, bought back several times over in agreement.
+token per layer (what they cost and gain: docs/self_draft.md).
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ CHUNK_ROWS = 4096
 
 
 def rotate_columns(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """weight [N, m*n] -> (weight * scale) @ kron(a, b), written to ``out`` (default: ``weight``
     itself), ``CHUNK_ROWS`` rows at a time."""
     out = weight if out is None else out
