@@ -462,7 +462,7 @@ def test_selection_and_errors(tokenizers):
 # -- the real pair: Gemma-3-270M target, SmolLM2-135M draft ---------------------------------------
 REAL_PROMPTS = ["The capital of France is", "Question: Why is the sky blue?\nAnswer:",
                 "Le café de la gare, à côté du théâtre, est"]  # plain text: Gemma-3-270M is a base model
-REAL_NEW_TOKENS = 24
+REAL_NEW_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
