@@ -40,7 +40,7 @@ from ..compiled import one_time
 from ..distributed import new_dynamic_cache
 from ..growing import GrowingLayer
 from ..modelinfo import cache_argument
-from .lean import script_once
+from .lean import attention_shape, script_once
 from .packed import MAX_ROWS, PackedLinears
 from .packed import available as packed_available
 
@@ -186,11 +186,7 @@ class DirectForward:
 
     def __init__(self, model):
         decoder = model.get_decoder()
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        self.heads = config.num_attention_heads
-        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
-        self.scaling = float(decoder.layers[0].self_attn.scaling)
+        self.heads, self.kv_heads, self.head_dim, self.scaling = attention_shape(model)
         self.decoder, self.model = decoder, weakref.ref(model)
         self.eps = [float(norm.variance_epsilon) for layer in decoder.layers
                     for norm in (layer.input_layernorm, layer.post_attention_layernorm)]

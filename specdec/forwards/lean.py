@@ -197,16 +197,21 @@ def script_once(function):
         return _SCRIPTED[function]
 
 
+def attention_shape(model) -> tuple[int, int, int, float]:
+    """(query heads, key/value heads, head size, attention scaling) of ``model``'s decoder layers."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return heads, kv_heads, head_dim, float(model.get_decoder().layers[0].self_attn.scaling)
+
+
 class LeanForward:
     """The forward installed on a copy (:func:`install`): see the module doc."""
 
     def __init__(self, model, script: bool = True):
         decoder = model.get_decoder()
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        self.heads = config.num_attention_heads
-        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
-        self.scaling = float(decoder.layers[0].self_attn.scaling)
+        self.heads, self.kv_heads, self.head_dim, self.scaling = attention_shape(model)
         self.own = types.MethodType(type(model).forward, model)  # the model's own forward
         self.__signature__ = inspect.signature(self.own)  # what callers inspect (the cache's argument name)
         self.embed, self.rotary, self.norm = decoder.embed_tokens, decoder.rotary_emb, decoder.norm
