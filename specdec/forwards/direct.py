@@ -255,23 +255,28 @@ class DirectForward:
     def serves(self, model, kwargs: dict, direct: bool) -> bool:
         """Whether this forward computes ``kwargs``' (a call of ``model.forward`` if ``direct``,
         else of ``model``)."""
+        return self.plan(model, kwargs, direct) is not None
+
+    def plan(self, model, kwargs: dict, direct: bool) -> tuple[list, list, list] | None:
+        """:meth:`tensors` where this forward computes ``kwargs``' (see :meth:`serves`), else None."""
         ids, cache = kwargs.get("input_ids"), _cache(kwargs)
         if ids is None or ids.dim() != 2 or ids.numel() > MAX_ROWS or kwargs.get("position_ids") is None:
-            return False
+            return None
         if not set(kwargs) <= KNOWN or torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return False
+            return None
         mask = kwargs.get("attention_mask")
         if mask is not None and mask.dim() != 2:
-            return False
+            return None
         layers = getattr(cache, "layers", None)
         if layers is None or len(layers) != len(self.eps) // 2 or not all(type(layer) is GrowingLayer for layer in layers):
-            return False
-        return not _hooked(model, direct) and self.tensors() is not None
+            return None
+        return None if _hooked(model, direct) else self.tensors()
 
-    def __call__(self, kwargs: dict, head, packed: bool = False) -> torch.Tensor:
+    def __call__(self, kwargs: dict, head, packed: bool = False, tensors: tuple | None = None) -> torch.Tensor:
         """The logits of ``kwargs``' forward (served: :meth:`serves`); ``head`` maps the final
         hidden states [B, T, H] to logits; ``packed``: the products go through the model's weights
-        packed for MKL (``packed.packed_linears`` said so for this forward)."""
+        packed for MKL (``packed.packed_linears`` said so for this forward); ``tensors``: what
+        :meth:`plan` returned for it (read again where not given)."""
         ids, positions, cache = kwargs["input_ids"], kwargs["position_ids"], _cache(kwargs)
         batch, width = ids.shape
         layers = cache.layers
@@ -281,7 +286,7 @@ class DirectForward:
         cos, sin = self.decoder.rotary_emb(hidden, positions)  # [B, T, D]
         like = hidden.new_empty(batch, self.kv_heads, width, self.head_dim)
         buffers = [layer.reserve(like, end) for layer in layers]
-        linears, parts, biases = self.tensors()
+        linears, parts, biases = tensors if tensors is not None else self.tensors()
         weights = self.unpacked
         if packed:
             state = PackedLinears.of(self.model())

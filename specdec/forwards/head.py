@@ -203,8 +203,10 @@ def _logits(model, kwargs: dict, direct: bool, fast_head: bool, packed: bool) ->
     call = model.forward if direct else model
     head = FastHead.of(model) if fast_head else None
     forward = DirectForward.of(model) if kwargs.get("input_ids") is not None else None
-    if forward is not None and forward.serves(model, kwargs, direct):
-        run = lambda: forward(kwargs, head if head is not None else model.get_output_embeddings(), packed)  # noqa: E731
+    tensors = forward.plan(model, kwargs, direct) if forward is not None else None
+    if tensors is not None:
+        run = lambda: forward(kwargs, head if head is not None else model.get_output_embeddings(), packed,  # noqa: E731
+                              tensors)
         return run() if direct else _observed(model, run)
     layer = head.layer if head is not None else None
     ids = kwargs.get("input_ids")
