@@ -188,6 +188,7 @@ class StaticKV:
         self.reach = max(reach or capacity, capacity)  # slots the call can reach: lengths stop there
         self.length = self._length_for(capacity)
         self.cache = POOL.acquire(model, batch, self.length)
+        self._full: dict[int, tuple] = {}  # id(layer) -> (layer, keys, values) of layers narrowed by select_rows
         compiles = settings.compile and not miscompiled(model)
         # looked up in this module's namespace, so tests may patch ``specdec.kv.compiled_forward``
         self.compiled = compiled_forward(model, settings.options, owned=settings.owned) if compiles else None
@@ -262,7 +263,7 @@ class StaticKV:
                 _ensure_initialized(new_layer, old_layer, batch)
                 new_layer.keys[:, :, :old_length].copy_(old_layer.keys)
                 new_layer.values[:, :, :old_length].copy_(old_layer.values)
-        POOL.release(model, old)
+        self._give_back(model, old)
 
     def crop(self, old_slots: int, new_slots: int) -> None:
         pass  # the write position is set before every forward; stale slots are masked, then overwritten
@@ -276,15 +277,26 @@ class StaticKV:
                 tensor[:, :, : cached_slots - count] = tensor[:, :, count: cached_slots].clone()
 
     def select_rows(self, rows: torch.Tensor, cached_slots: int) -> None:
-        model = self.model_ref()
-        old = self.cache
-        self.cache = POOL.acquire(model, rows.numel(), self.length)
-        for new_layer, old_layer in zip(self.cache.layers, old.layers):
-            if old_layer.is_initialized:
-                _ensure_initialized(new_layer, old_layer, rows.numel())
-                new_layer.keys.copy_(old_layer.keys[rows])
-                new_layer.values.copy_(old_layer.values[rows])
-        POOL.release(model, old)
+        """Keep ``rows`` (indices), in place: the kept rows' cached slots move up to the first
+        ``len(rows)`` rows, from the first that moves, and every layer's tensors become a view of
+        those rows. No cache is allocated; the full tensors go back to the pool with the cache."""
+        kept = rows.numel()
+        rows = rows.to(torch.long).cpu()
+        moved = (rows != torch.arange(kept)).nonzero()
+        first = int(moved[0]) if moved.numel() else kept
+        for layer in _layers(self.cache):
+            self._full.setdefault(id(layer), (layer, layer.keys, layer.values))
+            for tensor in (layer.keys, layer.values):  # [B, heads, slots, dim]
+                if first < kept and cached_slots:
+                    tensor[first:kept, :, :cached_slots] = tensor[rows[first:], :, :cached_slots]
+            layer.keys, layer.values, layer.batch_size = layer.keys[:kept], layer.values[:kept], kept
+
+    def _give_back(self, model, cache) -> None:
+        """Return ``cache`` to the pool with its layers' full tensors (see ``select_rows``)."""
+        for layer, keys, values in self._full.values():
+            layer.keys, layer.values, layer.batch_size = keys, values, int(keys.shape[0])
+        self._full.clear()
+        POOL.release(model, cache)
 
     def adopt(self, cache, slots: int, dtype: torch.dtype, start: int = 0, rows: torch.Tensor | None = None) -> None:
         """Hold another model's first ``slots`` slots, in ``dtype``: those from ``start`` are copied
@@ -307,7 +319,7 @@ class StaticKV:
         """Return the cache to the pool (the next call of this model may reuse it)."""
         model = self.model_ref()
         if model is not None and self.cache is not None:
-            POOL.release(model, self.cache)
+            self._give_back(model, self.cache)
         self.cache = None
 
 

@@ -159,6 +159,40 @@ def test_rows_finishing_early_keep_exact_on_the_static_path(pairs):
     assert torch.equal(out.sequences, plain.sequences)
 
 
+def test_rows_that_leave_are_dropped_in_place_and_the_pool_gets_the_whole_cache_back(pairs):
+    """When a row finishes, the kept rows move up inside the same tensors (no cache is allocated);
+    the cache returns to the pool at its full batch size, and the next call of that size reuses it."""
+    from specdec.cache_pool import POOL, cache_bytes
+
+    target, _, _ = pairs["llama"]
+    rows = batch_rows(5)
+    ids, mask = left_pad(rows, pad_id=257)
+    eos = int(greedy(target, rows[1][None, :], 5)[0, -1])  # the middle row stops early: the last one moves up
+    seen = []
+
+    def hook(module, args, kwargs):
+        layer = kwargs["cache"].layers[0]
+        if layer.is_initialized:
+            seen.append((layer.keys.shape[0], layer.keys.untyped_storage().data_ptr()))
+
+    handle = target.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        decoder = SpecDecoder(target, "prompt_lookup", cache_implementation="static")
+        out = decoder.generate(ids, mask, max_new_tokens=25, eos_token_id=eos)
+    finally:
+        handle.remove()
+    plain = SpecDecoder(target, "prompt_lookup").generate(ids, mask, max_new_tokens=25, eos_token_id=eos)
+    assert torch.equal(out.sequences, plain.sequences)
+    batches = [batch for batch, _ in seen]
+    assert batches[0] == 3 and 2 in batches and batches == sorted(batches, reverse=True)  # rows left
+    assert len({storage for _, storage in seen}) == 1
+    pooled = [cache for _, shape, cache, _ in POOL._idle.values() if shape[0] == 3 and cache.layers[0].is_initialized
+              and cache.layers[0].keys.untyped_storage().data_ptr() == seen[0][1]]
+    assert len(pooled) == 1 and pooled[0].layers[0].keys.shape[0] == 3
+    assert cache_bytes(pooled[0]) == sum(t.untyped_storage().nbytes() for layer in pooled[0].layers
+                                         for t in (layer.keys, layer.values))
+
+
 def test_static_settings_are_checked(pairs):
     target, _, _ = pairs["llama"]
     with pytest.raises(ValueError, match="cache_implementation must be one of"):
