@@ -7,7 +7,9 @@ tensors and runs the forward. Both backends hold ``transformers`` caches:
 * :class:`StaticKV`: a ``StaticCache`` of ``StaticLayer`` s, taken from the pool for the call. The
   slot the next forward writes at is each layer's ``cumulative_length``, set before every forward,
   so rolling back is moving that position: rejected slots stay in memory, masked out, and are
-  overwritten by the next forward. Sliding-window layers get full-length ``StaticLayer`` s too
+  overwritten by the next forward. Rows that leave the batch are dropped in place: the kept rows
+  move up inside the same tensors, and the layers hold views of them until the cache goes back to
+  the pool whole. Sliding-window layers get full-length ``StaticLayer`` s too
   (the window is applied by the mask, from the model config): ``StaticSlidingWindowLayer`` keeps
   only the last window and would lose the slots a rollback returns to.
 
