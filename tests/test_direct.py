@@ -70,6 +70,9 @@ def test_one_token_steps_are_the_models_own_bit_for_bit(smollm2, pin):
     own, cache = steps(target, ids, mask, [1] * 6, use_direct=False)
     assert all(torch.equal(a, b) for a, b in zip(mine, own))
     assert all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) for a, b in zip(my_cache.layers, cache.layers))
+    # the stack runs in inference mode, but what it writes and returns are ordinary tensors
+    assert not any(t.is_inference() for t in mine + [my_cache.layers[0].keys, my_cache.layers[0].values])
+    mine[0].add_(1.0)  # an inference tensor would refuse an in-place change outside inference mode
 
 
 @pytest.mark.parametrize("rows, widths", [(1, [3, 1, 2]), (3, [1, 1])])

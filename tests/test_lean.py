@@ -81,6 +81,8 @@ def test_the_lean_forward_computes_the_copys_own(llama, batch, exact):
         torch.testing.assert_close(a.keys[:, :, :end], b.keys[:, :, :end], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(a.values[:, :, :end], b.values[:, :, :end], rtol=1e-5, atol=1e-5)
         assert int(a.cumulative_length) == int(b.cumulative_length) == end
+        assert not (a.keys.is_inference() or a.values.is_inference())  # the stack runs in inference mode, the cache does not
+    assert not any(logits.is_inference() for logits in mine)
 
 
 def test_the_scripted_layers_compute_what_the_python_ones_do(llama):

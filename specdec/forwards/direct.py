@@ -291,7 +291,7 @@ class DirectForward:
         if packed:
             state = PackedLinears.of(self.model())
             weights = [[state.packed_weight(linear) for linear in mine] for mine in linears]
-        with torch.jit.optimized_execution(False):
+        with torch.jit.optimized_execution(False), torch.inference_mode():  # see lean.LeanForward._forward
             hidden = self.layers(hidden, cos[:, None], sin[:, None], _mask(kwargs.get("attention_mask"), width, start, end),
                                  [k for k, _ in buffers], [v for _, v in buffers], start, parts, weights,
                                  biases, self.eps, self.heads, self.kv_heads, self.head_dim, self.scaling)
