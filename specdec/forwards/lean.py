@@ -140,21 +140,31 @@ def decoder_layers(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, m
     returning to Python between operations."""
     batch, width, size = hidden.shape[0], hidden.shape[1], hidden.shape[2]
     dtype = hidden.dtype
-    groups, half, qk_cols = heads // kv_heads, dim // 2, (heads + kv_heads) * dim
+    groups, half, qk_cols, qk_heads = heads // kv_heads, dim // 2, (heads + kv_heads) * dim, heads + kv_heads
+    # rotary: x cos + rotate_half(x) sin, with rotate_half(x) = (-x2, x1) written as the halves
+    # swapped, (x2, x1), times the sine with its first half negated (once, for every layer)
+    signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
     for i in range(len(parts)):
         p, b = parts[i], biases[i]
         x = torch.nn.functional.rms_norm(hidden, [size], p[0], eps[2 * i]).view(-1, size)
         qkv = product(x, p[2], p[3], p[4], b[0], dtype, rowwise).view(batch, width, -1)  # [B, T, (heads + 2 kv) dim]
-        qk = qkv[:, :, :qk_cols].view(batch, width, heads + kv_heads, dim)
-        qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin  # rotary, queries and keys at once
+        qk = qkv[:, :, :qk_cols].view(batch, width, qk_heads, dim)
+        swapped = qk.view(batch, width, qk_heads, 2, half).flip(3).view(batch, width, qk_heads, dim)
+        qk = torch.addcmul(qk * cos, swapped, signed_sin)  # rotary, queries and keys at once
         keys[i][:, :, start:end] = qk[:, :, heads:].transpose(1, 2)
         values[i][:, :, start:end] = qkv[:, :, qk_cols:].view(batch, width, kv_heads, dim).transpose(1, 2)
         # the query heads of each key/value head as rows of one product: [B, kv, groups * T, D]
-        query = qk[:, :, :heads].view(batch, width, kv_heads, groups, dim).permute(0, 2, 3, 1, 4)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query.reshape(batch, kv_heads, groups * width, dim), keys[i][:, :, :end], values[i][:, :, :end],
-            attn_mask=mask, scale=scaling)
-        out = out.view(batch, kv_heads, groups, width, dim).permute(0, 3, 1, 2, 4).reshape(batch * width, heads * dim)
+        if width == 1:  # already in that order: views, no copies
+            query = qk[:, 0, :heads].view(batch, kv_heads, groups, dim)
+        else:
+            query = qk[:, :, :heads].view(batch, width, kv_heads, groups, dim).permute(0, 2, 3, 1, 4).reshape(
+                batch, kv_heads, groups * width, dim)
+        out = torch.nn.functional.scaled_dot_product_attention(query, keys[i][:, :, :end], values[i][:, :, :end],
+                                                               attn_mask=mask, scale=scaling)
+        if width == 1:
+            out = out.reshape(batch, heads * dim)
+        else:
+            out = out.view(batch, kv_heads, groups, width, dim).permute(0, 3, 1, 2, 4).reshape(batch * width, heads * dim)
         hidden = hidden + product(out, p[5], p[6], p[7], b[1], dtype, rowwise).view(batch, width, size)
         x = torch.nn.functional.rms_norm(hidden, [size], p[1], eps[2 * i + 1]).view(-1, size)
         gate_up = product(x, p[8], p[9], p[10], b[2], dtype, rowwise)  # [B T, 2 I]
