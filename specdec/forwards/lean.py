@@ -148,18 +148,20 @@ def decoder_layers(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, m
         p, b = parts[i], biases[i]
         x = torch.nn.functional.rms_norm(hidden, [size], p[0], eps[2 * i]).view(-1, size)
         qkv = product(x, p[2], p[3], p[4], b[0], dtype, rowwise).view(batch, width, -1)  # [B, T, (heads + 2 kv) dim]
-        qk = qkv[:, :, :qk_cols].view(batch, width, qk_heads, dim)
+        qk = qkv.narrow(2, 0, qk_cols).view(batch, width, qk_heads, dim)
         swapped = qk.view(batch, width, qk_heads, 2, half).flip(3).view(batch, width, qk_heads, dim)
         qk = torch.addcmul(qk * cos, swapped, signed_sin)  # rotary, queries and keys at once
-        keys[i][:, :, start:end] = qk[:, :, heads:].transpose(1, 2)
-        values[i][:, :, start:end] = qkv[:, :, qk_cols:].view(batch, width, kv_heads, dim).transpose(1, 2)
+        # narrow, not slices: TorchScript runs each ':' of an index as an operation of its own
+        keys[i].narrow(2, start, width).copy_(qk.narrow(2, heads, kv_heads).transpose(1, 2))
+        values[i].narrow(2, start, width).copy_(
+            qkv.narrow(2, qk_cols, kv_heads * dim).view(batch, width, kv_heads, dim).transpose(1, 2))
         # the query heads of each key/value head as rows of one product: [B, kv, groups * T, D]
         if width == 1:  # already in that order: views, no copies
-            query = qk[:, 0, :heads].view(batch, kv_heads, groups, dim)
+            query = qk.narrow(2, 0, heads).view(batch, kv_heads, groups, dim)
         else:
-            query = qk[:, :, :heads].view(batch, width, kv_heads, groups, dim).permute(0, 2, 3, 1, 4).reshape(
+            query = qk.narrow(2, 0, heads).view(batch, width, kv_heads, groups, dim).permute(0, 2, 3, 1, 4).reshape(
                 batch, kv_heads, groups * width, dim)
-        out = torch.nn.functional.scaled_dot_product_attention(query, keys[i][:, :, :end], values[i][:, :, :end],
+        out = torch.nn.functional.scaled_dot_product_attention(query, keys[i].narrow(2, 0, end), values[i].narrow(2, 0, end),
                                                                attn_mask=mask, scale=scaling)
         if width == 1:
             out = out.reshape(batch, heads * dim)
@@ -169,7 +171,7 @@ def decoder_layers(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, m
         x = torch.nn.functional.rms_norm(hidden, [size], p[1], eps[2 * i + 1]).view(-1, size)
         gate_up = product(x, p[8], p[9], p[10], b[2], dtype, rowwise)  # [B T, 2 I]
         inner = gate_up.shape[1] // 2
-        gated = torch.nn.functional.silu(gate_up[:, :inner]) * gate_up[:, inner:]
+        gated = torch.nn.functional.silu(gate_up.narrow(1, 0, inner)) * gate_up.narrow(1, inner, inner)
         if p[14].numel() > 0:
             gated = rotate_input(gated, p[14], p[15])
         hidden = hidden + product(gated, p[11], p[12], p[13], b[3], dtype, rowwise).view(batch, width, size)
