@@ -40,7 +40,7 @@ from ..compiled import one_time
 from ..distributed import new_dynamic_cache
 from ..growing import GrowingLayer
 from ..modelinfo import cache_argument
-from .lean import attention_shape, script_once
+from .lean import attention_shape, rms_norm, script_once
 from .packed import MAX_ROWS, PackedLinears
 from .packed import available as packed_available
 
@@ -51,14 +51,6 @@ KNOWN = {"input_ids", "position_ids", "past_key_values", "cache", "attention_mas
 ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj"}
 MLP_PARTS = {"gate_proj", "up_proj", "down_proj", "act_fn"}
 LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The Llama layout's RMSNorm, operation for operation."""
-    dtype = x.dtype
-    x = x.to(torch.float32)
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
 
 
 if packed_available():
@@ -92,18 +84,19 @@ def decoder_layers(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, m
     end = start + width
     for i in range(len(parts)):
         p, w, b = parts[i], packed[i], biases[i]
-        x = _rms_norm(hidden, p[0], eps[2 * i])
+        x = rms_norm(hidden, p[0], eps[2 * i])
         query = _linear(x, p[2], w[0], b[0]).view(batch, width, heads, dim).transpose(1, 2)
         key = _linear(x, p[3], w[1], b[1]).view(batch, width, kv_heads, dim).transpose(1, 2)
         value = _linear(x, p[4], w[2], b[2]).view(batch, width, kv_heads, dim).transpose(1, 2)
         query = _rotate(query, cos, sin)
-        keys[i][:, :, start:end] = _rotate(key, cos, sin)
-        values[i][:, :, start:end] = value
+        keys[i].narrow(2, start, width).copy_(_rotate(key, cos, sin))  # narrow: see lean.decoder_layers
+        values[i].narrow(2, start, width).copy_(value)
         out = torch.nn.functional.scaled_dot_product_attention(
-            query, keys[i][:, :, :end], values[i][:, :, :end], attn_mask=mask, scale=scaling, enable_gqa=True)
+            query, keys[i].narrow(2, 0, end), values[i].narrow(2, 0, end), attn_mask=mask, scale=scaling,
+            enable_gqa=True)
         out = out.transpose(1, 2).contiguous().reshape(batch, width, heads * dim)
         hidden = hidden + _linear(out, p[5], w[3], b[3])
-        x = _rms_norm(hidden, p[1], eps[2 * i + 1])
+        x = rms_norm(hidden, p[1], eps[2 * i + 1])
         gated = torch.nn.functional.silu(_linear(x, p[6], w[4], b[4])) * _linear(x, p[7], w[5], b[5])
         hidden = hidden + _linear(gated, p[8], w[6], b[6])
     return hidden
