@@ -191,6 +191,13 @@ def test_rows_that_leave_are_dropped_in_place_and_the_pool_gets_the_whole_cache_
     assert len(pooled) == 1 and pooled[0].layers[0].keys.shape[0] == 3
     assert cache_bytes(pooled[0]) == sum(t.untyped_storage().nbytes() for layer in pooled[0].layers
                                          for t in (layer.keys, layer.values))
+    seen.clear()
+    handle = target.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        assert torch.equal(decoder.generate(ids, mask, max_new_tokens=25, eos_token_id=eos).sequences, out.sequences)
+    finally:
+        handle.remove()
+    assert seen[0] == (3, pooled[0].layers[0].keys.untyped_storage().data_ptr())  # the next call took it whole
 
 
 def test_static_settings_are_checked(pairs):

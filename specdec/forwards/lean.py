@@ -275,7 +275,7 @@ class LeanForward:
         hidden = self.embed(input_ids)  # [B, T, H]
         cos, sin = self.rotary(hidden, position_ids)  # [B, T, D]
         # inference mode: each of the stack's ~2,000 small operations skips autograd's bookkeeping
-        # (version counters, view tracking), a tenth of a one-token step; the caches it writes into
+        # (version counters, view tracking), about 6% of a one-token step; the caches it writes into
         # stay ordinary tensors, and only the hidden states it returns are inference tensors
         with torch.jit.optimized_execution(False), torch.inference_mode():  # see scripted_layers
             hidden = self.layers(hidden, cos[:, :, None], sin[:, :, None],
