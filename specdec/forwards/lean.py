@@ -131,9 +131,9 @@ def product(x2: torch.Tensor, weight: torch.Tensor, second: torch.Tensor, third:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The Llama layout's RMSNorm, operation for operation (in float32, then cast back). A one-row
-    step takes it in less time than ``F.rms_norm``'s fused kernel (60 norms of SmolLM2-135M's
-    copy: 0.4 ms of a 12 ms step, in A/Bs on an Intel Xeon)."""
+    """The Llama layout's RMSNorm, operation for operation (in float32, then cast back): the
+    direct forward needs the model's own numbers, and a copy's one-row steps ran faster with it
+    than with ``F.rms_norm``'s fused kernel (docs/self_draft.md, "What limits it here")."""
     dtype = x.dtype
     x = x.to(torch.float32)
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
@@ -274,9 +274,9 @@ class LeanForward:
         end = start + width
         hidden = self.embed(input_ids)  # [B, T, H]
         cos, sin = self.rotary(hidden, position_ids)  # [B, T, D]
-        # inference mode: each of the stack's ~2,000 small operations skips autograd's bookkeeping
-        # (version counters, view tracking), about 6% of a one-token step; the caches it writes into
-        # stay ordinary tensors, and only the hidden states it returns are inference tensors
+        # inference mode: each of the stack's small operations skips autograd's bookkeeping (version
+        # counters, view tracking; docs/performance.md); the caches it writes into stay ordinary
+        # tensors, and only the hidden states it returns are inference tensors
         with torch.jit.optimized_execution(False), torch.inference_mode():  # see scripted_layers
             hidden = self.layers(hidden, cos[:, :, None], sin[:, :, None],
                                  self._mask(attention_mask, batch, width, start, end), [c.keys for c in caches],
