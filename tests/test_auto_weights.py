@@ -151,6 +151,8 @@ def test_the_targets_timer_rewinds_to_the_same_tokens(target):
 class FixedTimer:
     """A StepTimer stand-in whose steps take ``seconds`` and predict token 7."""
 
+    prefilled: list = []
+
     def __init__(self, seconds: float):
         self.seconds, self.steps = seconds, 0
 
@@ -311,7 +313,75 @@ def test_steps_are_timed_and_compared_one_token_at_a_time(target):
     ids = torch.arange(5, 25)[None, :]
     timers = {"target": choose.StepTimer(target, ids, 6), "same": choose.StepTimer(target, ids, 6)}
     seconds, tops, wide = choose.interleaved(timers, 6)
-    assert len(tops["target"]) == 6 and tops["same"] == tops["target"]
+    assert len(tops["target"]) == ids.shape[1] and tops["same"] == tops["target"]  # the prefilled 14, then 6 steps
     assert sorted(wide) == sorted(choose.WIDTHS) and all(len(t) == 2 and min(t) > 0 for t in wide.values())
     assert choose.agreement(tops["target"], tops["same"]) == 1.0 and seconds["same"] > 0
     assert timers["target"].position == ids.shape[1]  # each step fed the next token and kept it
+
+
+def test_agreement_is_measured_over_the_prefilled_text_too(target):
+    """A handful of steps cannot tell a 93% copy from an 88% one: the greedy tokens of the prefill
+    (teacher-forced, one forward each) are compared as well, except for a copy quantizing a forward's
+    activations per tensor, whose many-token forward is not how it drafts."""
+    ids = torch.arange(5, 45)[None, :]
+    start = ids.shape[1] - 6
+    copy = build_copy(target, "bfloat16")
+    reference = choose.StepTimer(target, ids, 6)
+    timers = {"target": reference, "bfloat16": choose.StepTimer(copy, ids, 6)}
+    _, tops, _ = choose.interleaved(timers, 6)
+    with torch.no_grad():  # the same positions, teacher-forced by the models' own forwards
+        ours = target(ids[:, :start]).logits[0].argmax(-1).tolist()
+        theirs = copy(ids[:, :start]).logits[0].argmax(-1).tolist()
+    assert tops["target"][:start] == ours and tops["bfloat16"][:start] == theirs
+    made = choose._candidate("bfloat16", 0.001, tops, choose.target_costs(0.01, {}), start)
+    assert (made.positions, made.steps) == (ids.shape[1], 6)
+    assert made.agreement == choose.agreement(tops["target"], tops["bfloat16"])
+    assert made.agreement == sum(a == b for a, b in zip(tops["target"], tops["bfloat16"])) / ids.shape[1]
+    per_tensor = choose.StepTimer(build_copy(target, "dynamic_int8"), ids, 6)
+    assert per_tensor.prefilled == [None] * start
+    reference.rewind()
+    _, tops, _ = choose.interleaved({"target": reference, "dynamic_int8": per_tensor}, 6)
+    made = choose._candidate("dynamic_int8", 0.001, tops, choose.target_costs(0.01, {}), start)
+    assert (made.positions, made.steps) == (6, 6)  # its steps alone
+    for timer in (reference, timers["bfloat16"], per_tensor):
+        timer.release()
+
+
+def test_without_a_tokenizer_the_calibration_text_is_encoded_by_the_models_stored_one(tmp_path):
+    """A call that passes no tokenizer still measures on the calibration text where the model's
+    tokenizer is saved beside its weights (read from disk, nothing downloaded), not on a prompt of a
+    few tokens; a model with none stored falls back to the prompt."""
+    from transformers import AutoModelForCausalLM
+
+    model, tokenizer = tiny_random("llama", seed=7)
+    prompt = torch.arange(5, 11)
+    assert choose.stored_tokenizer(model) is None
+    assert torch.equal(choose.calibration_ids(None, prompt, "cpu", model=model), prompt[None, :])
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path)
+    text = torch.tensor(tokenizer(choose.CALIBRATION_TEXT)["input_ids"][:128])[None, :]
+    assert text.shape[1] > 100
+    assert torch.equal(choose.calibration_ids(None, prompt, "cpu", model=saved), text)
+
+
+@pytest.mark.parametrize("later, chosen", [(1.05, "w8a8"), (1.15, "int4")])
+def test_a_later_copy_replaces_an_earlier_one_only_when_clearly_better(target, own_cache, monkeypatch, later, chosen):
+    """Measurements of the same copy vary by some 5% between runs: a later candidate whose expected
+    speedup is within ``BETTER_BY`` of an earlier one's does not replace it, one clearly better does."""
+    build = fake_timings(monkeypatch, {"w8a8": 0.005, "int4": 0.005}, {"w8a8": 0.5, "int4": 0.5})
+    real = choose._candidate
+
+    def scaled(name, *args):
+        made = real(name, *args)
+        if name == "int4":
+            made.expected_speedup *= later
+        return made
+
+    monkeypatch.setattr(choose, "_candidate", scaled)
+    choice, built = choose.measure(target, torch.arange(5, 40)[None, :], build, weights=("w8a8", "int4"))
+    by_name = {c.weights: c for c in choice.candidates}
+    assert by_name["w8a8"].expected_speedup < choose.ENOUGH  # so int4 is measured
+    assert by_name["int4"].expected_speedup == pytest.approx(by_name["w8a8"].expected_speedup * later)
+    assert choice.weights == chosen and set(built) == {chosen}
+    assert choice.reason.startswith(f"{chosen}: the best expected rate")

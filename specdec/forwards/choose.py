@@ -18,14 +18,19 @@ and model:
    :data:`PRUNE_AFTER` rounds is no shorter than the target's is timed no further (it cannot
    pay), and one that is, :data:`LONE_STEPS` steps; the target's cache is rolled back to the
    text's first timed token for the next copy (its prefill is done once);
-3. each copy's agreement with the target: the share of those steps where both models' greedy next
-   token is the same (teacher-forced);
+3. each copy's agreement with the target: the share of the calibration positions where both
+   models' greedy next token is the same (teacher-forced), over the prefilled text (one forward
+   each, which the timing needs anyway) and the steps timed: a handful of steps alone is too few
+   to tell a 93% copy from an 88% one. A copy that quantizes a forward's activations per tensor
+   (torch's dynamic int8) is compared at its one-token steps only: a many-token forward is not
+   how it drafts;
 4. each copy's expected rate by the draft-length policy's own model: the best K of
    ``E(K) / (K d + T(K + 1))``, E from the agreement (:func:`specdec.policy.plan.expected_tokens`),
    d the copy's step, T the target's forward (the draft-length policy's forward-cost model,
    ``specdec.policy.costs``, made from the widths timed, which a call's policy then starts from
    instead of timing the target again); the first copy expected to reach :data:`ENOUGH` wins,
-   else the one of the highest rate (the policy still decides each step whether drafting pays).
+   else the first whose rate no later one beats by :data:`BETTER_BY` (the policy still decides
+   each step whether drafting pays).
 
 The choice, with the table it was made from, is kept in a JSON file under the weight cache root
 (``specdec.weight_cache``), one per machine (CPU model, torch's CPU capability, instruction-set
@@ -66,9 +71,14 @@ MAX_DRAFTS = 16
 PRUNE_AFTER = 4
 #: once a stage has a single copy left (the others dropped as no faster than the target), it is
 #: timed this many steps and no more: its figures are compared with nothing, they only price it
-LONE_STEPS = 8
+LONE_STEPS = 12
 #: the expected speedup at which a measured copy makes the candidates after it not worth building
-ENOUGH = 1.3
+ENOUGH = 1.2
+#: how much higher a later candidate's expected speedup must be to replace an earlier one: the same
+#: copy's expected speedup varies by about 5% either way between runs on a shared machine (w8a8
+#: 1.18-1.31x on the Intel Xeon of docs/self_draft.md), and the order of :func:`candidates` is
+#: itself a measured preference (where both draft faster than the target, the earlier won end to end)
+BETTER_BY = 1.10
 #: a text to measure agreement on, when a tokenizer can encode it (else the call's prompt)
 CALIBRATION_TEXT = (
     "The city council met on Tuesday to discuss the new budget. After a long debate, the members agreed "
@@ -77,7 +87,7 @@ CALIBRATION_TEXT = (
     "3. The price of a monthly pass will stay the same.\nIn Python, the function below returns the sum of "
     "a list of numbers:\n\ndef total(numbers):\n    result = 0\n    for n in numbers:\n        result += n\n"
     "    return result\n")
-_FORMAT = 6  # 6: the w8a8 copy rotates its MLP output layers' inputs; 5: int4 among the candidates; 4: Int8Linear quantizes to a row's own range; 3: the lean forward
+_FORMAT = 7  # 7: agreement over the prefilled calibration tokens too; 6: the w8a8 copy rotates its MLP output layers' inputs; 5: int4 among the candidates; 4: Int8Linear quantizes to a row's own range; 3: the lean forward
 
 
 @dataclass
@@ -92,6 +102,7 @@ class Candidate:
     drafts: int = 0
     problem: str | None = None
     steps: int = 0  # one-token steps timed (fewer where it was dropped early)
+    positions: int = 0  # calibration positions its agreement was measured at
 
 
 @dataclass
@@ -117,11 +128,12 @@ class Choice:
                 early = f", timed {c.steps} steps: slower than the target" if 0 < c.steps < max(
                     (d.steps for d in self.candidates), default=0) else ""
                 parts.append(f"{c.weights} {c.expected_speedup:.2f}x (step {relative:.2f} of the target's, "
-                             f"agreement {c.agreement:.0%}{early})")
+                             f"agreement {c.agreement:.0%} of {c.positions} tokens{early})")
         how = "measured earlier, read from the cache" if self.cached else f"measured in {self.seconds:.1f} s"
         chosen = next((c for c in self.candidates if c.weights == self.weights), None)
         enough = chosen is not None and (chosen.expected_speedup or 0.0) >= ENOUGH
-        why = f"the first copy expected to reach {ENOUGH}x" if enough else "the best expected rate"
+        why = (f"the first copy expected to reach {ENOUGH}x" if enough else
+               f"the best expected rate (a later copy replaces an earlier one {BETTER_BY - 1:.0%} faster)")
         return f"{self.weights}: {why} on {self.machine} ({how}): " + "; ".join(parts)
 
 
@@ -155,18 +167,22 @@ class StepTimer:
         self.kv = make_kv(model, 1, self.ids.shape[1] + 1, cache)
         self.cache_kwarg = cache_argument(model)
         with torch.no_grad():
-            self._forward(0, self.position, True)
+            logits = self._forward(0, self.position, True, keep=0)  # [1, start, V]
+        # the greedy next token at each prefilled position, compared for agreement too, except for a
+        # model quantizing a forward's activations per tensor: its many-token forward is not a draft's
+        per_tensor = any(isinstance(m, torch.ao.nn.quantized.dynamic.Linear) for m in model.modules())
+        self.prefilled = [None] * self.start if per_tensor else logits[0].argmax(-1).tolist()
 
-    def _forward(self, start: int, width: int, first: bool = False) -> torch.Tensor:
+    def _forward(self, start: int, width: int, first: bool = False, keep: int | None = None) -> torch.Tensor:
         from .packed import measuring
 
         with measuring():  # no sign of use: these forwards do not get the target's weights packed
-            return self._fed(start, width, first)
+            return self._fed(start, width, first, width if keep is None else keep)
 
-    def _fed(self, start: int, width: int, first: bool) -> torch.Tensor:
+    def _fed(self, start: int, width: int, first: bool, keep: int) -> torch.Tensor:
         fed = self.kv.padded_width(width, first)
         kwargs = {"input_ids": self.ids[:, start: start + fed], "position_ids": torch.arange(start, start + fed)[None, :],
-                  self.cache_kwarg: self.kv.cache, "use_cache": True, "logits_to_keep": 1 if first else width}
+                  self.cache_kwarg: self.kv.cache, "use_cache": True, "logits_to_keep": keep}
         mask = lambda slots: (torch.arange(slots) < start + width).long()[None, :]  # noqa: E731
         return self.kv.forward(self.model, kwargs, first_slot=start, width=width, first=first, mask=mask,
                                needs_mask=False, direct=True)
@@ -212,7 +228,7 @@ def interleaved(timers: dict[str, StepTimer], steps: int,
         timer.time(1)  # first-use work (kernel selection, allocation) is not a step's cost
     timers["target"].time(max(WIDTHS))
     times: dict[str, list[float]] = {name: [] for name in names}
-    tops: dict[str, list[int]] = {name: [] for name in names}
+    tops: dict[str, list[int | None]] = {name: list(timers[name].prefilled) for name in names}
     wide: dict[int, list[float]] = {width: [] for width in WIDTHS}
     for r in range(steps):
         if r == prune_after:
@@ -230,9 +246,11 @@ def interleaved(timers: dict[str, StepTimer], steps: int,
 
 
 # -- the choice ---------------------------------------------------------------------------------
-def agreement(reference: list[int], tops: list[int]) -> float:
-    """Share of the positions both were timed at where a copy's greedy next token is the target's."""
-    return sum(a == b for a, b in zip(reference, tops)) / max(min(len(reference), len(tops)), 1)
+def agreement(reference: list[int | None], tops: list[int | None]) -> float:
+    """Share of the positions both have a greedy next token for (None: not compared there) where
+    a copy's is the target's."""
+    pairs = [(a, b) for a, b in zip(reference, tops) if a is not None and b is not None]
+    return sum(a == b for a, b in pairs) / max(len(pairs), 1)
 
 
 def expected_speedup(accept: float, step: float, target_seconds: Callable[[int], float]) -> tuple[float, int]:
@@ -281,7 +299,7 @@ def measure(target, sample: torch.Tensor, build: Callable, draft_cache=None,
             ones.append(seconds["target"])
             for width, times in timed.items():
                 wide[width] += times
-            found.append(_candidate(name, seconds[name], tops, target_costs(seconds["target"], timed)))
+            found.append(_candidate(name, seconds[name], tops, target_costs(seconds["target"], timed), reference.start))
     finally:
         if reference is not None:
             reference.release()
@@ -290,8 +308,10 @@ def measure(target, sample: torch.Tensor, build: Callable, draft_cache=None,
         raise RuntimeError("weights='auto': no candidate copy could be built here: "
                            + "; ".join(f"{c.weights}: {c.problem}" for c in found))
     CostModel.offer(target, target_costs(statistics.median(ones), wide), CacheSettings())
-    enough = [c for c in usable if c.expected_speedup >= ENOUGH]
-    best = enough[0] if enough else max(usable, key=lambda c: c.expected_speedup)
+    best = usable[0]
+    for candidate in usable[1:]:
+        if candidate.expected_speedup > best.expected_speedup * BETTER_BY:  # (none after one reaching ENOUGH is built)
+            best = candidate
     choice = Choice(best.weights, found, ones[0], machine.describe(), time.perf_counter() - started)
     return choice, {best.weights: built[best.weights]}
 
@@ -314,18 +334,24 @@ def target_costs(one: float, wide: dict[int, list[float]]):
     return CostModel.from_timings([1, *widths], [one, *(statistics.median(wide[w]) for w in widths)])
 
 
-def _candidate(name: str, step: float, tops: dict[str, list[int]], costs) -> Candidate:
-    """A copy's record from its median ``step``, both models' greedy tokens, and the target's
-    forward-cost model ``costs``."""
-    made = Candidate(name, step_seconds=step, steps=len(tops[name]), agreement=agreement(tops["target"], tops[name]))
+def _candidate(name: str, step: float, tops: dict[str, list[int | None]], costs, prefilled: int) -> Candidate:
+    """A copy's record from its median ``step``, both models' greedy tokens (``prefilled`` from the
+    prefill, then one a step), and the target's forward-cost model ``costs``."""
+    compared = sum(a is not None and b is not None for a, b in zip(tops["target"], tops[name]))
+    made = Candidate(name, step_seconds=step, steps=len(tops[name]) - prefilled, positions=compared,
+                     agreement=agreement(tops["target"], tops[name]))
     made.expected_speedup, made.drafts = expected_speedup(made.agreement, step, lambda width: float(costs.predict(width)))
     return made
 
 
-def calibration_ids(tokenizer, fallback: torch.Tensor | None, device, longest: int = 128) -> torch.Tensor:
-    """[1, L] the calibration tokens: :data:`CALIBRATION_TEXT` encoded where there is a tokenizer,
-    else ``fallback`` (the call's first prompt row), at most ``longest`` tokens."""
+def calibration_ids(tokenizer, fallback: torch.Tensor | None, device, longest: int = 128, model=None) -> torch.Tensor:
+    """[1, L] the calibration tokens: :data:`CALIBRATION_TEXT` encoded by ``tokenizer``, or by
+    ``model``'s own tokenizer where one is stored beside its weights (:func:`stored_tokenizer`),
+    else ``fallback`` (the call's first prompt row, often too short to tell copies apart), at most
+    ``longest`` tokens."""
     ids = None
+    if tokenizer is None and model is not None:
+        tokenizer = stored_tokenizer(model)
     if tokenizer is not None:
         try:
             ids = torch.as_tensor(tokenizer(CALIBRATION_TEXT)["input_ids"], dtype=torch.long)
@@ -334,6 +360,20 @@ def calibration_ids(tokenizer, fallback: torch.Tensor | None, device, longest: i
     if ids is None or ids.numel() < 8:
         ids = fallback.reshape(-1) if fallback is not None and fallback.numel() >= 2 else torch.arange(2, 34)
     return ids[:longest].reshape(1, -1).to(device)
+
+
+def stored_tokenizer(model):
+    """The tokenizer saved with ``model``'s weights (its ``name_or_path``, read from disk only:
+    nothing is downloaded), or None."""
+    path = str(getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "") or "")
+    if not path:
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception:  # no tokenizer stored there (or none this transformers can read)
+        return None
 
 
 # -- the cache ----------------------------------------------------------------------------------
@@ -396,10 +436,12 @@ def save(key: str, choice: Choice) -> None:
         pass
 
 
-def choose(target, sample: torch.Tensor, build: Callable, draft_cache=None) -> tuple[Choice, dict]:
+def choose(target, sample: torch.Tensor | Callable[[], torch.Tensor], build: Callable,
+           draft_cache=None) -> tuple[Choice, dict]:
     """The copy ``auto`` means for ``target`` here: remembered for the process, read from the
-    disk cache, or measured (:func:`measure`, said on stderr) and saved. Returns (choice, copies
-    built now)."""
+    disk cache, or measured (:func:`measure` on the calibration tokens ``sample`` [1, L], or what
+    it returns when it is a function: made only when measuring) and saved, said on stderr.
+    Returns (choice, copies built now)."""
     from ..compiled import say
 
     key = cache_key(target)
@@ -411,7 +453,7 @@ def choose(target, sample: torch.Tensor, build: Callable, draft_cache=None) -> t
         path = cache_file(key)
         say(f"choosing the draft copy for this machine and model: timing {', '.join(candidates(target))} as needed "
             f"(once; kept in {path}) ..." if path is not None else "choosing the draft copy for this machine and model ...")
-        choice, built = measure(target, sample, build, draft_cache)
+        choice, built = measure(target, sample() if callable(sample) else sample, build, draft_cache)
         say(f"... chose {choice.weights} in {choice.seconds:.1f} s")
         save(key, choice)
         _MEMO[key] = choice

@@ -181,21 +181,23 @@ class Copies:
         self._choices: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> what "auto" chose
         self._lock = threading.Lock()
 
-    def get(self, model, weights: str, sample=None, draft_cache=None):
+    def get(self, model, weights: str, prompt=None, draft_cache=None, tokenizer=None):
         """The copy of ``model`` at ``weights``, built on first use. ``"auto"`` on a CPU is the copy
-        measured best on this machine (``choose.py``; measured on the calibration tokens ``sample``
-        [1, L] the first time for this machine and model, then remembered on disk)."""
+        measured best on this machine (``choose.py``), the first time for this machine and model
+        (then remembered on disk), on a calibration text encoded by ``tokenizer`` or the model's own
+        tokenizer where one is stored beside it, else on ``prompt`` (the call's first prompt row)."""
         with self._lock:
             made = self._made.setdefault(model, {})
             if weights not in made:
-                made[weights] = self._build(model, weights, sample, draft_cache, made)
+                made[weights] = self._build(model, weights, prompt, draft_cache, made, tokenizer)
             return made[weights]
 
-    def _build(self, model, weights: str, sample, draft_cache, made: dict):
+    def _build(self, model, weights: str, prompt, draft_cache, made: dict, tokenizer):
         if weights == "auto" and _device(model) == "cpu":
             from . import choose
 
-            sample = choose.calibration_ids(None, sample, next(model.parameters()).device)
+            device = next(model.parameters()).device
+            sample = lambda: choose.calibration_ids(tokenizer, prompt, device, model=model)  # noqa: E731  only when measuring
             self._choices[model], built = choose.choose(model, sample, build_copy, draft_cache)
             made.update(built)
             weights = self._choices[model].weights
@@ -236,18 +238,15 @@ class LowPrecisionDraft:
 
     def drafting_model(self, model, ctx=None):
         """The model that drafts for ``model``: itself, or its copy at ``self.weights`` (``"auto"``:
-        the copy measured best here, on a calibration text ``ctx``'s tokenizer encodes, else on the
-        call's first prompt row). The seconds spent building or choosing it now are reported."""
+        the copy measured best here, on a calibration text ``ctx``'s tokenizer, or the model's own,
+        encodes, else on the call's first prompt row). The seconds spent building or choosing it now are reported."""
         if self.weights is None:
             self._model = model
             return model
         started = time.perf_counter()
-        sample = None
-        if ctx is not None and self.weights == "auto":
-            from .choose import calibration_ids
-
-            sample = calibration_ids(ctx.tokenizer, ctx.tokens[0, : int(ctx.lengths[0])], ctx.tokens.device)
-        draft = self._copies.get(model, self.weights, sample, draft_cache=self._timing_cache())
+        prompt = None if ctx is None else ctx.tokens[0, : int(ctx.lengths[0])]
+        draft = self._copies.get(model, self.weights, prompt, draft_cache=self._timing_cache(),
+                                 tokenizer=None if ctx is None else ctx.tokenizer)
         self._model = draft
         self._setup_seconds = getattr(self, "_setup_seconds", 0.0) + time.perf_counter() - started
         chosen = self._copies.choice(model)
