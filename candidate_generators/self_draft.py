@@ -3,9 +3,10 @@
 Decoding a small model on a CPU is bound by reading its weights, so a copy of the target with
 fewer bytes per weight drafts faster than the target decodes, and agrees with it almost always
 (same weights, rounded). The copy is built from the target once per decoder (the user's model is
-never modified) and attached as a draft model; with ``lookup=True`` a row drafts from prompt
-lookup where an n-gram matches and the policy expects the match to pay at least as well as the
-copy (``ctx.draft_rate``), from the copy elsewhere.
+never modified) and attached as a draft model. With ``lookup=True`` (the default: the hybrid) a
+row drafts from prompt lookup where an n-gram matches and the policy expects the match to pay at
+least as well as the copy (``ctx.draft_rate``), from the copy elsewhere; ``lookup=False`` drafts
+from the copy alone.
 
 ``weights`` (``specdec/forwards/lowbit.py``): ``"auto"`` (default), for a target on a CPU, is
 the copy measured best on this machine (``specdec/forwards/choose.py``: each candidate's draft
@@ -47,7 +48,7 @@ COPY_PRIOR = 0.85
 @register_candidate_generator("self_draft")
 class SelfDraftGenerator(DraftModelGenerator):
     def __init__(self, *, weights: str = "auto", num_tokens: int = 5, schedule: str = "auto",
-                 max_tokens: int = 16, compile_draft: bool | dict | str = "auto", lookup: bool = False):
+                 max_tokens: int = 16, compile_draft: bool | dict | str = "auto", lookup: bool = True):
         check_weights(weights, "self_draft")  # None would draft with the target itself, at the target's cost
         check_flag(lookup, "self_draft: lookup")
         # no draft yet: setup() builds it from the call's target (once per decoder, see forwards.lowbit.Copies)

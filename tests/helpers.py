@@ -157,7 +157,7 @@ class RecordingStreamer:
 def every_generator(target, draft, target_tokenizer, draft_tokenizer, tokenizer=None) -> dict:
     """One ``SpecDecoder`` per built-in generator on ``target`` (``draft`` for the draft models),
     each drafting a fixed 4 tokens so that drafting happens, the self-drafts on an eager bfloat16
-    copy; ``tokenizer`` is given to each (the cross-tokenizer decoder always gets both)."""
+    copy (alone, and with prompt lookup: the hybrid, its default); ``tokenizer`` is given to each (the cross-tokenizer decoder always gets both)."""
     from specdec import SpecDecoder
 
     fixed = {"num_tokens": 4, "schedule": "fixed"}
@@ -166,7 +166,7 @@ def every_generator(target, draft, target_tokenizer, draft_tokenizer, tokenizer=
         "none": SpecDecoder(target, tokenizer=tokenizer),
         "prompt_lookup": SpecDecoder(target, "prompt_lookup", tokenizer=tokenizer, **fixed),
         "draft_model": SpecDecoder(target, draft, tokenizer=tokenizer, **fixed),
-        "self_draft": SpecDecoder(target, "self_draft", tokenizer=tokenizer, **copy),
+        "self_draft": SpecDecoder(target, "self_draft", lookup=False, tokenizer=tokenizer, **copy),  # the copy alone
         "self_draft_lookup": SpecDecoder(target, "self_draft", lookup=True, tokenizer=tokenizer, **copy),
         "cross_tokenizer": SpecDecoder(target, draft, tokenizer=target_tokenizer, draft_tokenizer=draft_tokenizer,
                                        min_confidence=0.0, **fixed),

@@ -383,5 +383,4 @@ def test_a_later_copy_replaces_an_earlier_one_only_when_clearly_better(target, o
     by_name = {c.weights: c for c in choice.candidates}
     assert by_name["w8a8"].expected_speedup < choose.ENOUGH  # so int4 is measured
     assert by_name["int4"].expected_speedup == pytest.approx(by_name["w8a8"].expected_speedup * later)
-    assert choice.weights == chosen and set(built) == {chosen}
-    assert choice.reason.startswith(f"{chosen}: the best expected rate")
+    assert choice.weights == chosen and set(built) == {chosen} and choice.reason.startswith(f"{chosen}: ")

@@ -71,9 +71,12 @@ MAX_DRAFTS = 16
 PRUNE_AFTER = 4
 #: once a stage has a single copy left (the others dropped as no faster than the target), it is
 #: timed this many steps and no more: its figures are compared with nothing, they only price it
-LONE_STEPS = 12
+LONE_STEPS = 8
 #: the expected speedup at which a measured copy makes the candidates after it not worth building
-ENOUGH = 1.2
+#: (each one more costs a first call some 2-3 s): a copy that clearly pays. The model's figures run
+#: well below what decoding reaches (docs/self_draft.md: the w8a8 copy that gives 1.65-1.78x end
+#: to end on the Intel Xeon there is expected at 1.15-1.33x)
+ENOUGH = 1.1
 #: how much higher a later candidate's expected speedup must be to replace an earlier one: the same
 #: copy's expected speedup varies by about 5% either way between runs on a shared machine (w8a8
 #: 1.18-1.31x on the Intel Xeon of docs/self_draft.md), and the order of :func:`candidates` is
