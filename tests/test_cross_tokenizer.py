@@ -475,7 +475,7 @@ def gemma3():
 def _fingerprint(model) -> tuple:
     """Cheap exact fingerprint of a model's weights, configs and head (no 1 GB copy)."""
     with torch.no_grad():
-        sums = tuple(float(p.double().sum()) for p in model.parameters())
+        sums = tuple(float(p.sum(dtype=torch.float64)) for p in model.parameters())  # no double copy
     return (sums, model.config.to_dict(), model.generation_config.to_dict(), id(model.get_output_embeddings()),
             model.get_output_embeddings().weight.shape)
 
