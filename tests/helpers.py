@@ -157,7 +157,8 @@ class RecordingStreamer:
 def every_generator(target, draft, target_tokenizer, draft_tokenizer, tokenizer=None) -> dict:
     """One ``SpecDecoder`` per built-in generator on ``target`` (``draft`` for the draft models),
     each drafting a fixed 4 tokens so that drafting happens, the self-drafts on an eager bfloat16
-    copy (alone, and with prompt lookup: the hybrid, its default); ``tokenizer`` is given to each (the cross-tokenizer decoder always gets both)."""
+    copy (alone, and with prompt lookup: the hybrid, its default); ``tokenizer`` is given to each
+    (the cross-tokenizer decoder always gets both)."""
     from specdec import SpecDecoder
 
     fixed = {"num_tokens": 4, "schedule": "fixed"}

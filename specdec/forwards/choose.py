@@ -75,12 +75,13 @@ LONE_STEPS = 8
 #: the expected speedup at which a measured copy makes the candidates after it not worth building
 #: (each one more costs a first call some 2-3 s): a copy that clearly pays. The model's figures run
 #: well below what decoding reaches (docs/self_draft.md: the w8a8 copy that gives 1.65-1.78x end
-#: to end on the Intel Xeon there is expected at 1.15-1.33x)
+#: to end on the Intel Xeon there is expected at 1.11-1.33x)
 ENOUGH = 1.1
 #: how much higher a later candidate's expected speedup must be to replace an earlier one: the same
-#: copy's expected speedup varies by about 5% either way between runs on a shared machine (w8a8
-#: 1.18-1.31x on the Intel Xeon of docs/self_draft.md), and the order of :func:`candidates` is
-#: itself a measured preference (where both draft faster than the target, the earlier won end to end)
+#: copy's expected speedup varies by about 5% either way between fresh choices on a shared machine,
+#: 10% at the extremes (w8a8 1.11-1.33x on the Intel Xeon of docs/self_draft.md), and the order of
+#: :func:`candidates` is itself a measured preference (where both draft faster than the target, the
+#: earlier won end to end)
 BETTER_BY = 1.10
 #: a text to measure agreement on, when a tokenizer can encode it (else the call's prompt)
 CALIBRATION_TEXT = (

@@ -239,7 +239,8 @@ class LowPrecisionDraft:
     def drafting_model(self, model, ctx=None):
         """The model that drafts for ``model``: itself, or its copy at ``self.weights`` (``"auto"``:
         the copy measured best here, on a calibration text ``ctx``'s tokenizer, or the model's own,
-        encodes, else on the call's first prompt row). The seconds spent building or choosing it now are reported."""
+        encodes, else on the call's first prompt row). The seconds spent building or choosing it now
+        are reported."""
         if self.weights is None:
             self._model = model
             return model
