@@ -90,7 +90,13 @@ class SelfDraftGenerator(DraftModelGenerator):
             for source in lookup_sources[matched.cpu()].unique().tolist():
                 mine = lookup_sources == source
                 lookup_rate[mine] = ctx.draft_rate(found.lengths, source=source).cpu()[mine]
-            matched &= (lookup_rate >= copy_rate.cpu()).to(matched.device)
+            take = matched & (lookup_rate >= copy_rate.cpu()).to(matched.device)
+            if bool((~take & (max_drafts.to(take.device) > 0)).any()):
+                # the copy drafts for some row, and a batch's copy steps every row: its drafts are
+                # made for a matched row too, so a match must beat them as made
+                paid = ctx.draft_rate(max_drafts, source=0, paid=True).cpu()
+                take &= (lookup_rate >= paid).to(take.device)
+            matched = take
         missing = ~matched & (max_drafts.to(found.lengths.device) > 0)  # [B]
         if bool(missing.any()):
             found = merge(found, super().propose(ctx, max_drafts), use_second=missing.to(max_drafts.device),

@@ -150,7 +150,7 @@ class DraftAdvice(Protocol):
     """The draft-length policy as a generator's context asks it during ``propose``, for the step
     it planned (``ctx.draft_rate``, ``ctx.keep_drafting``); see ``specdec.policy.DraftPolicy``."""
 
-    def step_rate(self, counts: torch.Tensor, source: int) -> torch.Tensor | None: ...
+    def step_rate(self, counts: torch.Tensor, source: int, paid: bool = False) -> torch.Tensor | None: ...
 
     def step_keep(self, confidence: torch.Tensor, max_drafts: torch.Tensor) -> bool: ...
 
@@ -207,15 +207,17 @@ class DecodeContext:
     def target_vocab_size(self) -> int:
         return vocab_size(self.target)
 
-    def draft_rate(self, counts: torch.Tensor, source: int = 0) -> torch.Tensor | None:
+    def draft_rate(self, counts: torch.Tensor, source: int = 0, paid: bool = False) -> torch.Tensor | None:
         """[B] committed tokens per second the core's draft-length policy expects for row b this
         step if it verifies the best number, up to ``counts[b]``, of drafts from ``source`` (an
         index into ``DraftingInfo.priors``; source 0's measured drafting cost included, other
-        sources' drafts taken as free). A generator with several sources asks it during
-        ``propose`` to draft each row from the source that pays most. None when the generator
-        sets its own draft lengths (a ``fixed`` or ``adaptive`` schedule: no policy runs), and
-        during ``setup`` (drafting is not priced yet)."""
-        return None if self._advice is None else self._advice.step_rate(counts, source)
+        sources' drafts taken as free; ``paid``: source 0's too, for drafts made this step
+        whatever the row takes, as a batch's draft model steps every row when any row drafts
+        from it). A generator with several sources asks it during ``propose`` to draft each row
+        from the source that pays most. None when the generator sets its own draft lengths (a
+        ``fixed`` or ``adaptive`` schedule: no policy runs), and during ``setup`` (drafting is not
+        priced yet)."""
+        return None if self._advice is None else self._advice.step_rate(counts, source, paid)
 
     def keep_drafting(self, drafts: torch.Tensor, confidence: torch.Tensor | None, max_drafts: torch.Tensor) -> bool:
         """Whether to draft one more token this step, asked by a generator that drafts one token at

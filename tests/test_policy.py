@@ -258,13 +258,16 @@ def test_draft_rate_is_none_without_the_policy_and_checks_its_source():
 
         def propose(self, ctx, max_drafts):
             seen.append(ctx.draft_rate(max_drafts, self.source))
+            paid.append(ctx.draft_rate(max_drafts, self.source, paid=True))
             return Proposal.empty(ctx.batch_size)
 
+    paid = []
     SpecDecoder(target, Asks(True)).generate(repetitive_prompt(8), max_new_tokens=3)
-    assert seen and all(rate is None for rate in seen)
-    seen.clear()
+    assert seen and all(rate is None for rate in seen + paid)
+    seen.clear(), paid.clear()
     SpecDecoder(target, Asks(False)).generate(repetitive_prompt(8), max_new_tokens=3)
     assert seen and all(rate.shape == (1,) and float(rate[0]) > 0 for rate in seen)
+    assert all(float(p[0]) >= float(r[0]) for p, r in zip(paid, seen))  # drafts already made cost nothing more
     with pytest.raises(ValueError, match="asks: draft_rate.source=1"):
         SpecDecoder(target, Asks(False, source=1)).generate(repetitive_prompt(8), max_new_tokens=3)
 
@@ -507,6 +510,19 @@ def test_a_generator_declares_its_drafting_in_one_piece_and_the_earlier_hooks_st
         declared_drafting(Bad(), "bad_prior")
     with pytest.raises(ValueError, match="max_drafts"):
         declared_drafting(type("Zero", (Bad,), {"drafting": lambda self: DraftingInfo(max_drafts=0)})(), "zero")
+
+
+def test_source_0s_drafts_counted_as_made_cost_nothing_more():
+    """``rates(..., paid=True)``: source 0's drafts priced as already made this step (a batch's
+    draft model steps every row when any row drafts from it): the rate of a step whose drafting
+    takes no time, above the one that pays for its drafts."""
+    costs = CostModel([1 + x / 64 for x in COST_GRID], rate=0.0)
+    policy = DraftPolicy(costs, AcceptanceTracker(1, 8, prior=0.9), 8, 0.3)
+    counts = torch.tensor([6])
+    paid, unpaid = float(policy.rates(counts, 1, 0, 0, paid=True)), float(policy.rates(counts, 1, 0, 0))
+    assert policy.draft_seconds_per_token > 0 and paid > unpaid
+    policy.draft_seconds_per_token = 0.0
+    assert float(policy.rates(counts, 1, 0, 0)) == pytest.approx(paid)
 
 
 def test_a_row_ahead_of_the_batch_is_worth_only_its_share_of_a_step():

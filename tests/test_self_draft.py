@@ -144,6 +144,37 @@ def test_merge_takes_each_row_from_its_source():
     assert torch.equal(merged.probs[1, :2], drafted.probs[1])
 
 
+@pytest.mark.parametrize("lookup_rates, chosen", [
+    ([1.2, 0.8], [0, 0]),  # row 1 drafts from the copy, so the copy steps row 0 too: its drafts beat the match as made
+    ([1.6, 0.8], [2, 0]),  # a match that beats even the copy's drafts as made is taken
+    ([1.2, 1.2], [2, 2]),  # every row takes its match: the copy does not run, and its drafts cost their time
+])
+def test_the_hybrid_takes_a_match_only_where_it_beats_the_copys_drafts(monkeypatch, lookup_rates, chosen):
+    """A row takes its prompt-lookup match where the policy expects it to pay at least as well as
+    the copy; in a batch where the copy drafts for some row anyway (and so steps every row), it
+    must beat the copy's drafts counted as made (``ctx.draft_rate(..., paid=True)``)."""
+    from types import SimpleNamespace
+
+    from candidate_generators.self_draft import SelfDraftGenerator
+
+    gen = SelfDraftGenerator(weights="bfloat16", lookup=True)
+    matches = Proposal(torch.tensor([[5, 6], [7, 8]]), torch.tensor([2, 2]), sources=torch.tensor([1, 1]))
+    monkeypatch.setattr(gen.lookup, "propose", lambda ctx, max_drafts: matches)
+    monkeypatch.setattr(DraftModelGenerator, "propose", lambda self, ctx, max_drafts: Proposal(
+        torch.tensor([[1, 2, 3], [1, 2, 3]]), torch.tensor([3, 3])))
+
+    def draft_rate(counts, source=0, paid=False):
+        if source == 0:
+            return torch.full((2,), 1.5 if paid else 1.0, dtype=torch.float64)
+        return torch.tensor(lookup_rates, dtype=torch.float64)
+
+    ctx = SimpleNamespace(draft_rate=draft_rate, target_vocab_size=10)
+    proposal = gen.propose(ctx, torch.tensor([3, 3]))
+    assert proposal.sources.tolist() == chosen
+    drafts = [row[:n] for row, n in zip(proposal.token_ids.tolist(), proposal.lengths.tolist())]
+    assert drafts == [[[5, 6], [7, 8]][b] if source else [1, 2, 3] for b, source in enumerate(chosen)]
+
+
 def test_warmup_compiles_the_draft_steps_and_nothing_later(target):
     from torch._dynamo.utils import counters
 

@@ -284,14 +284,14 @@ class DraftPolicy:
         self.value = None  # the next plan values the rows left
 
     # -- what a generator may ask while it proposes (DecodeContext.draft_rate / keep_drafting) ---
-    def step_rate(self, counts: torch.Tensor, source: int) -> torch.Tensor | None:
+    def step_rate(self, counts: torch.Tensor, source: int, paid: bool = False) -> torch.Tensor | None:
         """:meth:`rates` for the step planned last; None before :meth:`price`."""
         if not self.priced:
             return None
         if not 0 <= int(source) < len(self.acceptance.priors):
             raise ValueError(f"{self.plugin}: draft_rate(source={source}) needs a source in "
                              f"[0, {len(self.acceptance.priors)}) (one per DraftingInfo.priors)")
-        return self.rates(counts, *self.shape, int(source)).to(counts.device)
+        return self.rates(counts, *self.shape, int(source), paid).to(counts.device)
 
     def step_keep(self, confidence: torch.Tensor, max_drafts: torch.Tensor) -> bool:
         """:meth:`keep_drafting` for the step planned last; True before :meth:`price`."""
@@ -376,11 +376,13 @@ class DraftPolicy:
         drafting = plain if self.draft_overhead is None else self.draft_overhead
         return [f + (per_draft * w + setup + drafting if w else plain) for w, f in enumerate(forwards)]
 
-    def rates(self, counts: torch.Tensor, pending: int, context: int, source: int = 0) -> torch.Tensor:
+    def rates(self, counts: torch.Tensor, pending: int, context: int, source: int = 0,
+              paid: bool = False) -> torch.Tensor:
         """[B] committed tokens per second row b is expected to reach this step if it verifies the
         best number, up to ``counts[b]``, of drafts from ``source`` (zero drafts included: plain
-        decoding). Source 0's drafts cost the measured drafting time; other sources' are free."""
-        per_draft = self.draft_seconds_per_token if source == 0 else 0.0
+        decoding). Source 0's drafts cost the measured drafting time unless ``paid`` (made this
+        step anyway); other sources' are free."""
+        per_draft = self.draft_seconds_per_token if source == 0 and not paid else 0.0
         available = self._offers(counts)
         seconds = self._step_seconds(len(available), pending, context, per_draft)
         out = []
