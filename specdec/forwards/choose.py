@@ -250,10 +250,14 @@ def interleaved(timers: dict[str, StepTimer], steps: int,
 
 
 # -- the choice ---------------------------------------------------------------------------------
+def compared(reference: list[int | None], tops: list[int | None]) -> list[tuple[int, int]]:
+    """The (target's, copy's) greedy next tokens at the positions both have one (None: not compared there)."""
+    return [(a, b) for a, b in zip(reference, tops) if a is not None and b is not None]
+
+
 def agreement(reference: list[int | None], tops: list[int | None]) -> float:
-    """Share of the positions both have a greedy next token for (None: not compared there) where
-    a copy's is the target's."""
-    pairs = [(a, b) for a, b in zip(reference, tops) if a is not None and b is not None]
+    """Share of the :func:`compared` positions where a copy's greedy next token is the target's."""
+    pairs = compared(reference, tops)
     return sum(a == b for a, b in pairs) / max(len(pairs), 1)
 
 
@@ -341,9 +345,8 @@ def target_costs(one: float, wide: dict[int, list[float]]):
 def _candidate(name: str, step: float, tops: dict[str, list[int | None]], costs, prefilled: int) -> Candidate:
     """A copy's record from its median ``step``, both models' greedy tokens (``prefilled`` from the
     prefill, then one a step), and the target's forward-cost model ``costs``."""
-    compared = sum(a is not None and b is not None for a, b in zip(tops["target"], tops[name]))
-    made = Candidate(name, step_seconds=step, steps=len(tops[name]) - prefilled, positions=compared,
-                     agreement=agreement(tops["target"], tops[name]))
+    made = Candidate(name, step_seconds=step, steps=len(tops[name]) - prefilled,
+                     positions=len(compared(tops["target"], tops[name])), agreement=agreement(tops["target"], tops[name]))
     made.expected_speedup, made.drafts = expected_speedup(made.agreement, step, lambda width: float(costs.predict(width)))
     return made
 
