@@ -301,14 +301,20 @@ def cpu_like(model) -> None:
 
 
 def test_auto_stops_drafting_when_nothing_is_accepted_and_stays_exact():
+    """Drafts that are never right end in plain steps and one-draft probes. On this cost curve a
+    one-draft step costs 1/9 more than a plain one and the estimate hovers at that break-even, so
+    the policy probes on about every other step (40-48 plain steps of 80 on this project's
+    machines, as their own step overheads shift that break-even): the bounds leave room for that."""
     target, _ = tiny_random("llama", seed=3)
     cpu_like(target)
     ids = repetitive_prompt(8)
     out = SpecDecoder(target, Random()).generate(ids, max_new_tokens=80)
     assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=80, do_sample=False))
     stats = out.stats
-    assert stats.skipped_share > 0.5, stats.drafts_verified  # mostly plain steps
-    assert stats.drafted_tokens < 80  # far fewer than one draft per step
+    blocks = stats.drafts_verified  # steps that verified 0, 1, 2, ... drafts
+    assert sum(blocks[2:]) <= 1, blocks  # one untried block at most; afterwards single-draft probes
+    assert stats.skipped_share >= 0.4, blocks  # no fewer plain steps than probes, give or take
+    assert stats.drafted_tokens <= 0.6 * stats.steps, blocks  # well under one draft per step
 
 
 def test_auto_drafts_long_blocks_where_drafts_are_right():
