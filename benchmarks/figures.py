@@ -30,6 +30,8 @@ SHOWN = (
     ("spec_bench_smollm2", "pl", "`prompt_lookup`, defaults"),
     ("self_draft_eager_smollm2", "self_draft", "`self_draft`, defaults (copy + lookup), no warm-up (eager copy)"),
     ("self_draft_eager_smollm2", "copy_only", "`self_draft`, the copy alone (`lookup=False`), eager"),
+    ("self_draft_eager_smollm2_avx2", "self_draft", "`self_draft`, defaults (copy + lookup), no warm-up (eager copy)"),
+    ("self_draft_eager_smollm2_avx2", "copy_only", "`self_draft`, the copy alone (`lookup=False`), eager"),
     ("self_draft_smollm2", "self_w8a8", "`self_draft`, w8a8 copy compiled by `warmup()`"),
     ("self_draft_smollm2", "hybrid_w8a8", "`self_draft`, w8a8 copy compiled + lookup"),
     ("structured_smollm2", "pl", "`prompt_lookup`, defaults, each output in its JSON schema"),

@@ -56,6 +56,16 @@ def isa_caps() -> dict[str, str]:
     return {name: os.environ[name] for name in ISA_ENV if os.environ.get(name)}
 
 
+def fast_int8_products() -> bool:
+    """Whether the CPU has int8 dot-product instructions (AVX-512 VNNI, AVX-VNNI or AMX) that oneDNN's
+    int8 products may use: without them (an AVX2-only CPU, or oneDNN capped at AVX2 or below by
+    ``ONEDNN_MAX_CPU_ISA``) an int8 x uint8 product costs more than the fp32 one it replaces."""
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").upper()
+    if cap in ("SSE41", "AVX", "AVX2"):
+        return False
+    return bool(cpu_flags(("avx512_vnni", "avx_vnni", "amx_int8")))
+
+
 def describe() -> str:
     """One line naming the CPU, e.g. ``Intel(R) Xeon(R) Processor (AVX512; amx_int8)``, and any
     instruction-set caps set in the environment (``...; ONEDNN_MAX_CPU_ISA=AVX2``)."""

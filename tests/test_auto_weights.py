@@ -60,6 +60,26 @@ def fake_timings(monkeypatch, steps: dict, agreements: dict, target_seconds: flo
     return build
 
 
+@pytest.mark.parametrize("flags, caps, first, last", [
+    (["avx2", "avx512f", "avx512_vnni", "amx_int8"], {}, "w8a8", "dynamic_int8"),  # an AMX Xeon
+    (["avx2"], {}, "int4", "w8a8"),  # an AVX2-only EPYC
+    (["avx2", "avx512f", "avx512_vnni", "amx_int8"], {"ONEDNN_MAX_CPU_ISA": "AVX2"}, "int4", "w8a8"),  # capped
+])
+def test_the_order_of_candidates_follows_the_cpus_int8_instructions(monkeypatch, flags, caps, first, last):
+    """Where int8 products have no dot-product instructions (VNNI, AMX) the w8a8 copy is tried
+    last: the first copy expected to pay ends the search, so the order is what a first call pays."""
+    from specdec import machine
+
+    monkeypatch.setattr(machine, "cpu_flags", lambda names=(): [f for f in flags if f in names])
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in caps.items():
+        monkeypatch.setenv(name, value)
+    order = choose.candidates(None)
+    assert (order[0], order[-1]) == (first, last)
+    assert sorted(order) == sorted(("w8a8", "int4", "bfloat16", "dynamic_int8"))
+
+
 def test_expected_speedup_follows_the_policys_model():
     flat = lambda width: 1.0  # noqa: E731  a verification costs one plain step whatever its width
     assert choose.expected_speedup(0.0, 0.1, flat) == (1.0, 0)  # never accepted: plain decoding

@@ -142,15 +142,23 @@ class Choice:
 
 
 def candidates(model) -> tuple[str, ...]:
-    """The copies worth measuring for ``model`` on a CPU, in the order they are tried: w8a8 (the
-    fastest draft where int8 products are fast, on CPUs with VNNI or AMX), int4 (half w8a8's
-    bytes, bfloat16 activations, torch's own int4 kernel; agrees with the target less), bfloat16
-    (quick to build), torch's dynamic int8 (the slowest to build: 1.5 s for SmolLM2-135M, most of
-    it ``quantize_dynamic`` packing weights; it serves CPUs whose int8 x uint8 products are slow).
+    """The copies worth measuring for ``model`` on a CPU, in the order they are tried (the first
+    expected to reach :data:`ENOUGH` ends the search, so the order is what a first call pays for).
+    Where the CPU has int8 dot-product instructions (:func:`specdec.machine.fast_int8_products`:
+    VNNI or AMX): w8a8 (the fastest draft there), int4 (half w8a8's bytes, bfloat16 activations,
+    torch's own int4 kernel; agrees with the target less), bfloat16 (quick to build), torch's
+    dynamic int8 (the slowest to build: 1.5 s for SmolLM2-135M, most of it ``quantize_dynamic``
+    packing weights). Without them int4 comes first and w8a8 last: there an int8 x uint8 product
+    costs more than the fp32 one it replaces (w8a8's step 1.4 of the target's on the AMD EPYC of
+    docs/self_draft.md, int4's 0.27), and timing it first cost a first call seconds for nothing.
     torchao's weight-only int8 is not among them: its eager step costs more than the fp32 target's
     on every CPU measured (benchmarks/results/forward_cost_isa/README.md), and a call drafts eagerly
     unless warmed up; name it (``weights="int8"``) to draft with it compiled."""
-    return ("w8a8", "int4", "bfloat16", "dynamic_int8")
+    from ..machine import fast_int8_products
+
+    if fast_int8_products():
+        return ("w8a8", "int4", "bfloat16", "dynamic_int8")
+    return ("int4", "bfloat16", "dynamic_int8", "w8a8")
 
 
 # -- timing -------------------------------------------------------------------------------------

@@ -7,8 +7,9 @@ model when given ``weights=``. The model a copy is built from is never modified.
 
 ``weights``:
 
-* ``"auto"``: ``"w8a8"`` for a model on a CPU (the fastest copy measured there, no extra
-  package), ``"bfloat16"`` elsewhere (no extra package);
+* ``"auto"``: for a model on a CPU, the copy measured best on this machine (:class:`Copies`
+  asks ``choose.py``; :func:`build_copy` alone, which measures nothing, takes ``"w8a8"``),
+  ``"bfloat16"`` elsewhere (no extra package);
 * ``"bfloat16"`` / ``"float16"``: a cast copy (no extra package);
 * ``"int8"``: int8 weight-only linear layers with bfloat16 activations, by ``torchao``
   (``pip install "specdec[quant]"``);
