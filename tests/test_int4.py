@@ -4,12 +4,14 @@ and a copy of them drafts through the lean forward with the target's output unch
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from specdec import SpecDecoder
 from specdec.forwards import int4, lean
-from specdec.forwards.int4 import Int4Linear, quantize, stack_int4
+from specdec.forwards.int4 import Bfloat16Head, Int4Linear, quantize, quantize_linears, stack_int4
 from specdec.forwards.lowbit import build_copy
 from specdec.models import tiny_random
 
@@ -74,6 +76,8 @@ def test_an_int4_copy_steps_through_the_lean_forward_close_to_its_own(wide_llama
     copy = build_copy(wide_llama, "int4")
     assert isinstance(copy.forward, lean.LeanForward) and copy.forward.scripted
     assert isinstance(copy.model.layers[0].mlp.down_proj, Int4Linear)
+    assert isinstance(copy.get_output_embeddings(), Bfloat16Head)  # the output layer stays finer
+    assert copy.model.embed_tokens.weight.dtype == torch.float32  # a tied embedding keeps its dtype
     ids = torch.randint(3, 250, (2, 20), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)
     mask[1:, :4] = 0
@@ -101,3 +105,18 @@ def test_self_draft_with_an_int4_copy_keeps_generates_output(wide_llama):
     assert out.stats.choices["weights"] == "int4"
     assert out.stats.drafted_tokens > 0
     assert torch.equal(out.sequences, wide_llama.generate(ids, max_new_tokens=24, do_sample=False))
+
+
+def test_the_output_layer_in_bfloat16_computes_the_linear_layer_rounded():
+    linear = torch.nn.Linear(64, 320, bias=True)
+    head = Bfloat16Head(linear)
+    x = torch.randn(3, 5, 64)
+    got = head(x)
+    assert got.dtype == torch.float32 and got.shape == (3, 5, 320)
+    torch.testing.assert_close(got, linear(x), rtol=2e-2, atol=2e-2)
+    assert head.weight.dtype == torch.bfloat16 and linear.weight.dtype == torch.float32  # a copy
+
+
+def test_an_int4_copy_may_keep_an_int4_output_layer(wide_llama):
+    model = quantize_linears(copy.deepcopy(wide_llama), head=False)
+    assert isinstance(model.get_output_embeddings(), Int4Linear)

@@ -91,7 +91,7 @@ CALIBRATION_TEXT = (
     "3. The price of a monthly pass will stay the same.\nIn Python, the function below returns the sum of "
     "a list of numbers:\n\ndef total(numbers):\n    result = 0\n    for n in numbers:\n        result += n\n"
     "    return result\n")
-_FORMAT = 7  # 7: agreement over the prefilled calibration tokens too; 6: the w8a8 copy rotates its MLP output layers' inputs; 5: int4 among the candidates; 4: Int8Linear quantizes to a row's own range; 3: the lean forward
+_FORMAT = 8  # 8: the int4 copy's output layer in bfloat16; 7: agreement over the prefilled calibration tokens too; 6: the w8a8 copy rotates its MLP output layers' inputs; 5: int4 among the candidates; 4: Int8Linear quantizes to a row's own range; 3: the lean forward
 
 
 @dataclass

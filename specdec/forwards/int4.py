@@ -108,11 +108,43 @@ def stack_int4(parts: list[Int4Linear]) -> Int4Linear:
     return stacked
 
 
-def quantize_linears(model: torch.nn.Module, group: int = GROUP) -> torch.nn.Module:
-    """Replace every ``nn.Linear`` of ``model`` (in place) by an :class:`Int4Linear`."""
-    for name, child in list(model.named_children()):
-        if isinstance(child, torch.nn.Linear):
-            setattr(model, name, Int4Linear(child, group))
-        else:
-            quantize_linears(child, group)
+class Bfloat16Head(torch.nn.Module):
+    """An int4 copy's output layer, ``y = x W^T + b`` with W in bfloat16 (its input cast to
+    bfloat16, its output back to the input's dtype). The output layer decides which token a draft
+    is, among tens of thousands whose logits lie close together, and int4 rounding of it turned
+    many of the copy's top tokens: SmolLM2-135M's int4 copy agreed with the fp32 target at 90.5%
+    of 685 teacher-forced positions with an int4 output layer and at 98.3% with this one, for the
+    same step time (25.0 against 24.8 ms on an AMD EPYC with AVX2; the head alone 3.5 against
+    4.9 ms: docs/self_draft.md, "The int4 copy's output layer")."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("weight", linear.weight.detach().to(torch.bfloat16).contiguous())  # a copy: a tied
+        bias = linear.bias  # embedding keeps its own dtype
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.nn.functional.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, weights=bfloat16"
+
+
+def quantize_linears(model: torch.nn.Module, group: int = GROUP, head: bool = True) -> torch.nn.Module:
+    """Replace every ``nn.Linear`` of ``model`` (in place) by an :class:`Int4Linear`, but its output
+    layer (``model.get_output_embeddings()``) by a :class:`Bfloat16Head` where ``head``."""
+    out = model.get_output_embeddings() if head and hasattr(model, "get_output_embeddings") else None
+    if isinstance(out, torch.nn.Linear):
+        model.set_output_embeddings(Bfloat16Head(out))
+    _quantize(model, group)
     return model
+
+
+def _quantize(module: torch.nn.Module, group: int) -> None:
+    for name, child in list(module.named_children()):
+        if isinstance(child, torch.nn.Linear):
+            setattr(module, name, Int4Linear(child, group))
+        else:
+            _quantize(child, group)

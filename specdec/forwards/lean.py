@@ -61,10 +61,11 @@ KNOWN = {"input_ids", "position_ids", "cache", "past_key_values", "attention_mas
 
 def lean_problem(model) -> str | None:
     """Why :func:`install` cannot serve ``model`` (a copy whose linear layers are all
-    :class:`~specdec.forwards.int8.Int8Linear` or all :class:`~specdec.forwards.int4.Int4Linear`),
+    :class:`~specdec.forwards.int8.Int8Linear`, or all :class:`~specdec.forwards.int4.Int4Linear`
+    but an output layer that may be a :class:`~specdec.forwards.int4.Bfloat16Head`),
     or None where it can: rotation's layout, and no sliding window, partial rotary embedding or
     extra part of attention or MLP (and, for int4, output widths that stack: multiples of 64)."""
-    problems = [rotatable(model, kind) for kind in (Int8Linear, Int4Linear)]
+    problems = [rotatable(model, Int8Linear), rotatable(model, Int4Linear, head=(Int4Linear, int4.Bfloat16Head))]
     if all(problems):
         return problems[0]
     if problems[0] is not None and any(module.out_features % int4.STACK_ROWS for module in model.modules()

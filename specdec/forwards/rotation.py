@@ -47,15 +47,16 @@ def _get(module, path):
     return module
 
 
-def rotatable(model, linear: type = torch.nn.Linear) -> str | None:
+def rotatable(model, linear: type = torch.nn.Linear, head: type | tuple[type, ...] | None = None) -> str | None:
     """Why ``model`` cannot be rotated, or None where it can: the pre-norm decoder layout this
-    module knows, its linear layers (and output head) of type ``linear`` (``lean.py`` asks the
-    same of a copy whose layers are ``Int8Linear``)."""
+    module knows, its linear layers of type ``linear`` and its output head of type ``head``
+    (default: ``linear``; ``lean.py`` asks the same of a copy whose layers are ``Int8Linear`` or
+    ``Int4Linear``)."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     layers = getattr(decoder, "layers", None)
     if layers is None or not isinstance(getattr(decoder, "norm", None), torch.nn.Module):
         return f"{type(model).__name__} has no decoder with layers and a final norm"
-    if not isinstance(model.get_output_embeddings(), linear):
+    if not isinstance(model.get_output_embeddings(), head or linear):
         return f"no {linear.__name__} output head"
     for layer in layers:
         parts = {name for name, _ in layer.named_children()}
