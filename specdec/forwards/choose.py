@@ -146,7 +146,7 @@ def candidates(model) -> tuple[str, ...]:
     expected to reach :data:`ENOUGH` ends the search, so the order is what a first call pays for).
     Where the CPU has int8 dot-product instructions (:func:`specdec.machine.fast_int8_products`:
     VNNI or AMX): w8a8 (the fastest draft there), int4 (half w8a8's bytes, bfloat16 activations,
-    torch's own int4 kernel; agrees with the target less), bfloat16 (quick to build), torch's
+    torch's own int4 kernel, its output layer in bfloat16), bfloat16 (quick to build), torch's
     dynamic int8 (the slowest to build: 1.5 s for SmolLM2-135M, most of it ``quantize_dynamic``
     packing weights). Without them int4 comes first and w8a8 last: there an int8 x uint8 product
     costs more than the fp32 one it replaces (w8a8's step 1.4 of the target's on the AMD EPYC of

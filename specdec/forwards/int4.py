@@ -4,10 +4,12 @@ A decoding step of a small model on a CPU is bound by reading its weights. This 
 linear layer's weights as 4-bit integers, a scale and an offset (bfloat16) for every
 :data:`GROUP` consecutive weights of an output channel, and multiplies through torch's own int4
 kernel for CPUs (``torch._weight_int4pack_mm_for_cpu``, with bfloat16 activations; no extra
-package): an eighth of the fp32 bytes, half of an int8 copy's. Where int8 x uint8 products
-(``int8.py``) are fast it does not pay: on an AMX Xeon SmolLM2-135M's int4 copy stepped a quarter
-faster than its w8a8 copy but agreed with the target less, for 1.49x against 1.59x on Spec-Bench
-(docs/self_draft.md, "Measured on Spec-Bench").
+package): an eighth of the fp32 bytes, half of an int8 copy's. A copy's output layer stays in
+bfloat16 (:class:`Bfloat16Head`). On an AMD EPYC with AVX2 only, where int8 x uint8 products
+(``int8.py``) cost more than fp32 ones, SmolLM2-135M's int4 copy steps at 0.3 of the target's
+step; on an AMX Xeon, with its output layer in int4, it stepped a quarter faster than the w8a8
+copy but agreed with the target less, for 1.49x against 1.59x on Spec-Bench (docs/self_draft.md,
+"Measured on Spec-Bench").
 
 The weights are quantized to their group's own range (``lo + scale * q``, q in 0..15), the
 kernel's layout: it computes ``x @ ((q - 8) * scale + zero)^T`` with ``zero = lo + 8 scale``.
@@ -115,13 +117,14 @@ class Bfloat16Head(torch.nn.Module):
     many of the copy's top tokens: SmolLM2-135M's int4 copy agreed with the fp32 target at 90.5%
     of 685 teacher-forced positions with an int4 output layer and at 98.3% with this one, for the
     same step time (25.0 against 24.8 ms on an AMD EPYC with AVX2; the head alone 3.5 against
-    4.9 ms: docs/self_draft.md, "The int4 copy's output layer")."""
+    4.9 ms: docs/self_draft.md, "How the copy drafts"). The weights are a copy: a tied input
+    embedding keeps its own dtype."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("weight", linear.weight.detach().to(torch.bfloat16).contiguous())  # a copy: a tied
-        bias = linear.bias  # embedding keeps its own dtype
+        self.register_buffer("weight", linear.weight.detach().to(torch.bfloat16).contiguous())
+        bias = linear.bias
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
