@@ -23,7 +23,8 @@ model when given ``weights=``. The model a copy is built from is never modified.
   which serve CPUs without VNNI too); CPU only, eager only (its packed weights do not compile);
 * ``"int4"``: int4 weights in groups of 32 along the input, scales and offsets per group: on a CPU
   ``int4.Int4Linear`` (torch's own int4 kernel, bfloat16 activations; no extra package; the
-  residual stream is not rotated: the rotated copy agreed with the target less), elsewhere
+  output layer in bfloat16, ``int4.Bfloat16Head``; the residual stream is not rotated: the
+  rotated copy agreed with the target less), elsewhere
   ``torchao``'s int4 weight-only layers.
 
 A copy drafts on a static cache with compiled one-token forwards (torchao's int8 layers are slower
