@@ -150,7 +150,7 @@ def candidates(model) -> tuple[str, ...]:
     dynamic int8 (the slowest to build: 1.5 s for SmolLM2-135M, most of it ``quantize_dynamic``
     packing weights). Without them int4 comes first and w8a8 last: there an int8 x uint8 product
     costs more than the fp32 one it replaces (w8a8's step 1.4 of the target's on the AMD EPYC of
-    docs/self_draft.md, int4's 0.27), and timing it first cost a first call seconds for nothing.
+    docs/self_draft.md, int4's 0.27-0.41), and timing it first cost a first call seconds for nothing.
     torchao's weight-only int8 is not among them: its eager step costs more than the fp32 target's
     on every CPU measured (benchmarks/results/forward_cost_isa/README.md), and a call drafts eagerly
     unless warmed up; name it (``weights="int8"``) to draft with it compiled."""
