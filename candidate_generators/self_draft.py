@@ -14,7 +14,10 @@ step timed against the target's forward, its agreement with the target on a shor
 policy's expected rate; once per machine and model, then read from the cache), and
 ``"bfloat16"`` elsewhere; ``"bfloat16"``, ``"float16"``, ``"int8"``, ``"w8a8"``,
 ``"dynamic_int8"`` and ``"int4"`` as chosen (``int8``, and ``int4`` and ``w8a8`` off the CPU, by
-``torchao``: ``pip install "specdec[quant]"``). What was chosen, and why, is in
+``torchao``: ``pip install "specdec[quant]"``). ``auto``'s measuring stops at ``choice_budget``
+seconds (None: ``choose.budget_seconds``, 30 s unless ``SPECDEC_CHOICE_BUDGET`` says) with the
+best copy so far, said, and shows a progress bar on stderr as ``progress`` says (None: where
+stderr is a terminal and ``SPECDEC_QUIET`` is not set). What was chosen, and why, is in
 ``out.stats.choices``; the seconds spent building or choosing the copy in
 ``out.stats.generator["setup_seconds"]``, apart from decoding (``out.stats.summary()``).
 
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.forwards.choose import budget_seconds
 from specdec.forwards.lowbit import check_weights
 from specdec.generators import DecodeContext, DraftingInfo, Feedback, Proposal
 from specdec.modelinfo import tensor_bytes
@@ -48,12 +52,18 @@ COPY_PRIOR = 0.85
 @register_candidate_generator("self_draft")
 class SelfDraftGenerator(DraftModelGenerator):
     def __init__(self, *, weights: str = "auto", num_tokens: int = 5, schedule: str = "auto",
-                 max_tokens: int = 16, compile_draft: bool | dict | str = "auto", lookup: bool = True):
+                 max_tokens: int = 16, compile_draft: bool | dict | str = "auto", lookup: bool = True,
+                 choice_budget: float | None = None, progress: bool | None = None):
         check_weights(weights, "self_draft")  # None would draft with the target itself, at the target's cost
         check_flag(lookup, "self_draft: lookup")
+        if choice_budget is not None:
+            budget_seconds(choice_budget)  # raises, naming it, for a budget that is not a number >= 0
+        if progress is not None:
+            check_flag(progress, "self_draft: progress")
         # no draft yet: setup() builds it from the call's target (once per decoder, see forwards.lowbit.Copies)
         super().__init__(torch.nn.Module(), num_tokens=num_tokens, schedule=schedule, max_tokens=max_tokens,
                          weights=weights, compile_draft=compile_draft)
+        self.choice_budget, self.choice_progress = choice_budget, progress
         self.lookup = PromptLookupGenerator(schedule="auto", max_tokens=max_tokens) if lookup else None
 
     def source_model(self, ctx: DecodeContext):

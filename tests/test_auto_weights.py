@@ -40,7 +40,7 @@ def fake_timings(monkeypatch, steps: dict, agreements: dict, target_seconds: flo
     """Measurements as given: {weights: step seconds}, {weights: agreement}; the target's step
     ``target_seconds``, its wider forwards dearer by half of that every 7 tokens. Returns a builder
     that fails for weights without a step (a candidate this machine cannot build)."""
-    def interleaved(timers, count, prune_after=None):
+    def interleaved(timers, count, prune_after=None, out_of_time=None, tick=None):
         reference = list(range(100))  # the target's greedy tokens
         tops = {"target": reference}
         for name in timers:

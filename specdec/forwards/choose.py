@@ -32,11 +32,20 @@ and model:
    else the first whose rate no later one beats by :data:`BETTER_BY` (the policy still decides
    each step whether drafting pays).
 
+Measuring is bounded by a time budget (:data:`BUDGET_SECONDS`, ``SPECDEC_CHOICE_BUDGET``, or the
+generator's ``choice_budget``): once it is spent no further candidate is built and the copy being
+timed stops after :data:`MIN_ROUNDS` rounds, the best copy measured so far is taken, and the
+choice says so (its ``reason``, the line on stderr, ``out.stats.choices``). A busy machine once
+spent 349 s here where 7 s is usual. While measuring, a progress bar runs on stderr where it is a
+terminal (not under ``SPECDEC_QUIET``, nor where the caller passes ``progress=False``).
+
 The choice, with the table it was made from, is kept in a JSON file under the weight cache root
-(``specdec.weight_cache``), one per machine (CPU model, torch's CPU capability, instruction-set
-caps set in the environment, threads) and model (class, name, parameters, dtype, a checksum), so
-later processes build only the chosen copy; deleting the file measures again. Off the CPU ``auto``
-is ``bfloat16`` without measuring (no int8 candidate there needs no extra package).
+(``choice_file.py``: one per machine and model, keyed by nothing of how the model was called, so
+the command line and the API share it; verified when read, and one that does not read back as
+written is said, naming it, measured again and replaced), so later processes build only the
+chosen copy; deleting the file measures again.
+Off the CPU ``auto`` is ``bfloat16`` without measuring (no int8 candidate there needs no extra
+package).
 
 Invariants: the target is only read; nothing measured changes any token of the output (a copy
 only drafts); a candidate that fails to build is left out with the reason recorded.
@@ -44,18 +53,17 @@ only drafts); a candidate that fails to build is left out with the reason record
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import json
 import os
 import statistics
+import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+
+from .choice_file import _FORMAT, cache_file, cache_key, load, save  # noqa: F401  (re-exported)
 
 #: the widths of the target's forwards timed besides its one-token steps: the cost of verifying
 #: drafts, and the draft-length policy's calibration (``specdec.policy.costs.CALIBRATED``)
@@ -83,6 +91,13 @@ ENOUGH = 1.1
 #: :func:`candidates` is itself a measured preference (where both draft faster than the target, the
 #: earlier won end to end)
 BETTER_BY = 1.10
+#: seconds measuring may take (building and timing candidates) before the best copy so far is taken:
+#: some four times what a choice takes on an idle machine (3-8 s, docs/self_draft.md), and a bound
+#: on a busy one (349 s seen); ``SPECDEC_CHOICE_BUDGET`` or ``self_draft``'s ``choice_budget`` sets it
+BUDGET_SECONDS = 30.0
+BUDGET_ENV = "SPECDEC_CHOICE_BUDGET"
+#: the rounds a copy is timed even past the budget: one median needs some, and a choice needs a copy
+MIN_ROUNDS = 2
 #: a text to measure agreement on, when a tokenizer can encode it (else the call's prompt)
 CALIBRATION_TEXT = (
     "The city council met on Tuesday to discuss the new budget. After a long debate, the members agreed "
@@ -91,7 +106,6 @@ CALIBRATION_TEXT = (
     "3. The price of a monthly pass will stay the same.\nIn Python, the function below returns the sum of "
     "a list of numbers:\n\ndef total(numbers):\n    result = 0\n    for n in numbers:\n        result += n\n"
     "    return result\n")
-_FORMAT = 8  # 8: the int4 copy's output layer in bfloat16; 7: agreement over the prefilled calibration tokens too; 6: the w8a8 copy rotates its MLP output layers' inputs; 5: int4 among the candidates; 4: Int8Linear quantizes to a row's own range; 3: the lean forward
 
 
 @dataclass
@@ -107,6 +121,7 @@ class Candidate:
     problem: str | None = None
     steps: int = 0  # one-token steps timed (fewer where it was dropped early)
     positions: int = 0  # calibration positions its agreement was measured at
+    cut: bool = False  # its timing was stopped by the time budget
 
 
 @dataclass
@@ -119,6 +134,8 @@ class Choice:
     machine: str = ""
     seconds: float = 0.0  # spent measuring (0 when read from the cache)
     cached: bool = False  # read from the disk cache
+    budget: float | None = None  # the time budget (s) measuring ran under
+    cut_short: bool = False  # the budget ran out: the best copy measured by then
 
     @property
     def reason(self) -> str:
@@ -129,11 +146,14 @@ class Choice:
                 parts.append(f"{c.weights}: not built ({c.problem})")
             else:
                 relative = c.step_seconds / self.target_seconds if self.target_seconds else float("nan")
-                early = f", timed {c.steps} steps: slower than the target" if 0 < c.steps < max(
-                    (d.steps for d in self.candidates), default=0) else ""
+                early = f", timed {c.steps} steps: the time budget ran out" if c.cut else (
+                    f", timed {c.steps} steps: slower than the target" if 0 < c.steps < max(
+                        (d.steps for d in self.candidates), default=0) else "")
                 parts.append(f"{c.weights} {c.expected_speedup:.2f}x (step {relative:.2f} of the target's, "
                              f"agreement {c.agreement:.0%} of {c.positions} tokens{early})")
         how = "measured earlier, read from the cache" if self.cached else f"measured in {self.seconds:.1f} s"
+        if self.cut_short:
+            how += f"; stopped by its {self.budget:g} s time budget: the best copy measured by then"
         chosen = next((c for c in self.candidates if c.weights == self.weights), None)
         enough = chosen is not None and (chosen.expected_speedup or 0.0) >= ENOUGH
         why = (f"the first copy expected to reach {ENOUGH}x" if enough else
@@ -226,15 +246,18 @@ class StepTimer:
         self.kv.release()
 
 
-def interleaved(timers: dict[str, StepTimer], steps: int,
-                prune_after: int | None = None) -> tuple[dict[str, float], dict[str, list[int]], dict[int, list[float]]]:
+def interleaved(timers: dict[str, StepTimer], steps: int, prune_after: int | None = None,
+                out_of_time: Callable[[], bool] | None = None, tick: Callable[[int], None] | None = None,
+                ) -> tuple[dict[str, float], dict[str, list[int]], dict[int, list[float]]]:
     """Every model of ``timers`` (the target's named ``"target"``) steps through ``steps`` tokens,
     one step each a round, the order rotating from round to round; the target's forward of one of
     :data:`WIDTHS` tokens is timed each round, the widths in turn. After ``prune_after`` rounds a
     model whose median step is no shorter than the target's steps no more (its figures are those
     of the rounds it ran), and where one copy is left, measuring ends after :data:`LONE_STEPS`
-    rounds (the choice among them cannot change). -> ({name: median step seconds}, {name: greedy
-    tokens}, {width: the target's seconds at that width, each time})."""
+    rounds (the choice among them cannot change); after :data:`MIN_ROUNDS` it ends as soon as
+    ``out_of_time()`` says so (the time budget). ``tick(r)`` after each round r (progress).
+    -> ({name: median step seconds}, {name: greedy tokens}, {width: the target's seconds at that
+    width, each time})."""
     names = list(timers)
     for timer in timers.values():
         timer.time(1)  # first-use work (kernel selection, allocation) is not a step's cost
@@ -248,12 +271,16 @@ def interleaved(timers: dict[str, StepTimer], steps: int,
             names = [n for n in names if n == "target" or statistics.median(times[n]) < target]
         if len(names) == 1 or (prune_after is not None and r >= max(prune_after, LONE_STEPS) and len(names) <= 2):
             break  # no copy left to time, or one whose figures are compared with no other's
+        if out_of_time is not None and r >= MIN_ROUNDS and out_of_time():
+            break  # the budget is spent: these rounds are what the choice is made from
         for name in names[r % len(names):] + names[: r % len(names)]:
             seconds, top = timers[name].step()
             times[name].append(seconds)
             tops[name].append(top)
         width = WIDTHS[r % len(WIDTHS)]
         wide[width].append(timers["target"].time(width))
+        if tick is not None:
+            tick(r)
     return {name: statistics.median(t) for name, t in times.items()}, tops, wide
 
 
@@ -281,42 +308,132 @@ def expected_speedup(accept: float, step: float, target_seconds: Callable[[int],
     return rates[best] * target_seconds(1), best
 
 
+class Budget:
+    """The time measuring may take: ``budget()`` says whether it is spent (remembering that it
+    was: :attr:`spent`). ``clock`` is the time in seconds (a test passes its own)."""
+
+    def __init__(self, seconds: float, clock: Callable[[], float] = time.perf_counter):
+        self.seconds, self.clock, self.started, self.spent = seconds, clock, clock(), False
+
+    def elapsed(self) -> float:
+        return self.clock() - self.started
+
+    def __call__(self) -> bool:
+        if self.elapsed() >= self.seconds:
+            self.spent = True
+        return self.spent
+
+
+def budget_seconds(budget: float | None = None) -> float:
+    """The time budget measuring runs under: ``budget`` where given, else ``SPECDEC_CHOICE_BUDGET``,
+    else :data:`BUDGET_SECONDS`. Raises ValueError, naming it, for one that is not a number >= 0."""
+    where = "choice_budget"
+    if budget is None:
+        text = os.environ.get(BUDGET_ENV, "").strip()
+        if not text:
+            return BUDGET_SECONDS
+        where = BUDGET_ENV
+        try:
+            budget = float(text)
+        except ValueError:
+            raise ValueError(f"{BUDGET_ENV} must be a number of seconds, got {text!r}") from None
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget >= 0:
+        raise ValueError(f"{where} must be a number of seconds >= 0, got {budget!r}")
+    return float(budget)
+
+
+def progress_shown(progress: bool | None) -> bool:
+    """Whether measuring shows a progress bar: ``progress`` where the caller says, else where stderr
+    is a terminal and ``SPECDEC_QUIET`` is not set."""
+    if progress is not None:
+        return bool(progress)
+    quiet = os.environ.get("SPECDEC_QUIET", "").strip().lower() not in ("", "0", "false", "no")
+    return not quiet and hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
+
+
+class Progress:
+    """A ``tqdm`` bar on stderr over the candidates' timing rounds (``steps`` each), saying which
+    copy is being built or timed and the budget left; does nothing where not ``shown``."""
+
+    def __init__(self, names, steps: int, budget: Budget, shown: bool):
+        self.steps, self.budget, self.index, self.bar = steps, budget, 0, None
+        if shown:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=len(names) * steps, desc="specdec: choosing the draft copy", unit="round",
+                            file=sys.stderr, leave=False, dynamic_ncols=True)
+
+    def stage(self, index: int, name: str, what: str) -> None:
+        self.index = index
+        self._show(index * self.steps, f"{name}: {what}")
+
+    def tick(self, r: int) -> None:
+        self._show(self.index * self.steps + r + 1, None)
+
+    def _show(self, done: int, what: str | None) -> None:
+        if self.bar is None:
+            return
+        self.bar.n = done
+        left = max(0.0, self.budget.seconds - self.budget.elapsed())
+        if what is not None:
+            self.what = what
+        self.bar.set_postfix_str(f"{getattr(self, 'what', '')}, {left:.0f} s of the budget left", refresh=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def measure(target, sample: torch.Tensor, build: Callable, draft_cache=None,
-            weights: tuple[str, ...] | None = None, steps: int = STEPS) -> tuple[Choice, dict]:
+            weights: tuple[str, ...] | None = None, steps: int = STEPS, budget: float | None = None,
+            progress: bool | None = False, clock: Callable[[], float] = time.perf_counter) -> tuple[Choice, dict]:
     """Try the candidate copies of ``target`` in order (see the module doc) on the calibration
-    tokens ``sample [1, L]``, until one is expected to reach :data:`ENOUGH`. The target's
-    forward-cost model is made from its forwards timed here, where the process has none yet
-    (``CostModel.offer``: a call's policy then times no forward of its own). Returns the choice
-    and the copy chosen ({weights: copy})."""
+    tokens ``sample [1, L]``, until one is expected to reach :data:`ENOUGH` or the time budget
+    (``budget`` seconds, :func:`budget_seconds`, by ``clock``) is spent: then the best copy so far
+    (at least one is timed, :data:`MIN_ROUNDS` rounds or more), the choice marked ``cut_short``.
+    The target's forward-cost model is made from its forwards timed here, where the process has
+    none yet (``CostModel.offer``: a call's policy then times no forward of its own). ``progress``:
+    a bar on stderr (:func:`progress_shown`). Returns the choice and the copy chosen ({weights: copy})."""
     from .. import machine
     from ..kv import CacheSettings
     from ..policy.costs import CostModel
 
-    started = time.perf_counter()
+    budget_s = budget_seconds(budget)
+    spent = Budget(budget_s, clock)
     steps = max(1, min(steps, sample.shape[1] - 1))
+    names = tuple(weights or candidates(target))
+    bar = Progress(names, steps, spent, progress_shown(progress))
     found, built, reference = [], {}, None
     ones, wide = [], {width: [] for width in WIDTHS}  # the target's timings, over every copy's rounds
     try:
-        for name in weights or candidates(target):
+        for index, name in enumerate(names):
             best = max((c.expected_speedup for c in found if c.problem is None), default=0.0)
             if best >= ENOUGH:
                 found.append(Candidate(name, problem=f"not needed: another copy is expected to give {best:.2f}x"))
                 continue
+            if any(c.problem is None for c in found) and spent():
+                found.append(Candidate(name, problem=f"the {budget_s:g} s time budget ran out before it"))
+                continue
+            bar.stage(index, name, "building")
             try:
                 built[name] = build(target, name)
             except Exception as exc:  # a candidate this machine cannot build (a missing kernel or package)
                 found.append(Candidate(name, problem=f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"))
                 continue
+            bar.stage(index, name, "timing")
             if reference is None:
                 reference = StepTimer(target, sample, steps, CacheSettings())
             else:
                 reference.rewind()
-            seconds, tops, timed = _time_against(reference, built[name], name, sample, steps, draft_cache)
+            seconds, tops, timed = _time_against(reference, built[name], name, sample, steps, draft_cache,
+                                                 out_of_time=spent, tick=bar.tick)
             ones.append(seconds["target"])
             for width, times in timed.items():
                 wide[width] += times
             found.append(_candidate(name, seconds[name], tops, target_costs(seconds["target"], timed), reference.start))
+            found[-1].cut = spent.spent  # (once spent, no later copy is timed)
     finally:
+        bar.close()
         if reference is not None:
             reference.release()
     usable = [c for c in found if c.problem is None]
@@ -328,15 +445,18 @@ def measure(target, sample: torch.Tensor, build: Callable, draft_cache=None,
     for candidate in usable[1:]:
         if candidate.expected_speedup > best.expected_speedup * BETTER_BY:  # (none after one reaching ENOUGH is built)
             best = candidate
-    choice = Choice(best.weights, found, ones[0], machine.describe(), time.perf_counter() - started)
+    choice = Choice(best.weights, found, ones[0], f"{machine.describe()}, {torch.get_num_threads()} threads",
+                    spent.elapsed(), budget=budget_s, cut_short=spent.spent)
     return choice, {best.weights: built[best.weights]}
 
 
-def _time_against(reference: StepTimer, copy, name: str, sample: torch.Tensor, steps: int, draft_cache):
+def _time_against(reference: StepTimer, copy, name: str, sample: torch.Tensor, steps: int, draft_cache,
+                  out_of_time=None, tick=None):
     """:func:`interleaved` of ``copy`` (named ``name``) and the target's ``reference`` timer."""
     timer = StepTimer(copy, sample, steps, draft_cache)
     try:
-        return interleaved({"target": reference, name: timer}, steps, prune_after=PRUNE_AFTER)
+        return interleaved({"target": reference, name: timer}, steps, prune_after=PRUNE_AFTER,
+                           out_of_time=out_of_time, tick=tick)
     finally:
         timer.release()
 
@@ -396,67 +516,13 @@ _MEMO: dict[str, Choice] = {}
 _LOCK = threading.Lock()
 
 
-def cache_key(model) -> str:
-    """The machine and the model a choice holds for (see the module doc)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    from .. import machine
-
-    params = list(model.parameters())
-    with torch.no_grad():
-        checksum = float(sum(p.reshape(-1)[:4096].double().sum() for p in params[:2] + params[-2:]))
-    try:
-        torchao = version("torchao") if importlib.util.find_spec("torchao") is not None else None
-    except PackageNotFoundError:
-        torchao = None
-    key = dict(format=_FORMAT, cpu=machine.cpu_model(), capability=machine.cpu_capability(), caps=machine.isa_caps(),
-               threads=torch.get_num_threads(), torch=torch.__version__, torchao=torchao,
-               model=type(model).__name__, name=str(getattr(model.config, "_name_or_path", "")),
-               parameters=sum(p.numel() for p in params), dtype=str(params[0].dtype), checksum=round(checksum, 3))
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-
-
-def cache_file(key: str) -> Path | None:
-    """Where the choice for ``key`` is kept, or None when the weight cache is off."""
-    from ..weight_cache import weight_cache_root
-
-    root = weight_cache_root()
-    return None if root is None else root / "auto-weights" / f"{key}.json"
-
-
-def load(key: str) -> Choice | None:
-    path = cache_file(key)
-    try:
-        data = json.loads(path.read_text()) if path is not None and path.is_file() else None
-    except (OSError, ValueError):
-        return None
-    if not data or data.get("format") != _FORMAT:
-        return None
-    return Choice(data["weights"], [Candidate(**c) for c in data["candidates"]], data["target_seconds"],
-                  data["machine"], 0.0, cached=True)
-
-
-def save(key: str, choice: Choice) -> None:
-    """Write ``choice`` atomically; a full disk or a read-only home only loses the cache."""
-    path = cache_file(key)
-    if path is None:
-        return
-    data = {"format": _FORMAT, **asdict(choice), "measured_seconds": choice.seconds}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1) + "\n")
-        os.replace(tmp, path)
-    except OSError:
-        pass
-
-
 def choose(target, sample: torch.Tensor | Callable[[], torch.Tensor], build: Callable,
-           draft_cache=None) -> tuple[Choice, dict]:
+           draft_cache=None, budget: float | None = None, progress: bool | None = None) -> tuple[Choice, dict]:
     """The copy ``auto`` means for ``target`` here: remembered for the process, read from the
     disk cache, or measured (:func:`measure` on the calibration tokens ``sample`` [1, L], or what
-    it returns when it is a function: made only when measuring) and saved, said on stderr.
-    Returns (choice, copies built now)."""
+    it returns when it is a function: made only when measuring; within ``budget`` seconds,
+    :func:`budget_seconds`; a progress bar as ``progress`` says, :func:`progress_shown`) and saved,
+    said on stderr. Returns (choice, copies built now)."""
     from ..compiled import say
 
     key = cache_key(target)
@@ -466,10 +532,14 @@ def choose(target, sample: torch.Tensor | Callable[[], torch.Tensor], build: Cal
             _MEMO[key] = found
             return found, {}
         path = cache_file(key)
-        say(f"choosing the draft copy for this machine and model: timing {', '.join(candidates(target))} as needed "
-            f"(once; kept in {path}) ..." if path is not None else "choosing the draft copy for this machine and model ...")
-        choice, built = measure(target, sample() if callable(sample) else sample, build, draft_cache)
-        say(f"... chose {choice.weights} in {choice.seconds:.1f} s")
+        seconds = budget_seconds(budget)
+        say(f"choosing the draft copy for this machine and model: timing {', '.join(candidates(target))} as needed, "
+            f"for at most some {seconds:g} s" + (f" (once; kept in {path}) ..." if path is not None else " ..."))
+        choice, built = measure(target, sample() if callable(sample) else sample, build, draft_cache,
+                                budget=seconds, progress=progress)
+        cut = (f" (the {seconds:g} s time budget ran out: the best copy measured by then"
+               + (f"; delete {path} to measure again)" if path is not None else ")")) if choice.cut_short else ""
+        say(f"... chose {choice.weights} in {choice.seconds:.1f} s{cut}")
         save(key, choice)
         _MEMO[key] = choice
         return choice, built

@@ -8,8 +8,8 @@ model when given ``weights=``. The model a copy is built from is never modified.
 ``weights``:
 
 * ``"auto"``: for a model on a CPU, the copy measured best on this machine (:class:`Copies`
-  asks ``choose.py``; :func:`build_copy` alone, which measures nothing, takes ``"w8a8"``),
-  ``"bfloat16"`` elsewhere (no extra package);
+  asks ``choose.py``, within a time budget; :func:`build_copy` alone, which measures nothing,
+  takes ``"w8a8"``), ``"bfloat16"`` elsewhere (no extra package);
 * ``"bfloat16"`` / ``"float16"``: a cast copy (no extra package);
 * ``"int8"``: int8 weight-only linear layers with bfloat16 activations, by ``torchao``
   (``pip install "specdec[quant]"``);
@@ -183,24 +183,27 @@ class Copies:
         self._choices: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> what "auto" chose
         self._lock = threading.Lock()
 
-    def get(self, model, weights: str, prompt=None, draft_cache=None, tokenizer=None):
+    def get(self, model, weights: str, prompt=None, draft_cache=None, tokenizer=None, budget: float | None = None,
+            progress: bool | None = None):
         """The copy of ``model`` at ``weights``, built on first use. ``"auto"`` on a CPU is the copy
         measured best on this machine (``choose.py``), the first time for this machine and model
         (then remembered on disk), on a calibration text encoded by ``tokenizer`` or the model's own
-        tokenizer where one is stored beside it, else on ``prompt`` (the call's first prompt row)."""
+        tokenizer where one is stored beside it, else on ``prompt`` (the call's first prompt row),
+        within ``budget`` seconds (``choose.budget_seconds``), a progress bar as ``progress`` says."""
         with self._lock:
             made = self._made.setdefault(model, {})
             if weights not in made:
-                made[weights] = self._build(model, weights, prompt, draft_cache, made, tokenizer)
+                made[weights] = self._build(model, weights, prompt, draft_cache, made, tokenizer, budget, progress)
             return made[weights]
 
-    def _build(self, model, weights: str, prompt, draft_cache, made: dict, tokenizer):
+    def _build(self, model, weights: str, prompt, draft_cache, made: dict, tokenizer, budget=None, progress=None):
         if weights == "auto" and _device(model) == "cpu":
             from . import choose
 
             device = next(model.parameters()).device
             sample = lambda: choose.calibration_ids(tokenizer, prompt, device, model=model)  # noqa: E731  only when measuring
-            self._choices[model], built = choose.choose(model, sample, build_copy, draft_cache)
+            self._choices[model], built = choose.choose(model, sample, build_copy, draft_cache, budget=budget,
+                                                        progress=progress)
             made.update(built)
             weights = self._choices[model].weights
         weights = resolve_weights(model, weights)
@@ -232,6 +235,10 @@ class LowPrecisionDraft:
         self.weights = weights
         self.compile_draft = ("auto" if weights is not None else False) if compile_draft is None else compile_draft
         self._copies = Copies()
+        # how "auto" measures, where a generator offers them (self_draft): the time budget (None: the
+        # default, choose.budget_seconds) and the progress bar (None: where stderr is a terminal)
+        self.choice_budget: float | None = None
+        self.choice_progress: bool | None = None
 
     def session(self):
         fresh = super().session()
@@ -249,7 +256,9 @@ class LowPrecisionDraft:
         started = time.perf_counter()
         prompt = None if ctx is None else ctx.tokens[0, : int(ctx.lengths[0])]
         draft = self._copies.get(model, self.weights, prompt, draft_cache=self._timing_cache(),
-                                 tokenizer=None if ctx is None else ctx.tokenizer)
+                                 tokenizer=None if ctx is None else ctx.tokenizer,
+                                 budget=getattr(self, "choice_budget", None),
+                                 progress=getattr(self, "choice_progress", None))
         self._model = draft
         self._setup_seconds = getattr(self, "_setup_seconds", 0.0) + time.perf_counter() - started
         chosen = self._copies.choice(model)
