@@ -129,6 +129,28 @@ def test_cost_model_by_context():
         CostModel([short], contexts=(0, 1000))
 
 
+def test_calibration_stops_at_its_budget_after_one_round_and_says_so(capsys, monkeypatch):
+    """A first call must not stall behind calibration on a busy machine: once the budget has passed,
+    no further round starts, the rounds timed so far decide, and stderr says how many were kept."""
+    from specdec.policy import costs
+
+    monkeypatch.delenv("SPECDEC_QUIET", raising=False)
+    target, _ = tiny_random("llama", seed=3)
+    rounds = []
+    real = costs._time_widths
+
+    def spy(*args, **kwargs):
+        seconds = real(*args, **kwargs)
+        rounds.append(capsys.readouterr().err)
+        return seconds
+
+    monkeypatch.setattr(costs, "_time_widths", spy)
+    model = costs.calibrate(target, torch.arange(5, 20), budget=0.0)
+    assert "1 of 3 rounds kept" in rounds[-1] and bool((model.seconds > 0).all())
+    costs.calibrate(target, torch.arange(5, 20))  # the default budget: every round on a tiny model
+    assert "rounds kept" not in rounds[-1]
+
+
 def test_calibration_times_a_short_context_and_longer_ones_learn_from_observed_forwards():
     """The first calibration times one short context only (no long prefill in a first call); a
     longer context's row, its one-token cost included, follows what forwards there take, while

@@ -24,6 +24,7 @@ import weakref
 
 import torch
 
+from ..compiled import say
 from ..device import synchronize
 from ..forwards.packed import measuring
 from ..kv import CacheSettings, make_kv
@@ -38,6 +39,11 @@ CALIBRATED = (1, 2, 4, 16)
 #: context lengths (tokens already cached) at which costs are tracked: on a CPU a forward of
 #: several tokens costs more over a long context (docs/draft_length.md, "Its inputs")
 CONTEXT_GRID = (32, 512, 2048)
+#: seconds after which calibrating stops at the end of a round and keeps the rounds timed so far (at
+#: least one): on a quiet 2-core CPU all three rounds take under a second; on a busy machine, or
+#: where the first forwards compile, a round can take minutes, and a first call must not stall
+#: for them (what it spends is reported as ``AcceptanceStats.calibration_seconds``)
+CALIBRATION_BUDGET = 10.0
 #: extra cost of each further token fed, in one-token forwards, by device kind: the fixed curve
 #: used where decisions must not depend on timings (sampling, so that a seeded call reproduces);
 #: chosen from the curves measured on each kind (docs/draft_length.md, "Sampling")
@@ -193,7 +199,7 @@ def _cost_key(model, cache: CacheSettings) -> tuple:
 
 
 def calibrate(model, tokens: torch.Tensor, cache: CacheSettings | None = None, slots: int = 0,
-              reps: int = 3, kv=None) -> CostModel:
+              reps: int = 3, kv=None, budget: float | None = None) -> CostModel:
     """A :class:`CostModel` from timed forwards: the median of ``reps`` forwards at each
     ``CALIBRATED`` count after a cached context of 32 tokens (fewer where the model's positions,
     or a static cache of ``slots`` slots, do not allow 32), the counts taken in turn within a
@@ -205,7 +211,8 @@ def calibrate(model, tokens: torch.Tensor, cache: CacheSettings | None = None, s
     from the pool, so calibrating allocates nothing sized by ``max_new_tokens``; on the dynamic
     cache a throwaway one. The user's model is only read. It calls ``model.forward`` itself, so
     forward hooks that watch decoding do not see these forwards (their time is reported apart,
-    as ``AcceptanceStats.calibration_seconds``)."""
+    as ``AcceptanceStats.calibration_seconds``). Rounds stop once ``budget`` seconds
+    (``CALIBRATION_BUDGET``) have passed, with a line on stderr; the first round always completes."""
     cache = cache or CacheSettings()
     device = next(model.parameters()).device
     tokens = tokens.reshape(-1).to(device)
@@ -224,7 +231,8 @@ def calibrate(model, tokens: torch.Tensor, cache: CacheSettings | None = None, s
     try:
         with torch.no_grad(), measuring():  # timing forwards: no sign of use, they get no weights packed
             prefix = tokens.repeat(context // tokens.numel() + 1)[:context]
-            curve = _time_widths(model, made, cache_kwarg, prefix, reps, CALIBRATED)
+            curve = _time_widths(model, made, cache_kwarg, prefix, reps, CALIBRATED,
+                                 CALIBRATION_BUDGET if budget is None else budget)
     finally:
         if made is not own:
             made.release()
@@ -241,10 +249,12 @@ def _on_grid(counts: tuple[int, ...], values: list[float]) -> list[float]:
     return out
 
 
-def _time_widths(model, kv, cache_kwarg: str, context: torch.Tensor, reps: int, counts: tuple[int, ...]) -> list[float]:
+def _time_widths(model, kv, cache_kwarg: str, context: torch.Tensor, reps: int, counts: tuple[int, ...],
+                 budget: float = float("inf"), clock=time.perf_counter) -> list[float]:
     """Median seconds of a forward of each of ``counts`` tokens after ``context [L]`` is cached in
     ``kv``. Every round times each count in turn, so a change of the machine's load skews no count
-    alone; the median drops a round slowed by another process."""
+    alone; the median drops a round slowed by another process. No round starts once ``budget``
+    seconds (by ``clock``) have passed since the first forward: the rounds timed so far decide."""
 
     def forward(ids: torch.Tensor, first_slot: int) -> None:
         device = ids.device
@@ -258,11 +268,16 @@ def _time_widths(model, kv, cache_kwarg: str, context: torch.Tensor, reps: int, 
                    needs_mask=False, direct=True)
 
     length = context.numel()
+    began = clock()
     forward(context[None, :], 0)
     forward(context[:1][None, :], length)  # warms up the step path
     kv.crop(length + 1, length)
     timed: dict[int, list[float]] = {count: [] for count in counts}
-    for _ in range(reps):
+    for done in range(reps):
+        if done and clock() - began > budget:
+            say(f"specdec: timing forwards for the draft-length policy took {clock() - began:.0f} s "
+                f"(over its {budget:.0f} s budget): {done} of {reps} rounds kept")
+            break
         for count in counts:
             ids = context.repeat(count // length + 1)[:count][None, :]  # [1, count]
             synchronize(context.device)
@@ -271,4 +286,4 @@ def _time_widths(model, kv, cache_kwarg: str, context: torch.Tensor, reps: int, 
             synchronize(context.device)
             timed[count].append(time.perf_counter() - start)
             kv.crop(length + count, length)
-    return [sorted(t)[(reps - 1) // 2] for t in timed.values()]
+    return [sorted(t)[(len(t) - 1) // 2] for t in timed.values()]
