@@ -91,8 +91,11 @@ def _marker_files(folder: Path) -> dict | None:
 
 
 def _digest(path: Path) -> str:
+    digest = hashlib.sha256()  # chunked by hand: hashlib.file_digest needs Python 3.11, the package 3.10
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _files(folder: Path) -> list[str]:
