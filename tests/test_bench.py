@@ -323,12 +323,18 @@ def test_resume_after_interruption(tmp_path):
         f.write('{"method": "baseline", "question_')
     again = []
     result = run(config, out, on_row=lambda r: again.append(row_key(r)))
-    assert result.rows_done_before == 3 and result.rows_new == TURNS * 2 - 3
-    assert not set(again) & set(produced)
-    rows = ResultStore(out / RESULTS_FILE).load()
+    # the first turn was timed whole and is kept; the interrupted one (the baseline's row only) runs again
+    # whole, so that its speedup compares calls timed side by side (issue 47, item 11)
+    assert result.rows_done_before == 2 and result.rows_new == TURNS * 2 - 2
+    assert (result.units.kept, result.units.rerun) == (1, 1)
+    assert not set(again) & set(produced[:2]) and again[:2] == [produced[2], ("pl3", 1, 2)]
+    assert len(ResultStore(out / RESULTS_FILE).load()) == TURNS * 2 + 1  # the file is appended to, never rewritten
+    _, rows = load_run(out)
     assert len(rows) == len({row_key(r) for r in rows}) == TURNS * 2
+    assert len({r["session"] for r in rows if (r["question_id"], r["turn"]) == (1, 2)}) == 1
     assert len(json.loads((out / RUN_FILE).read_text())["sessions"]) == 2
-    assert "incomplete" not in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "incomplete" not in report and "session 2 kept 1 turn(s) or batch(es) and ran 1 again whole" in report
     assert run(config, out).rows_new == 0  # a finished run has nothing left to do
 
 
@@ -498,7 +504,8 @@ def test_batch_run_resumes(tmp_path):
     assert produced[-1] == ("baseline", "batch", 3, 0) and len(produced) == TURNS * 2 + 1
     again = []
     result = run(config, out, on_row=lambda r: again.append(row_key(r)))
-    assert result.rows_done_before == TURNS * 2 + 1 and again == [("pl3", "batch", 3, 0)]
+    # the batch's baseline row alone was written: the batch runs again whole, every method in one session
+    assert result.rows_done_before == TURNS * 2 and again == [("baseline", "batch", 3, 0), ("pl3", "batch", 3, 0)]
     assert result.rows_total == TURNS * 2 + 2
     assert run(config, out).rows_new == 0
 

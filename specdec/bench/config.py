@@ -5,9 +5,13 @@ settings, and the methods: registered candidate generators (with a ``draft`` mod
 a model) and reference methods that call ``transformers`` itself; speedups are measured against
 one ``baseline`` method, the reference. The schema, field by field: docs/benchmarks.md, "Schema".
 
-Invariants: unknown fields are refused at every level; every error is one line naming the field
-(``methods[1].generator``) and the allowed values; validation never loads a model, never writes a
-file, and checks the spelling of ``device`` only (the run checks the device when it starts).
+Invariants: unknown fields are refused at every level, and so is a key given twice in one YAML
+mapping (PyYAML would keep the last silently); every error is one line naming the field
+(``methods[1].generator``, or the file and line) and the allowed values; a method's SpecDecoder
+settings (``cache_implementation``, ``compile``, ``fast_head``) are its own keys, its generator's
+options go in ``options``, and a key in the wrong one is named as such; validation never loads a
+model, never writes a file, and checks the spelling of ``device`` only (the run checks the device
+when it starts).
 """
 
 from __future__ import annotations
@@ -118,14 +122,32 @@ def generator_class(name: str) -> type:
     return NoDraft if name == NO_DRAFT else get_candidate_generator(name)
 
 
+#: a SpecDecoder method's keys beside ``options`` that set SpecDecoder itself, not its generator
+DECODER_KEYS = ("cache_implementation", "compile", "fast_head")
+
+
 def generator_option_problem(cls: type, options: dict, with_draft: bool) -> str | None:
     """Why ``cls(draft?, **options)`` cannot bind (the registry's :func:`~specdec.registry.fit_options`,
-    said in this schema's words), or None (checks names only, not values)."""
+    said in this schema's words), or None (checks names only, not values). An unknown option that is
+    (or is close to) one of the method's own keys (:data:`DECODER_KEYS`, ``draft``, ...) is named as that
+    key, at ``options.<key>``: it belongs beside ``options``, not in it."""
     fit = fit_options(cls, options, takes_model=with_draft)
     if fit.ok:
         return None
-    what = f"unknown option(s) {sorted(fit.unknown)}" if fit.unknown else "options do not fit"
-    return f"{what} for {cls.name or cls.__name__!r}; allowed: {', '.join(fit.params) or '(none)'}"
+    generator = cls.name or cls.__name__
+    allowed = ", ".join(fit.params) or "(none)"
+    method_keys = [k for k in MethodConfig.model_fields if k != "options"]
+    for key in fit.unknown:
+        if key in method_keys:
+            return (f"options.{key}: {key!r} is a key of the method (beside options), not an option of "
+                    f"{generator!r}; move it out of options (options of {generator!r}: {allowed})")
+        if not did_you_mean(key, fit.params) and did_you_mean(key, method_keys):
+            return (f"options.{key}: {generator!r} has no option {key!r}.{did_you_mean(key, method_keys)[:-1]}, "
+                    f"the method's own key (beside options, not in it)? (options of {generator!r}: {allowed})")
+    if not fit.unknown:
+        return f"options do not fit for {generator!r}; allowed: {allowed}"
+    return (f"unknown option(s) {sorted(fit.unknown)} for {generator!r}; allowed: {allowed}."
+            + did_you_mean(sorted(fit.unknown)[0], fit.params))
 
 
 def compile_option_names(generator: str) -> list[str]:
@@ -267,7 +289,7 @@ class MethodConfig(_Strict):
             needs_draft = needs_model(cls)
             problem = generator_option_problem(cls, self.options, needs_draft)
             if problem:
-                raise ValueError(f"options: {problem}")
+                raise ValueError(problem if problem.startswith("options.") else f"options: {problem}")
         if self.generator in REFERENCE_METHODS and not self.fast_head:
             raise ValueError(f"fast_head: {self.generator!r} runs transformers' own generate, whose output layer "
                              "is the model's; remove 'fast_head'")
@@ -476,6 +498,14 @@ def _model_at(root: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
 _FIELD_PATH = re.compile(r"[A-Za-z_][\w.\[\]]*")
 
 
+#: what an unknown field of a model most likely meant: (model, field) -> hint
+FIELD_HINTS = {
+    ("MethodConfig", "decoder_options"): "a bench method gives SpecDecoder's settings as its own keys "
+                                         f"({', '.join(DECODER_KEYS)}) and its generator's in options",
+    ("MethodConfig", "draft_options"): "a bench method gives its generator's options in options",
+}
+
+
 def format_errors(exc: ValidationError, root: type[BaseModel]) -> list[str]:
     """One line per pydantic error: ``field.path: what is wrong; allowed: ...``."""
     lines = []
@@ -484,7 +514,10 @@ def format_errors(exc: ValidationError, root: type[BaseModel]) -> list[str]:
         if err["type"] == "extra_forbidden":
             holder = _model_at(root, loc[:-1])
             allowed = ", ".join(holder.model_fields) if holder else "?"
-            lines.append(f"{_loc(loc)}: unknown field {loc[-1]!r}; allowed: {allowed}")
+            hint = FIELD_HINTS.get((holder.__name__ if holder else "", loc[-1]))
+            close = did_you_mean(str(loc[-1]), holder.model_fields) if holder and not hint else ""
+            lines.append(f"{_loc(loc)}: unknown field {loc[-1]!r}" + (f" ({hint})" if hint else "")
+                         + f"; allowed: {allowed}." + close)
         elif err["type"] == "value_error":
             message = str(err["ctx"]["error"])
             # model-level checks put the field name first ("draft: ..."): join it to the location
@@ -516,12 +549,48 @@ def parse_config(data: Any, source: str = "config") -> BenchConfig:
         raise ConfigError("\n".join(f"{source}: {line}" for line in format_errors(exc, BenchConfig))) from None
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A key given twice in one YAML mapping; ``line`` is the second one's (1-based)."""
+
+    def __init__(self, key: Any, line: int, first: int):
+        super().__init__(f"duplicate key {key!r} (first given at line {first}); give each key once")
+        self.line = line
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (its own keeps the last silently,
+    so a second ``max_new_tokens:`` would override the first without a word). Merge keys (``<<``) are
+    PyYAML's own, overridden by the mapping's keys as YAML says."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            first: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+                try:
+                    if key in first:
+                        raise DuplicateKeyError(key, line, first[key])
+                    first[key] = line
+                except TypeError:  # an unhashable key: the base loader says so
+                    continue
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(text: str, source: str) -> Any:
+    """``text`` parsed by :class:`UniqueKeyLoader`; a :class:`ConfigError` naming ``source`` (and the line
+    of a duplicate key) when it is not valid YAML."""
+    try:
+        return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except DuplicateKeyError as exc:
+        raise ConfigError(f"{source}:{exc.line}: {exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {' '.join(str(exc).split())}") from None
+
+
 def load_config(path: str | Path) -> BenchConfig:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
-    return parse_config(data, str(path))
+    return parse_config(load_yaml(path.read_text(), str(path)), str(path))

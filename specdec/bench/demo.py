@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 
 import yaml
 
-from .config import BenchConfig, parse_config
+from .config import BenchConfig, load_yaml, parse_config
 from .questions import Question, load_selected_questions
 from .report import load_run
 from .results import OVERALL, first_difference, shown_path
@@ -33,7 +33,7 @@ CONFIG_NAME = "demo.yaml"
 
 def packaged_config() -> dict:
     """``configs/demo.yaml`` as a mapping."""
-    return yaml.safe_load(DEMO_CONFIG.read_text())
+    return load_yaml(DEMO_CONFIG.read_text(), str(DEMO_CONFIG))
 
 
 def default_categories() -> list[str]:

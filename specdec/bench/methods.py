@@ -172,13 +172,19 @@ def _spec_runner(method: MethodConfig, target, tokenizer, draft, gen: Generation
                  distributed: dict | None = None) -> MethodRunner:
     cls = generator_class(method.generator)
     draft_model, draft_tokenizer = draft if draft is not None else (None, None)
+    # the generator's options and SpecDecoder's settings are refused apart, each naming its own keys
     try:
         instance = cls(draft_model, **method.options) if draft_model is not None else cls(**method.options)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"methods: {method.name!r}: options: bad options for {method.generator!r}: {exc}") from None
+    try:
         decoder = SpecDecoder(target, instance, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer,
                               cache_implementation=method.cache_implementation, compile=method.compile,
                               fast_head=method.fast_head, distributed=distributed)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"methods: {method.name!r}: bad options for {method.generator!r}: {exc}") from None
+        raise ConfigError(f"methods: {method.name!r}: SpecDecoder refused its settings (cache_implementation "
+                          f"{method.cache_implementation!r}, compile {method.compile!r}, fast_head "
+                          f"{method.fast_head!r}): {exc}") from None
 
     def call(input_ids, attention_mask, seed, max_new_tokens, grammar):
         generator = None

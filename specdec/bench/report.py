@@ -3,7 +3,9 @@
 The same code ends ``specdec bench CONFIG`` and runs alone as ``specdec bench report DIR``, so a
 report can always be rebuilt from the JSON lines. It formats what :mod:`.summary` computes and
 defines no figure of its own; without matplotlib (the ``bench`` extra) report.md is written
-alone. How to read one: docs/benchmarks.md, "What the columns mean".
+alone. It reads the rows a resume would reuse (:func:`~specdec.bench.provenance.check_rows`
+against ``run.json``) and says how many it left out and why. How to read one:
+docs/benchmarks.md, "What the columns mean".
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from ..metrics import AcceptanceStats
 from ..prompts import SUBTASKS
 from .config import PROCESSOR_SETTINGS, MethodKind, method_kind, reference_name
 from .plots import plot_acceptance, plot_forward_cost, plot_speedup
+from .provenance import Fingerprints, RowCheck, check_rows
 from .results import (OVERALL, ACCEPTANCE_PNG, FORWARD_COST_PNG, REPORT_FILE, RESULTS_FILE, RUN_FILE, SPEEDUP_PNG,
                       ResultStore, is_batched, row_key)
-from .summary import (BatchSummary, Summary, batch_sizes_of, batch_summaries, identical_share, mean_forward_ms,
-                      method_stats, pair_comparisons, planned_rows, summaries)
+from .summary import (BatchSummary, Summary, batch_sizes_of, batch_summaries, cross_session_pairs, identical_share,
+                      mean_forward_ms, method_stats, pair_comparisons, planned_keys_of, planned_rows, summaries)
 
 MAX_POSITIONS = 16  # per-position columns shown in the table
 NA = "n/a"
@@ -147,7 +150,22 @@ def _header(meta: dict, rows: list[dict]) -> list[str]:
         + "; ".join(f"`{m['name']}` = {m['generator']}" + (f" {m['options']}" if m["options"] else "")
                     + (f" draft `{m['draft']}`" if m.get("draft") else "") + _cache_words(m) for m in methods) + ".",
         f"- Reference (speedup 1.00x, exact match `ref`): `{reference_name(config)}`.",
-    ] + _processor_time(rows, processors)
+    ] + _resumes(meta) + _processor_time(rows, processors)
+
+
+def _resumes(meta: dict) -> list[str]:
+    """What each resumed session kept and ran again (sessions that recorded it: later than the first)."""
+    parts = []
+    for number, session in enumerate(meta.get("sessions", []), 1):
+        if number == 1 or "kept_units" not in session:
+            continue
+        not_reused = sum(session.get("rows_not_reused", {}).values())
+        parts.append(f"session {number} kept {session['kept_units']} turn(s) or batch(es) and ran "
+                     f"{session['rerun_units']} again whole" + (f", {not_reused} row(s) not reused" if not_reused else ""))
+    if not parts:
+        return []
+    return ["- Resumed: " + "; ".join(parts) + ". A turn (or batch) is kept only when every method's row of it was "
+            "timed in one session, so each speedup compares calls timed side by side."]
 
 
 def _processor_time(rows: list[dict], processors: dict) -> list[str]:
@@ -351,14 +369,20 @@ def _pairs_section(meta: dict, rows: list[dict], all_summaries: list[Summary], s
     return out
 
 
-def _notes(meta: dict, figures: list[str], plots_skipped: bool) -> list[str]:
+def _notes(meta: dict, figures: list[str], plots_skipped: bool, left_out: list[str] = (),
+           cross_session: int = 0) -> list[str]:
     config = meta["config"]
-    out = ["", "## Notes", "",
-           "- Definitions and formulas: `docs/benchmarks.md` (every metric comes from `specdec.metrics`).",
-           "- † mean accepted length from counted target forwards (new tokens / forwards): transformers runs this "
-           "method and exposes no acceptance counts, so its acceptance rate, K, c and theoretical speedup are n/a.",
-           "- Theoretical speedup: Leviathan et al. (1 - a^(K+1)) / ((1 - a)(K c + 1)) with the measured acceptance "
-           "rate a, drafts per step K and draft cost c; efficiency = measured speedup / theoretical speedup."]
+    out = ["", "## Notes", ""]
+    if left_out:
+        out.append(f"- Rows in `{RESULTS_FILE}` left out of this page: {'; '.join(left_out)}.")
+    if cross_session:
+        out.append(f"- {cross_session} row(s) left out of the speedups: timed in another session than the "
+                   "reference's row of the same call.")
+    out += ["- Definitions and formulas: `docs/benchmarks.md` (every metric comes from `specdec.metrics`).",
+            "- † mean accepted length from counted target forwards (new tokens / forwards): transformers runs this "
+            "method and exposes no acceptance counts, so its acceptance rate, K, c and theoretical speedup are n/a.",
+            "- Theoretical speedup: Leviathan et al. (1 - a^(K+1)) / ((1 - a)(K c + 1)) with the measured acceptance "
+            "rate a, drafts per step K and draft cost c; efficiency = measured speedup / theoretical speedup."]
     compiled = [m["name"] for m in config["methods"] if m.get("compile", False) is not False]
     if compiled:
         out.append(f"- Compiled: {', '.join(f'`{n}`' for n in compiled)}. Compiled forwards bypass module hooks, so "
@@ -384,27 +408,42 @@ def _notes(meta: dict, figures: list[str], plots_skipped: bool) -> list[str]:
 
 
 def render_markdown(meta: dict, rows: list[dict], all_summaries: list[Summary], figures: list[str],
-                    plots_skipped: bool = False) -> str:
+                    plots_skipped: bool = False, left_out: list[str] = ()) -> str:
+    """``rows``: the usable rows (:func:`load_checked_run`); ``left_out``: its notes on the others."""
     subtasks = [g for g in SUBTASKS if any(s.subtask == g for s in all_summaries)]
     single = [r for r in rows if not is_batched(r)]
     out = (_header(meta, rows) + _subtask_tables(meta, all_summaries, subtasks) + _structured_section(meta, single)
            + _warmup_section(meta)
            + _choices_section(meta, rows) + _draft_lengths_section(meta, rows, all_summaries, figures)
            + _batch_section(meta, rows)
-           + _pairs_section(meta, single, all_summaries, subtasks) + _notes(meta, figures, plots_skipped))
+           + _pairs_section(meta, single, all_summaries, subtasks)
+           + _notes(meta, figures, plots_skipped, left_out, cross_session_pairs(meta, rows)))
     return "\n".join(out) + "\n"
 
 
 # -- entry point -------------------------------------------------------------------------------
-def load_run(out_dir: str | Path) -> tuple[dict, list[dict]]:
+def check_run(meta: dict, rows: list[dict]) -> RowCheck:
+    """``rows`` (file order) checked against ``run.json``'s config: the usable ones, the last of each key
+    (a key written twice: a unit run again on resume, or two sessions racing)."""
+    methods = {m["name"] for m in meta["config"]["methods"]}
+    return check_rows(rows, methods, planned_keys_of(meta), Fingerprints.from_json(meta.get("fingerprints")),
+                      meta.get("legacy_rows", 0))
+
+
+def load_checked_run(out_dir: str | Path) -> tuple[dict, RowCheck]:
+    """``run.json`` and the :func:`check_run` of ``results.jsonl``."""
     out_dir = Path(out_dir)
     run_file = out_dir / RUN_FILE
     if not run_file.is_file():
         raise FileNotFoundError(f"{out_dir} is not a benchmark output directory (no {RUN_FILE})")
     meta = json.loads(run_file.read_text())
-    rows = ResultStore(out_dir / RESULTS_FILE).load()
-    latest = {row_key(r): r for r in rows}  # a key written twice (two sessions racing): keep the last
-    return meta, list(latest.values())
+    return meta, check_run(meta, ResultStore(out_dir / RESULTS_FILE).load())
+
+
+def load_run(out_dir: str | Path) -> tuple[dict, list[dict]]:
+    """``run.json`` and the usable rows of ``results.jsonl`` (:func:`load_checked_run`)."""
+    meta, check = load_checked_run(out_dir)
+    return meta, list(check.rows.values())
 
 
 def write_report(out_dir: str | Path, log: Callable[[str], None] | None = lambda msg: print(msg, file=sys.stderr)) -> Path:
@@ -413,7 +452,8 @@ def write_report(out_dir: str | Path, log: Callable[[str], None] | None = lambda
     Without matplotlib the plots are skipped, ``log`` (None: silent) is told so, and report.md is
     written all the same."""
     out_dir = Path(out_dir)
-    meta, rows = load_run(out_dir)
+    meta, check = load_checked_run(out_dir)
+    rows = list(check.rows.values())
     all_summaries = summaries(meta, rows)
     figures = []
     plots = plots_available()
@@ -429,6 +469,6 @@ def write_report(out_dir: str | Path, log: Callable[[str], None] | None = lambda
         log(PLOTS_NEED_MATPLOTLIB)
     path = out_dir / REPORT_FILE
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(render_markdown(meta, rows, all_summaries, figures, plots_skipped=not plots))
+    tmp.write_text(render_markdown(meta, rows, all_summaries, figures, plots_skipped=not plots, left_out=check.notes()))
     tmp.replace(path)
     return path

@@ -4,7 +4,10 @@ Invariants: nothing is written before the config, the dataset, the device and ev
 been checked (models loaded, compiled, warmed up once); each row is appended and synced as soon as
 it exists, so an interruption loses at most the call in flight; a rerun with the same config hash
 resumes, a different hash is refused unless ``fresh``; every method is timed alike, around one
-``generate()`` call with its new tokens back on the host. How a run goes: docs/benchmarks.md.
+``generate()`` call with its new tokens back on the host. A resume reuses a row only when it passes
+:func:`~specdec.bench.provenance.check_rows` (this config's fingerprint, its own digest) and its
+turn or batch was timed whole in one session (:func:`~specdec.bench.provenance.whole_units`); the
+rest is run again, whole, and the run says how much. How a run goes: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from .config import BenchConfig, ConfigError, DatasetConfig, GenerationSettings,
 from .methods import MethodRunner, build_methods, compile_methods, load_drafts, warm_up, warmup_batch_sizes
 from .questions import Question, batch_seed, build_messages, load_selected_questions, longest_call, question_seed
 from .report import PLOTS_NEED_MATPLOTLIB, plots_available, write_report
+from .provenance import FINGERPRINT, SESSION, Fingerprints, Units, check_rows, new_session_id, stamped, whole_units
 from .sharded import begin, is_rank0, load_target, on_rank0, rank0_log
 from .sharded import environment as launch_environment
 from .results import (OWN_FILES, RESULTS_FILE, RUN_FILE, ResultStore, batch_groups, default_out_dir, planned_keys,
@@ -81,6 +85,26 @@ def _without_later_defaults(dumped: dict) -> dict:
     return out
 
 
+#: config fields a row does not depend on: the methods (each row has its own), which questions are asked and
+#: in what batches (the question part of a fingerprint covers what one row asks), the reference (whose row
+#: is a row of its own), the free text
+_NOT_PER_ROW = ("methods", "dataset", "batch_sizes", "batch_size", "reference", "description")
+
+
+def row_fingerprints(config: BenchConfig, questions: list[Question]) -> Fingerprints:
+    """What each row of this config must carry (:class:`~specdec.bench.provenance.Fingerprints`): per
+    method, its definition and every setting its calls share; per question and turn, the question as
+    asked so far (category, grammar, turn texts). Fields added later hash only when set, as in
+    :func:`config_hash`."""
+    dumped = _without_later_defaults(config.model_dump(mode="json"))
+    shared = {k: v for k, v in dumped.items() if k not in _NOT_PER_ROW}
+    methods = {m["name"]: {"method": m, "settings": shared} for m in dumped["methods"]}
+    asked = [(q.question_id, [{"question_id": q.question_id, "category": q.category, "grammar": q.grammar,
+                               "turns": list(q.turns[:turn])} for turn in range(1, len(q.turns) + 1)])
+             for q in questions]
+    return Fingerprints.build(methods, asked)
+
+
 def environment(device: torch.device | None = None) -> dict:
     """The machine a session ran on; ``device`` is where its models ran (default: the CPU)."""
     import transformers
@@ -106,7 +130,8 @@ class RunResult:
     rows_done_before: int
     rows_new: int = 0
     report: Path | None = None
-    notes: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what the resume did not reuse, and why (also logged)
+    units: Units = field(default_factory=Units)  # turns and batches kept whole, and run again whole, on resume
 
 
 def prepare_out_dir(out_dir: Path, digest: str, fresh: bool) -> None:
@@ -127,23 +152,33 @@ def prepare_out_dir(out_dir: Path, digest: str, fresh: bool) -> None:
             (out_dir / name).unlink(missing_ok=True)
 
 
+def _read_run_file(out_dir: Path) -> dict | None:
+    path = out_dir / RUN_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def _write_run_file(out_dir: Path, config: BenchConfig, config_file: str, digest: str,
                     questions: list[Question], done: int, device: torch.device | None = None,
-                    warmup_seconds: dict[str, float] | None = None) -> None:
-    """Create ``run.json`` (or add this session to it): the session's machine and, per compiled
-    method, the seconds its compile warm-up took."""
+                    warmup_seconds: dict[str, float] | None = None, session: dict | None = None,
+                    fingerprints: Fingerprints | None = None, legacy_rows: int = 0) -> None:
+    """Create ``run.json`` (or add this session to it): the session's machine, per compiled method the
+    seconds its compile warm-up took, and ``session`` (its id and what its resume kept); the row
+    fingerprints of this config, and ``legacy_rows`` (rows found without fingerprints when a checking run
+    first opened the folder: see :func:`~specdec.bench.provenance.row_problem`)."""
     path = out_dir / RUN_FILE
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
     env = environment(device)
-    if path.exists():
-        meta = json.loads(path.read_text())
-    else:
+    meta = _read_run_file(out_dir)
+    if meta is None:
         meta = {"config_file": config_file, "config_hash": digest, "config": config.model_dump(mode="json"),
                 "questions": [{"question_id": q.question_id, "subtask": q.subtask, "turns": len(q.turns)}
                               for q in questions],
                 "created": now, "environment": env, "sessions": []}
+    if fingerprints is not None:
+        meta["fingerprints"] = fingerprints.to_json()
+        meta.setdefault("legacy_rows", legacy_rows)
     meta["sessions"].append({"started": now, "rows_done_before": done, "environment": env,
-                             "warmup_seconds": warmup_seconds or {}})
+                             "warmup_seconds": warmup_seconds or {}, **(session or {})})
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(meta, indent=1))
     tmp.replace(path)
@@ -243,9 +278,9 @@ class _Recorder:
     ``reference`` (greedy runs), each row records where it first differs from the reference's output."""
 
     def __init__(self, store: ResultStore, done: dict, result: RunResult, bar, on_row: Callable[[dict], None] | None,
-                 reference: str | None = None):
+                 reference: str | None = None, session: str = "", fingerprints: Fingerprints | None = None):
         self.store, self.done, self.result, self.bar, self.on_row = store, done, result, bar, on_row
-        self.reference = reference
+        self.reference, self.session, self.fingerprints = reference, session, fingerprints
 
     def __call__(self, row: dict, label: str) -> None:
         if self.reference is not None:
@@ -253,8 +288,11 @@ class _Recorder:
                 row["first_difference"] = row_first_difference(row, self.done, self.reference)
             except LookupError:
                 pass  # the reference's own row, or no reference output to compare with
+        row[SESSION] = self.session  # what a resume and the report check a row read back against
+        if self.fingerprints is not None:
+            row[FINGERPRINT] = self.fingerprints.of(row_key(row))
         if self.store is not None:  # rank 0's (bench/sharded.py): the other ranks only keep count
-            self.store.append(row)
+            self.store.append(stamped(row))
         self.done[row_key(row)] = row
         self.result.rows_new += 1
         self.bar.update(1)
@@ -264,19 +302,38 @@ class _Recorder:
 
 
 def _open_results(out_dir: Path, config: BenchConfig, config_file: str, digest: str, questions: list[Question],
-                  models: _Models, fresh: bool, log: Callable[[str], None]) -> tuple[ResultStore, dict, RunResult]:
-    """Create (or resume) the output directory: the store, the rows already done, the run's counts."""
+                  models: _Models, fresh: bool, log: Callable[[str], None], session: str = "",
+                  fingerprints: Fingerprints | None = None) -> tuple[ResultStore, dict, RunResult]:
+    """Create (or resume) the output directory: the store, the rows a resume keeps, the run's counts.
+
+    A row read back is kept only when it is this config's (:func:`~specdec.bench.provenance.check_rows`)
+    and its turn or batch was timed whole in one session (:func:`~specdec.bench.provenance.whole_units`);
+    what is not kept is run again, whole, and said (logged, in ``run.json``'s session, in the report)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     prepare_out_dir(out_dir, digest, fresh)
+    fingerprints = fingerprints or row_fingerprints(config, questions)
     store = ResultStore(out_dir / RESULTS_FILE)
-    done = {row_key(r): r for r in store.load(repair=True)}
+    rows = store.load(repair=True)
+    meta = _read_run_file(out_dir)
+    # rows without fingerprints are an older specdec's only while no checking run has opened the folder
+    legacy_rows = len(rows) if meta is not None and "fingerprints" not in meta else (meta or {}).get("legacy_rows", 0)
     planned = planned_keys([(r.config.name, r.run_batch is not None) for r in models.runners],
                            [(q.question_id, len(q.turns)) for q in questions], config.batch_sizes)
-    result = RunResult(out_dir, len(planned), len(planned & set(done)))
+    check = check_rows(rows, {r.config.name for r in models.runners}, planned, fingerprints, legacy_rows)
+    done, units = whole_units(check.rows, planned)
+    result = RunResult(out_dir, len(planned), len(done), notes=check.notes(), units=units)
+    resumed = {"id": session, "kept_units": units.kept, "rerun_units": units.rerun,
+               "rows_not_reused": dict(check.left_out)}
     _write_run_file(out_dir, config, config_file, digest, questions, result.rows_done_before, models.device,
-                    models.warmup_seconds)
+                    models.warmup_seconds, resumed, fingerprints, legacy_rows)
+    for note in result.notes:
+        log(f"not reused: {note}")  # a planned call among them is run again
+    if units.rerun:
+        log(f"run again whole: {units.rerun} turn(s) or batch(es) whose methods were not all timed in one session "
+            "(a speedup compares calls timed side by side)")
     if result.rows_done_before:
-        log(f"resuming: {result.rows_done_before}/{result.rows_total} rows already in {store.path}")
+        log(f"resuming: {result.rows_done_before}/{result.rows_total} rows already in {store.path} "
+            f"({units.kept} turn(s) or batch(es) kept whole)")
     return store, done, result
 
 
@@ -336,7 +393,8 @@ def run_benchmark(config: BenchConfig, *, config_file: str | Path, out_dir: str 
     begin(config)  # a distributed config: this is one rank of a torchrun launch; rank 0 alone writes
     log, on_row, progress = rank0_log(log), on_row if is_rank0() else None, progress and is_rank0()
     questions = load_selected_questions(config, Path(config_file).parent)
-    digest = config_hash(config, questions)
+    digest, fingerprints = config_hash(config, questions), row_fingerprints(config, questions)
+    session = new_session_id()  # every row this run writes carries it
     if not fresh:  # refuse early, before loading any model
         on_rank0(lambda: prepare_out_dir(out_dir, digest, fresh=False))
     log(f"results: {shown_path(out_dir)}")
@@ -346,11 +404,12 @@ def run_benchmark(config: BenchConfig, *, config_file: str | Path, out_dir: str 
     with _process_settings(config.threads):
         models = _load_and_warm_up(config, questions, log)
         # -- from here on, files are written ------------------------------------------------------
-        store, done, result = _open_shared(out_dir, config, config_file, digest, questions, models, fresh, log)
+        store, done, result = _open_shared(out_dir, config, config_file, digest, questions, models, fresh, log,
+                                           session, fingerprints)
         with tqdm(total=result.rows_total, initial=result.rows_done_before, unit="row", disable=not progress,
                   desc=Path(config_file).stem, dynamic_ncols=True) as bar:
             reference = None if config.generation.do_sample else config.reference_method.name
-            record = _Recorder(store, done, result, bar, on_row, reference)
+            record = _Recorder(store, done, result, bar, on_row, reference, session, fingerprints)
             if 1 in config.batch_sizes:
                 _run_per_question(models, questions, config.generation, done, record, config.repeats)
             for size in (b for b in config.batch_sizes if b > 1):
@@ -360,13 +419,15 @@ def run_benchmark(config: BenchConfig, *, config_file: str | Path, out_dir: str 
 
 
 def _open_shared(out_dir: Path, config: BenchConfig, config_file: str, digest: str, questions: list[Question],
-                 models: _Models, fresh: bool, log: Callable[[str], None]) -> tuple[ResultStore | None, dict, RunResult]:
+                 models: _Models, fresh: bool, log: Callable[[str], None], session: str = "",
+                 fingerprints: Fingerprints | None = None) -> tuple[ResultStore | None, dict, RunResult]:
     """:func:`_open_results` on rank 0, whose rows done and counts every rank gets (each runs the rows
     left); the store is rank 0's alone (None elsewhere)."""
     kept = []
 
     def work():
-        store, done, result = _open_results(out_dir, config, config_file, digest, questions, models, fresh, log)
+        store, done, result = _open_results(out_dir, config, config_file, digest, questions, models, fresh, log,
+                                            session, fingerprints)
         kept.append(store)
         return done, result
 

@@ -3,6 +3,8 @@
 Pure functions of rows (``results.jsonl``) and ``run.json``; nothing here formats text. Every
 acceptance figure is :class:`~specdec.metrics.AcceptanceStats`' own, on the rows' counts merged
 (never an average of per-question ratios); "identical" is :class:`~specdec.bench.results.Agreement`.
+A speedup divides the times of two rows only when one session timed both
+(:func:`~specdec.bench.provenance.same_session`): times taken under another load never meet.
 Which method is the reference, and how each kind is treated, comes from
 :func:`~specdec.bench.config.method_kind`, never from a method's name. Definitions:
 docs/benchmarks.md, "What the columns mean".
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from ..metrics import AcceptanceStats, theoretical_speedup
 from ..prompts import SUBTASKS
 from .config import MethodKind, method_kind, reference_name
+from .provenance import same_session
 from .results import OVERALL, Agreement, is_batched, planned_keys, reference_outputs, row_key
 
 
@@ -136,7 +139,8 @@ def summarize(method: str, generator: str, subtask: str, rows: list[dict], basel
     """``rows``: one method's rows in the group; ``baseline``: (question_id, turn) -> the reference's row."""
     keyed = {(r["question_id"], r["turn"]): r for r in rows}
     shared = [k for k in keyed if k in baseline]
-    ratio = speedup([keyed[k] for k in shared], [baseline[k] for k in shared]) if shared else None
+    timed = [k for k in shared if same_session(keyed[k], baseline[k])]  # side by side: one session
+    ratio = speedup([keyed[k] for k in timed], [baseline[k] for k in timed]) if timed else None
     stats = merged_stats(rows)
     mean_len = stats.mean_accepted_length if stats is not None else counted_mean_accepted_length(generator, rows)
     agreement = None
@@ -207,11 +211,29 @@ def mean_forward_ms(stats: AcceptanceStats) -> dict[int, float]:
     return {t: 1000.0 * sec / n for t, (n, sec) in sorted(stats.forward_costs.items()) if n}
 
 
+def planned_keys_of(meta: dict) -> set:
+    """The row keys a complete run of this config writes (:func:`~specdec.bench.results.planned_keys`)."""
+    config = meta["config"]
+    return planned_keys([(m["name"], method_kind(m["generator"]).batched) for m in config["methods"]],
+                        [(q["question_id"], q["turns"]) for q in meta["questions"]], batch_sizes_of(config))
+
+
 def planned_rows(meta: dict) -> int:
     """Rows a complete run of this config writes."""
-    config = meta["config"]
-    return len(planned_keys([(m["name"], method_kind(m["generator"]).batched) for m in config["methods"]],
-                            [(q["question_id"], q["turns"]) for q in meta["questions"]], batch_sizes_of(config)))
+    return len(planned_keys_of(meta))
+
+
+def cross_session_pairs(meta: dict, rows: list[dict]) -> int:
+    """Rows that share a call with the reference's row but were timed in another session: left out of every
+    speedup (a resume by this runner leaves none; hand-joined results may)."""
+    base_name = reference_name(meta["config"])
+    by_key = {row_key(r): r for r in rows}
+    count = 0
+    for key, row in by_key.items():
+        base = by_key.get((base_name, *key[1:]))
+        if key[0] != base_name and base is not None and not same_session(row, base):
+            count += 1
+    return count
 
 
 # -- batch sizes -------------------------------------------------------------------------------
@@ -285,7 +307,7 @@ def _batched_summary(name: str, generator: str, size: int, mine: dict[int, dict]
     """One method at one batch size > 1. ``mine``, ``base``: batch index -> row of this method, of the
     reference; ``agreement``: its outputs against :func:`~specdec.bench.results.reference_outputs`
     (None when sampling: no exact match)."""
-    shared = [i for i in mine if i in base]
+    shared = [i for i in mine if i in base and same_session(mine[i], base[i])]  # side by side: one session
     ratio = speedup([mine[i] for i in shared], [base[i] for i in shared]) if shared else None
     if method_kind(generator).baseline:
         mean_len = 1.0  # plain decoding commits one token per row per forward
