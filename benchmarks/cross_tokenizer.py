@@ -39,7 +39,7 @@ import transformers
 
 from specdec import SpecDecoder, load_model
 from specdec.metrics import AcceptanceStats, theoretical_speedup
-from specdec.modelinfo import ForwardTimer
+from specdec.modelinfo import ForwardTimer, cache_argument
 from specdec.prompts import DEFAULT_SPEC_BENCH, SUBTASKS, load_questions, subtask_of
 
 METHODS = ("plain", "hf_uag", "specdec")
@@ -56,11 +56,11 @@ def forward_ms(model, positions: int, context: int = 128, reps: int = 5) -> floa
     with torch.no_grad():
         for _ in range(reps):
             cache = DynamicCache()
-            model(torch.randint(100, 5000, (1, context), generator=gen), past_key_values=cache, use_cache=True,
-                  logits_to_keep=1)
+            model(torch.randint(100, 5000, (1, context), generator=gen), **{cache_argument(model): cache},
+                  use_cache=True, logits_to_keep=1)
             new = torch.randint(100, 5000, (1, positions), generator=gen)
             start = time.perf_counter()
-            model(new, past_key_values=cache, use_cache=True, logits_to_keep=positions)
+            model(new, **{cache_argument(model): cache}, use_cache=True, logits_to_keep=positions)
             times.append(time.perf_counter() - start)
     return 1000 * statistics.median(times)
 

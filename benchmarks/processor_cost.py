@@ -52,7 +52,7 @@ def main() -> None:
     processors = BlockProcessors(build_processors(target, config, prompt, torch.ones_like(prompt)), prompt)
     plain = build_processors(target, config, prompt, torch.ones_like(prompt))
     with torch.no_grad():
-        cache = target(prompt, use_cache=True).past_key_values  # the prompt's keys and values
+        cache = target(prompt, use_cache=True).cache  # the prompt's keys and values
     print(json.dumps({"machine": machine.describe(), "threads": args.threads, "context": args.context,
                       "settings": SETTINGS}))
     for k in (0, 4, 10, 16):

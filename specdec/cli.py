@@ -1,5 +1,10 @@
 """Command line: ``specdec generate | demo | list | bench``.
 
+Modules are imported where a command needs them: this one, and building its parser, import
+neither torch nor transformers (``specdec --help`` answers at once on a busy machine, where those
+imports take seconds), and ``specdec list`` reads the generators' descriptions from their
+entry points' source without importing them.
+
 Every argument is checked before a model loads (loading a packaged model is slow: README.md,
 "Models without a network"): numbers, model names, the device (``--device cuda`` on a machine
 without one), the generator name and its ``--option`` names and values. The checks are the
@@ -18,13 +23,13 @@ import argparse
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import Any
 
 from .names import did_you_mean
-from .registry import (OptionError, available_generators, check_model_draft, get_candidate_generator, needs_model,
-                       resolve_draft)
-from .threads import configure_threads
+
+#: ``--dtype``'s choices: the keys of ``specdec.models.DTYPES``, named here so that building the
+#: parser imports no torch (tests/test_defects_47_hygiene.py checks that the two agree)
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 class UsageError(ValueError):
@@ -110,6 +115,8 @@ class DraftPlan:
 def plan_draft(draft: str | None, options: dict) -> DraftPlan:
     """Check ``--draft`` and ``--option`` without loading a model (see :class:`DraftPlan`); the
     registry resolves and checks (:func:`~specdec.registry.resolve_draft`), this says it in flags."""
+    from .registry import OptionError, available_generators, check_model_draft
+
     if draft is None or draft == "none":
         if options:
             raise UsageError(f"--option {', '.join(options)}: plain decoding (--draft none) takes no options")
@@ -128,6 +135,8 @@ def plan_draft(draft: str | None, options: dict) -> DraftPlan:
 
 def _generator(name: str, options: dict):
     """Generator ``name`` built with ``options``; one that drafts with a model is refused (its model is ``--draft``)."""
+    from .registry import OptionError, get_candidate_generator, needs_model, resolve_draft
+
     label = f"candidate generator {name!r}"
     if needs_model(get_candidate_generator(name)):
         raise UsageError(f"{label} drafts with a model: give the draft model's name as --draft instead "
@@ -143,6 +152,7 @@ def _generator(name: str, options: dict):
 def _check_draft_model(name: str) -> None:
     """``--draft`` that is not a generator name must be a loadable model name."""
     from .models import PACKAGED_MODELS, ModelNotAvailableError, check_model_name
+    from .registry import available_generators
 
     try:
         check_model_name(name)
@@ -160,16 +170,18 @@ class Placement:
     """Where and how the models run (``--device``, ``--dtype``, ``--cache-implementation``, ``--compile``),
     checked against this machine."""
 
-    device: torch.device = torch.device("cpu")
-    dtype: torch.dtype = torch.float32
+    device: Any = None  # a torch.device; None: the CPU
+    dtype: Any = None  # a torch.dtype; None: float32
     cache_implementation: str = "dynamic"
     compile: bool = False
 
     def load(self, name: str):
         """``load_model(name)`` in this dtype on this device."""
+        import torch
+
         from .models import load_model
 
-        return load_model(name, dtype=self.dtype, device=self.device)
+        return load_model(name, dtype=self.dtype or torch.float32, device=self.device or torch.device("cpu"))
 
 
 def check_placement(args) -> Placement:
@@ -195,10 +207,11 @@ def check_target(name: str) -> None:
         raise UsageError(f"--target: {exc}") from None
 
 
-def build_decoder(target, tokenizer, plan: DraftPlan, placement: Placement = Placement()):
+def build_decoder(target, tokenizer, plan: DraftPlan, placement: Placement | None = None):
     """The ``SpecDecoder`` of a checked plan (loads the draft model, if any, as ``placement`` says)."""
     from .decoder import SpecDecoder
 
+    placement = placement or Placement()
     cache = dict(cache_implementation=placement.cache_implementation, compile=placement.compile)
     if plan.model is None:
         return SpecDecoder(target, plan.generator, tokenizer=tokenizer, **cache)
@@ -223,7 +236,10 @@ def cmd_generate(args) -> int:
     """Decode one prompt. The one-time work of a first call (calibrating the policy's costs,
     building or choosing a draft copy, compiling) runs first in a short untimed call on the same
     prompt and is printed apart, so the tokens/s printed last are what any later call runs at."""
+    import torch
+
     from .prompts import encode_chat
+    from .threads import configure_threads
 
     if not args.sample and (args.temperature is not None or args.top_k is not None or args.top_p is not None):
         raise UsageError("--temperature, --top-k and --top-p apply only with --sample")
@@ -278,6 +294,8 @@ def cmd_demo(args) -> int:
 
     The table goes to stdout; what it is doing (loading, each prompt and method) to stderr. Results go
     to a temporary directory removed at the end, or to ``--out DIR`` (kept, with report.md)."""
+    from .threads import configure_threads
+
     check_target(args.target)
     if args.draft is None or args.draft == "none":
         raise UsageError("the demo compares a draft with plain decoding: give a --draft other than 'none'")
@@ -317,15 +335,43 @@ def cmd_list(args) -> int:
     from .tiny import TINY_ARCHS
 
     print("candidate generators:")
-    for name in available_generators():
-        cls = get_candidate_generator(name)
-        doc = (cls.__module__ and sys.modules[cls.__module__].__doc__ or "").strip().splitlines()
-        print(f"  {name:<16} {doc[0] if doc else ''}")
+    for name, summary in sorted(generator_summaries().items()):
+        print(f"  {name:<16} {summary}")
     print("packaged models:")
     for entry in PACKAGED_MODELS.values():
         print(f"  {entry.name:<16} {entry.description}  [{entry.install}]")
     print(f"  tiny-random:<arch>  random test models, arch in {', '.join(TINY_ARCHS)}")
     return 0
+
+
+#: the registry's entry-point group (``specdec.registry.ENTRY_POINT_GROUP``; the registry imports
+#: torch): tests/test_defects_47_hygiene.py checks that the two agree
+ENTRY_POINT_GROUP = "specdec.candidate_generators"
+
+
+def generator_summaries() -> dict[str, str]:
+    """Each installed candidate generator's name -> the first line of its module's docstring.
+
+    Read from the entry points' source files without importing them: the generators import torch
+    and transformers, seconds a listing does not need on a busy machine. An entry point whose
+    source cannot be read (a compiled module) is imported as the registry would."""
+    import ast
+    import importlib.util
+    from importlib.metadata import entry_points
+
+    out = {}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        module = ep.value.split(":", 1)[0].strip()
+        try:
+            origin = importlib.util.find_spec(module).origin
+            doc = ast.get_docstring(ast.parse(Path(origin).read_text(encoding="utf-8"))) or ""
+        except (ImportError, AttributeError, OSError, TypeError, ValueError, SyntaxError):
+            from .registry import get_candidate_generator
+
+            cls = get_candidate_generator(ep.name)
+            doc = sys.modules[cls.__module__].__doc__ or ""
+        out[ep.name] = (doc.strip().splitlines() or [""])[0]
+    return out
 
 
 def cmd_bench(argv: list[str]) -> int:
@@ -337,8 +383,6 @@ def cmd_bench(argv: list[str]) -> int:
 # -- the parser ---------------------------------------------------------------------------------------
 def _common_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of every command that runs models: what runs, and where and how."""
-    from .models import DTYPES
-
     p.add_argument("--target", default="smollm2-135m", help="model name (see `specdec list`) or a local folder")
     p.add_argument("--draft", default="prompt_lookup", help="generator name, draft model name, or 'none'")
     p.add_argument("--option", action="append", metavar="KEY=VALUE", help="generator option, repeatable")
@@ -347,7 +391,7 @@ def _common_arguments(p: argparse.ArgumentParser) -> None:
                    help="intra-op threads: a number, or 'auto' (default): the cores idle right now")
     p.add_argument("--device", type=_device, default="cpu",
                    help="where the models run: cpu (default), cuda, cuda:N, or auto (cuda when there is one)")
-    p.add_argument("--dtype", choices=list(DTYPES), default="float32",
+    p.add_argument("--dtype", choices=list(DTYPE_NAMES), default="float32",
                    help="the models' weights (default float32)")
     p.add_argument("--cache-implementation", choices=["dynamic", "static"], default="dynamic",
                    help="key/value caches: dynamic (default) or static (allocated once; needed by --compile)")
@@ -395,17 +439,23 @@ def _run(args) -> int:
         raise
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "bench":
-        return cmd_bench(argv[1:])
+def build_parser() -> argparse.ArgumentParser:
+    """The ``specdec`` command's parser (``bench`` parses its own arguments: :mod:`specdec.bench.cli`).
+    Building it imports neither torch nor transformers (the commands import what they use)."""
     parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding for transformers.")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _demo_parser(sub)
     sub.add_parser("list", help="list candidate generators and packaged models").set_defaults(func=cmd_list)
     sub.add_parser("bench", help="run a YAML benchmark config: specdec bench CONFIG.yaml | specdec bench report DIR")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        return cmd_bench(argv[1:])
+    args = build_parser().parse_args(argv)
     if getattr(args, "dataset", 1) is None:
         from .prompts import DEFAULT_SPEC_BENCH
 

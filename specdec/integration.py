@@ -20,11 +20,13 @@ logits when asked) carrying ``stats``. The same callable is what the Hub-layout 
 ``hub/specdec_custom_generate`` loads (``custom_generate="<that folder>", trust_remote_code=True``).
 
 What outlives a call is kept per target model (:class:`Drafters`): the candidate generator each
-``draft`` (with its options) resolves to, with what it builds once (a low-precision copy of the
-target or draft), so repeated calls do not rebuild it. A lock guards the table; each call still
-decodes on a session of its own, so calls from several threads share the drafter, not their
-state. :func:`release` drops them. The forward-cost curves the draft-length policy measures are
-kept per model by the policy itself (weakly: they go with the model).
+draft *name* (with its options) resolves to, with what it builds once (a low-precision copy of
+the target), so repeated calls do not rebuild it. The table is bounded: targets are held weakly,
+at most :data:`MAX_DRAFTERS` drafters a target (least recently used dropped), and a draft given
+as a model is never kept past its call (its generator holds it). A lock guards the table; each
+call still decodes on a session of its own, so calls from several threads share the drafter, not
+their state. :func:`release` drops them. The forward-cost curves the draft-length policy measures
+are kept per model by the policy itself (weakly: they go with the model).
 
 Two things ``generate()`` does not hand a callable: the ``streamer`` (it gives it the prompt, then
 drops it from the callable's arguments) and the ``tokenizer`` (so ``stop_strings`` fail in
@@ -38,12 +40,14 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
+from collections import OrderedDict
 from typing import Any
 
 import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from .decoder import SpecDecoder
+from .distributed import Ranks, coordinated
 from .generation import resolved
 from .generators import CandidateGenerator
 from .processors import with_user_processor
@@ -54,28 +58,59 @@ PREPARED = frozenset({"attention_mask", "position_ids", "cache", "past_key_value
                       "cache_position", "output_attentions", "output_hidden_states", "return_dict"})
 
 
-class Drafters:
-    """The candidate generators built for ``custom_generate`` calls, per target model and draft."""
+#: drafters kept per target model, the most recently used first: a call with another draft name,
+#: other options or other tokenizers builds one more, and the least recently used goes
+MAX_DRAFTERS = 4
 
-    def __init__(self):
-        self._made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: generator}
+
+class Drafters:
+    """The candidate generators built for ``custom_generate`` calls, per target model and draft.
+
+    Bounded, so that no sequence of calls grows it: the table holds each target weakly (a target
+    that goes away takes its drafters with it) and at most :data:`MAX_DRAFTERS` drafters a
+    target, least recently used dropped first. Only a draft given by name (or generator class,
+    or None) is kept: a draft given as an object (a draft model) is the caller's, and its
+    generator, which holds it, is built for the call alone, so the table never keeps a user's
+    model alive (12 calls with 12 fresh draft models once kept all 12). A caller who wants a draft
+    model's generator (and a low-precision copy it builds) kept passes a generator instance, or
+    uses ``SpecDecoder``."""
+
+    def __init__(self, limit: int = MAX_DRAFTERS):
+        self.limit = limit
+        # model -> {key: (generator, what its key names by id: kept alive with it, so no id is reused)}
+        self._made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
 
     def decoder(self, model, draft, options: dict, tokenizer, draft_tokenizer, decoder_options: dict) -> SpecDecoder:
         """A decoder for this call: a new ``SpecDecoder`` around the generator ``draft`` resolved to
-        for ``model`` the first time (a generator instance is taken as it is)."""
-        if not isinstance(draft, CandidateGenerator):
-            key = (_identity(draft), repr(sorted(options.items())), id(tokenizer), id(draft_tokenizer),
-                   repr(sorted(decoder_options.items())))
-            with self._lock:
-                made = self._made.setdefault(model, {})
-                if key not in made:
-                    made[key] = SpecDecoder(model, draft, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer,
-                                            **decoder_options, **options).candidate_generator
-                draft = made[key]
-        elif options:
-            raise TypeError(f"draft_options {sorted(options)} cannot be applied to a generator instance")
+        for ``model`` (kept for later calls where ``draft`` is a name; a generator instance is
+        taken as it is)."""
+        if isinstance(draft, CandidateGenerator):
+            if options:
+                raise TypeError(f"draft_options {sorted(options)} cannot be applied to a generator instance")
+        elif isinstance(draft, (str, type)) or draft is None:  # a name, a generator class, or plain decoding
+            draft = self._kept(model, draft, options, tokenizer, draft_tokenizer, decoder_options)
+        else:  # the caller's object (a draft model): built for this call, not kept (see the class doc)
+            return SpecDecoder(model, draft, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer,
+                               **decoder_options, **options)
         return SpecDecoder(model, draft, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer, **decoder_options)
+
+    def _kept(self, model, name, options: dict, tokenizer, draft_tokenizer, decoder_options: dict):
+        """The generator ``name`` (or a generator class) resolves to for ``model`` with these
+        options and tokenizers, built on first use and kept (least recently used dropped past
+        ``limit``)."""
+        key = (name, repr(sorted(options.items())), id(tokenizer), id(draft_tokenizer),
+               repr(sorted(decoder_options.items())))
+        with self._lock:
+            made = self._made.setdefault(model, OrderedDict())
+            if key not in made:
+                generator = SpecDecoder(model, name, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer,
+                                        **decoder_options, **options).candidate_generator
+                made[key] = (generator, (tokenizer, draft_tokenizer, options, decoder_options))
+                while len(made) > self.limit:
+                    made.popitem(last=False)
+            made.move_to_end(key)
+            return made[key][0]
 
     def release(self, model=None) -> None:
         """Drop the drafters built for ``model`` (all models when None)."""
@@ -89,10 +124,10 @@ class Drafters:
         with self._lock:
             return len(self._made.get(model, {}))
 
-
-def _identity(draft) -> tuple:
-    """A drafter key: a name by its value, a model (kept alive by the table) by its identity."""
-    return ("name", draft) if isinstance(draft, str) or draft is None else ("object", id(draft))
+    def generators(self, model) -> list:
+        """The generators kept for ``model``, least recently used first."""
+        with self._lock:
+            return [generator for generator, _ in self._made.get(model, {}).values()]
 
 
 DRAFTERS = Drafters()
@@ -116,23 +151,25 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
     (``cache_implementation``, ``compile``, ``fast_head``); ``generator`` a ``torch.Generator`` for
     the sampling's randomness; ``grammar`` what ``SpecDecoder.generate`` takes (compiled for
     ``target_tokenizer``). Returns what ``generate()`` returns."""
-    if synced_gpus:
-        raise ValueError("synced_gpus=True (DeepSpeed ZeRO-3 / FSDP) is not supported by specdec's custom_generate")
-    check_generation_config(generation_config)
     streamer = streamer if streamer is not None else _streamer_of_generate()
-    decoder = DRAFTERS.decoder(model, draft, dict(draft_options or {}), target_tokenizer, draft_tokenizer,
-                               dict(decoder_options or {}))
-    _refuse_filled_cache(model_kwargs)
-    model_inputs = {k: v for k, v in model_kwargs.items() if k not in PREPARED}
-    prompt = decoder._prompt(input_ids, model_kwargs.get("attention_mask"), model_inputs, None)
-    max_length, eos, criteria = _split_criteria(stopping_criteria)
-    call = resolved(generation_config, input_ids.shape[1], max_length, eos)
-    call.stop_strings = None  # generate()'s StopStringCriteria is among the criteria
-    if grammar is not None:
-        logits_processor = with_user_processor(logits_processor, decoder.constraint(grammar, call.eos))
-    out = decoder.run(prompt, call, logits_processor, criteria, streamer=streamer, generator=generator,
-                      stream_prompt=False)
-    return out if call.return_dict else out.sequences
+    # a sharded target's ranks check the arguments inside the call: a check failing on one rank fails every rank
+    with coordinated(Ranks.of(model, (decoder_options or {}).get("distributed"))) as coordinator:
+        if synced_gpus:
+            raise ValueError("synced_gpus=True (DeepSpeed ZeRO-3 / FSDP) is not supported by specdec's custom_generate")
+        check_generation_config(generation_config)
+        decoder = DRAFTERS.decoder(model, draft, dict(draft_options or {}), target_tokenizer, draft_tokenizer,
+                                   dict(decoder_options or {}))
+        _refuse_filled_cache(model_kwargs)
+        model_inputs = {k: v for k, v in model_kwargs.items() if k not in PREPARED}
+        prompt = decoder._prompt(input_ids, model_kwargs.get("attention_mask"), model_inputs, None)
+        max_length, eos, criteria = _split_criteria(stopping_criteria)
+        call = resolved(generation_config, input_ids.shape[1], max_length, eos)
+        call.stop_strings = None  # generate()'s StopStringCriteria is among the criteria
+        if grammar is not None:
+            logits_processor = with_user_processor(logits_processor, decoder.constraint(grammar, call.eos))
+        out = decoder.run(prompt, call, logits_processor, criteria, streamer=streamer, generator=generator,
+                          stream_prompt=False, coordinator=coordinator)
+        return out if call.return_dict else out.sequences
 
 
 def _split_criteria(stopping_criteria) -> tuple[int | None, list[int] | None, list]:

@@ -133,7 +133,7 @@ def test_the_drafter_is_kept_per_model_shared_by_threads_and_released(model, pro
                                    draft="self_draft", draft_options={"weights": "bfloat16", "compile_draft": False},
                                    **MIX)
     assert torch.equal(call(), prompts[1]["single"])
-    (generator,) = DRAFTERS._made[target].values()
+    (generator,) = DRAFTERS.generators(target)
     outputs = []
     threads = [threading.Thread(target=lambda: outputs.append(call())) for _ in range(4)]
     for thread in threads:
@@ -141,7 +141,7 @@ def test_the_drafter_is_kept_per_model_shared_by_threads_and_released(model, pro
     for thread in threads:
         thread.join()
     assert len(outputs) == 4 and all(torch.equal(o, prompts[1]["single"]) for o in outputs)
-    assert DRAFTERS.count(target) == 1 and next(iter(DRAFTERS._made[target].values())) is generator
+    assert DRAFTERS.count(target) == 1 and DRAFTERS.generators(target) == [generator]
     assert len(generator._copies._made[target]) == 1  # the low-precision copy, built once
     release(target)
     assert DRAFTERS.count(target) == 0

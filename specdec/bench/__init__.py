@@ -3,13 +3,24 @@
 One job per module: :mod:`.config` the schema; :mod:`.questions` which questions and prompts;
 :mod:`.methods` the methods run (SpecDecoder and transformers' own ``generate``); :mod:`.runner`
 the run loop, its output directory and resume; :mod:`.results` the files and row keys;
+:mod:`.provenance` what each row was measured under and whether a row read back may be used;
 :mod:`.summary` the statistics; :mod:`.report` and :mod:`.plots` the Markdown and figures;
 :mod:`.cli` the command line; :mod:`.demo` ``specdec demo``, a packaged config run by the runner.
+
+The names below are imported on first use (PEP 562), not with the package: ``specdec bench
+--help`` imports :mod:`.cli` alone, without the torch and transformers the others import.
 """
 
-from .config import REFERENCE_METHODS, BenchConfig, ConfigError, load_config, parse_config
-from .report import write_report
-from .runner import ResultsMismatchError, run_benchmark
+import importlib
 
-__all__ = ["REFERENCE_METHODS", "BenchConfig", "ConfigError", "ResultsMismatchError", "load_config", "parse_config",
-           "run_benchmark", "write_report"]
+_EXPORTS = {"REFERENCE_METHODS": "config", "BenchConfig": "config", "ConfigError": "config", "load_config": "config",
+            "parse_config": "config", "write_report": "report", "ResultsMismatchError": "runner",
+            "run_benchmark": "runner"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'specdec.bench' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{module}", __name__), name)

@@ -8,6 +8,9 @@ nothing written); 130 interrupted by Ctrl-C (SIGINT) or SIGTERM (rows so far are
 report is written, rerunning the same command resumes). Further signals while that report is
 being written are ignored, so a second Ctrl-C cannot lose it.
 
+The arguments are parsed before the bench's modules are imported (they import torch and
+transformers, seconds on a busy machine), so ``--help`` and a usage error answer at once.
+
 Without matplotlib (the ``bench`` extra) report.md is written without plots, and the command
 says so before it starts.
 
@@ -38,13 +41,17 @@ def _error(exc: BaseException) -> int:
     return 2
 
 
-def cmd_report(argv: list[str]) -> int:
-    from .report import write_report
-
+def report_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec bench report",
                                      description="Rebuild report.md and the plots from DIR/results.jsonl.")
     parser.add_argument("dir", type=Path, help="a benchmark output directory (holds run.json, results.jsonl)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def cmd_report(argv: list[str]) -> int:
+    args = report_parser().parse_args(argv)
+    from .report import write_report  # after parsing: --help needs none of the bench's imports
+
     try:
         path = write_report(args.dir)
     except FileNotFoundError as exc:
@@ -100,11 +107,7 @@ def _partial_report(out_dir: Path) -> None:
           file=sys.stderr)
 
 
-def cmd_run(argv: list[str]) -> int:
-    from .config import load_config
-    from .results import default_out_dir, shown_path
-    from .runner import run_benchmark
-
+def run_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec bench", description=(
         "Run a YAML benchmark config (resumes an interrupted run of the same config). "
         "`specdec bench report DIR` rebuilds a report."))
@@ -113,7 +116,15 @@ def cmd_run(argv: list[str]) -> int:
                         "beside the config, or beside its folder when that folder is named configs)")
     parser.add_argument("--fresh", action="store_true", help="discard this directory's earlier results and start over")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def cmd_run(argv: list[str]) -> int:
+    args = run_parser().parse_args(argv)
+    from .config import load_config  # after parsing: --help needs none of these (torch, transformers)
+    from .results import default_out_dir, shown_path
+    from .runner import run_benchmark
+
     out_dir = args.out or default_out_dir(args.config)
     with _interrupts_as_keyboard_interrupt():
         try:

@@ -19,12 +19,18 @@ model no longer computes, so a model with any (other than specdec's own timers, 
 count) runs its own head, and so does a forward of more than ``MAX_TOKENS`` tokens (a prompt's
 prefill: the model would return every layer's hidden states for it).
 
+Every forward it runs takes its cache by the keyword the model's forward declares
+(:func:`with_current_cache_keyword`: ``cache``, where ``transformers`` deprecates
+``past_key_values``).
+
 The logits differ from the model's own only in rounding (one matmul in another order), as the
 logits of a multi-token verification already differ from those of one-token steps.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import statistics
 import threading
 import time
@@ -190,6 +196,7 @@ def model_logits(model, kwargs: dict, *, direct: bool = False, fast_head: bool =
     forward of a few tokens through packed weights where they pay (``packed.packed_linears``,
     the output layer's among them: no fast head then), and otherwise the decoder's layers as one
     scripted function where the model qualifies (``direct.DirectForward``)."""
+    kwargs = with_current_cache_keyword(model, kwargs)
     fed = kwargs.get("input_ids")
     fed = kwargs.get("inputs_embeds") if fed is None else fed
     device = model.device if fed is None else fed.device
@@ -197,6 +204,34 @@ def model_logits(model, kwargs: dict, *, direct: bool = False, fast_head: bool =
     width = fed.shape[1] if fed is not None and fed.dim() >= 2 else None
     with grouped_attention(model, device, width), packed_linears(model, rows, device) as packed:
         return _logits(model, kwargs, direct, fast_head and not packed, packed)
+
+
+def with_current_cache_keyword(model, kwargs: dict) -> dict:
+    """``kwargs`` with a cache given as ``past_key_values`` passed as ``cache`` where the model's
+    forward declares ``cache`` (``transformers`` 5.25 deprecates the old name there, to be removed
+    in 5.40); unchanged otherwise, and for a forward that declares only the old name. Specdec's
+    own callers name the cache by :func:`~specdec.modelinfo.cache_argument` already; every eager
+    decoding forward passes through here, so a caller that does not (a plugin, a test) never makes
+    specdec call a forward by the deprecated name."""
+    if "past_key_values" not in kwargs or "cache" in kwargs or not _declares_cache(model.forward):
+        return kwargs
+    renamed = dict(kwargs)
+    renamed["cache"] = renamed.pop("past_key_values")
+    return renamed
+
+
+def _declares_cache(forward) -> bool:
+    """Whether ``forward`` (a model's bound forward, or what replaced it) takes ``cache`` by name,
+    read from its signature (a model class's function once a process)."""
+    function = getattr(forward, "__func__", None)
+    if inspect.isfunction(function):  # a class's own forward: its signature cannot change
+        return _function_declares_cache(function)
+    return "cache" in inspect.signature(forward).parameters
+
+
+@functools.lru_cache(maxsize=256)
+def _function_declares_cache(function) -> bool:
+    return "cache" in inspect.signature(function).parameters
 
 
 def _logits(model, kwargs: dict, direct: bool, fast_head: bool, packed: bool) -> torch.Tensor:
