@@ -28,15 +28,18 @@ call still decodes on a session of its own, so calls from several threads share 
 their state. :func:`release` drops them. The forward-cost curves the draft-length policy measures
 are kept per model by the policy itself (weakly: they go with the model).
 
-Two things ``generate()`` does not hand a callable: the ``streamer`` (it gives it the prompt, then
-drops it from the callable's arguments) and the ``tokenizer`` (so ``stop_strings`` fail in
-``generate()`` before the callable runs). The streamer is read from ``generate()``'s own frame;
-a draft with another tokenizer takes both tokenizers as ``target_tokenizer=`` and
-``draft_tokenizer=``.
+Two things ``generate()`` (5.25) does not hand a callable: the ``streamer`` (it gives it the
+prompt, then drops it from the callable's arguments) and the ``tokenizer``, even where the
+callable's signature names it, so ``stop_strings`` fail inside ``generate()`` before the callable
+runs. The streamer is read from ``generate()``'s own frame; stop strings are given as the criterion
+``generate()`` would build from them, ``stopping_criteria=[StopStringCriteria(tokenizer,
+strings)]`` (the Hub-layout folder makes that criterion itself); a draft with another tokenizer
+takes both tokenizers as ``target_tokenizer=`` and ``draft_tokenizer=``.
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 import threading
 import weakref
@@ -50,6 +53,7 @@ from .decoder import SpecDecoder
 from .distributed import Ranks, coordinated
 from .generation import resolved
 from .generators import CandidateGenerator
+from .names import did_you_mean
 from .processors import with_user_processor
 from .validation import check_generation_config
 
@@ -157,6 +161,7 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
         if synced_gpus:
             raise ValueError("synced_gpus=True (DeepSpeed ZeRO-3 / FSDP) is not supported by specdec's custom_generate")
         check_generation_config(generation_config)
+        check_decoder_options(decoder_options or {})
         decoder = DRAFTERS.decoder(model, draft, dict(draft_options or {}), target_tokenizer, draft_tokenizer,
                                    dict(decoder_options or {}))
         _refuse_filled_cache(model_kwargs)
@@ -170,6 +175,18 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
         out = decoder.run(prompt, call, logits_processor, criteria, streamer=streamer, generator=generator,
                           stream_prompt=False, coordinator=coordinator)
         return out if call.return_dict else out.sequences
+
+
+def check_decoder_options(options: dict) -> None:
+    """Refuse a ``decoder_options`` key that ``SpecDecoder`` does not take as its own (before it is
+    merged with ``draft_options``, where a typo would read as an unknown option of the generator)."""
+    own = [name for name, p in inspect.signature(SpecDecoder.__init__).parameters.items()
+           if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in ("tokenizer", "draft_tokenizer")]
+    unknown = sorted(set(options) - set(own))
+    if unknown:
+        hint = did_you_mean(unknown[0], own)
+        raise TypeError(f"decoder_options: unknown SpecDecoder setting(s) {unknown}.{hint} It takes {own}; "
+                        "a candidate generator's options go in draft_options")
 
 
 def _split_criteria(stopping_criteria) -> tuple[int | None, list[int] | None, list]:

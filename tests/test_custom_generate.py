@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import pipeline
+from transformers import StoppingCriteriaList, StopStringCriteria, pipeline
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 import specdec
@@ -66,6 +66,35 @@ def test_custom_generate_equals_generate(model, prompts, kind, shape):
     out = target.generate(ids, attention_mask=mask, max_new_tokens=NEW, custom_generate=specdec.generate,
                           draft=drafter, draft_options=options, **MIX)
     assert torch.equal(out, references[shape])
+
+
+@pytest.mark.parametrize("shape", ["single", "batch"])
+def test_stop_strings_as_the_criterion_generate_builds_stop_as_generate_does(model, prompts, shape, module_cache):
+    """generate() (5.25) gives a callable loop no ``tokenizer``, so stop strings reach it as the
+    StopStringCriteria generate() would build; the Hub-layout folder builds it from
+    ``stop_strings=`` and ``tokenizer=`` itself."""
+    target, _, tokenizer = model
+    ids, mask = prompts[0][shape]
+    text = tokenizer.decode(target.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)[0, -6:-4])
+    common = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    want = target.generate(ids, stop_strings=[text], tokenizer=tokenizer, **common)
+    drafting = dict(draft="prompt_lookup", draft_options={"num_tokens": 4, "schedule": "fixed"})
+    got = target.generate(ids, custom_generate=specdec.generate,
+                          stopping_criteria=StoppingCriteriaList([StopStringCriteria(tokenizer, [text])]),
+                          **drafting, **common)
+    assert torch.equal(got, want)
+    hub = target.generate(ids, custom_generate=str(HUB), trust_remote_code=True, stop_strings=[text],
+                          tokenizer=tokenizer, **drafting, **common)
+    assert torch.equal(hub, want)
+
+
+def test_a_misspelt_decoder_option_is_named_as_one(model, prompts):
+    target, _, _ = model
+    ids, mask = prompts[0]["single"]
+    with pytest.raises(TypeError, match=r"decoder_options: unknown SpecDecoder setting\(s\) \['cache_implementaton'\]"
+                                        r"\. Did you mean 'cache_implementation'\?"):
+        target.generate(ids, attention_mask=mask, max_new_tokens=NEW, custom_generate=specdec.generate,
+                        draft="prompt_lookup", decoder_options={"cache_implementaton": "static"})
 
 
 def test_the_dict_output_is_generates_with_the_statistics(model, prompts):

@@ -7,7 +7,9 @@ loop (``specdec.generate``), so the generation config, logits processors, stoppi
 streamer are prepared exactly as for a plain call, and every verified position is scored as
 ``generate()`` would score it. Keyword arguments: ``draft`` (a generator name, a draft model or a
 ``CandidateGenerator``), ``draft_options``, ``decoder_options``, ``target_tokenizer``,
-``draft_tokenizer``, ``generator`` (see ``specdec.integration.generate``).
+``draft_tokenizer``, ``generator`` (see ``specdec.integration.generate``). ``stop_strings`` with
+``tokenizer=`` become the criterion ``generate()`` builds from them, handed over as a stopping
+criterion: ``generate()`` does not give a callable loop its ``tokenizer``.
 """
 
 from transformers import GenerationMixin
@@ -15,7 +17,15 @@ from transformers import GenerationMixin
 
 def generate(model, *args, **kwargs):
     import specdec
+    from transformers import StoppingCriteriaList, StopStringCriteria
 
+    stop_strings, tokenizer = kwargs.pop("stop_strings", None), kwargs.pop("tokenizer", None)
+    if stop_strings:
+        if tokenizer is None:
+            raise ValueError("stop_strings need the model's tokenizer: pass tokenizer= to generate()")
+        strings = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings)
+        kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []),
+                                                           StopStringCriteria(tokenizer, strings)])
     # GenerationMixin.generate, not model.generate: a model whose own repository ships a
     # custom_generate has model.generate replaced by it
     return GenerationMixin.generate(model, *args, custom_generate=specdec.generate, **kwargs)
