@@ -44,11 +44,11 @@ def steps(model, ids: torch.Tensor, mask: torch.Tensor, widths: list[int], use_d
     out = []
     with torch.no_grad():
         model.forward(input_ids=ids[:, :start], attention_mask=mask[:, :start], position_ids=positions[:, :start],
-                      past_key_values=cache, use_cache=True)
+                      cache=cache, use_cache=True)
         first = start
         for width in widths:
             kwargs = {"input_ids": ids[:, first:first + width], "position_ids": positions[:, first:first + width],
-                      "past_key_values": cache, "use_cache": True, "logits_to_keep": width}
+                      "cache": cache, "use_cache": True, "logits_to_keep": width}
             if not bool(mask[:, :first + width].all()):
                 kwargs["attention_mask"] = mask[:, :first + width]
             forward = DirectForward.of(model)
@@ -103,9 +103,9 @@ def test_products_through_packed_weights_are_the_models_own_up_to_rounding(pin):
     ids = torch.randint(3, 250, (2, 16), generator=torch.Generator().manual_seed(6))
     cache = new_dynamic_cache()
     with torch.no_grad():
-        model.forward(input_ids=ids[:, :10], past_key_values=cache, use_cache=True)
+        model.forward(input_ids=ids[:, :10], cache=cache, use_cache=True)
         want = model.forward(input_ids=ids, use_cache=False).logits[:, 10:]
-        kwargs = {"input_ids": ids[:, 10:], "position_ids": torch.arange(10, 16).expand(2, 6), "past_key_values": cache}
+        kwargs = {"input_ids": ids[:, 10:], "position_ids": torch.arange(10, 16).expand(2, 6), "cache": cache}
         assert forward.serves(model, kwargs, direct=True)
         got = forward(kwargs, model.get_output_embeddings(), packed=True)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -127,8 +127,8 @@ def test_hooks_it_would_skip_send_the_call_to_the_model(pin):
     cache = new_dynamic_cache()
     ids = torch.randint(3, 250, (1, 9))
     with torch.no_grad():
-        model.forward(input_ids=ids[:, :8], past_key_values=cache, use_cache=True)
-        kwargs = {"input_ids": ids[:, 8:], "position_ids": torch.tensor([[8]]), "past_key_values": cache}
+        model.forward(input_ids=ids[:, :8], cache=cache, use_cache=True)
+        kwargs = {"input_ids": ids[:, 8:], "position_ids": torch.tensor([[8]]), "cache": cache}
         assert not DirectForward.of(model).serves(model, kwargs, direct=True)
         seen.clear()
         model_logits(model, kwargs, direct=True)
@@ -164,9 +164,9 @@ def test_weights_and_layers_replaced_after_deciding_are_never_computed_stale(pin
     attention.q_proj = Adapter(attention.q_proj)
     cache = new_dynamic_cache()
     with torch.no_grad():
-        model.forward(input_ids=ids[:, :8], past_key_values=cache, use_cache=True)
+        model.forward(input_ids=ids[:, :8], cache=cache, use_cache=True)
         assert not forward.serves(model, {"input_ids": ids[:, 8:9], "position_ids": torch.tensor([[8]]),
-                                          "past_key_values": cache}, direct=True)
+                                          "cache": cache}, direct=True)
 
 
 def test_it_serves_few_rows_on_specdecs_dynamic_cache_only(pin):
@@ -176,13 +176,13 @@ def test_it_serves_few_rows_on_specdecs_dynamic_cache_only(pin):
 
     def kwargs(batch, width, cache):
         return {"input_ids": torch.ones(batch, width, dtype=torch.long), "position_ids": torch.zeros(batch, width, dtype=torch.long),
-                "past_key_values": cache}
+                "cache": cache}
 
     grown = new_dynamic_cache()
     with torch.no_grad():
-        model.forward(input_ids=torch.ones(1, 4, dtype=torch.long), past_key_values=grown, use_cache=True)
+        model.forward(input_ids=torch.ones(1, 4, dtype=torch.long), cache=grown, use_cache=True)
         plain = DynamicCache(config=model.config)
-        model.forward(input_ids=torch.ones(1, 4, dtype=torch.long), past_key_values=plain, use_cache=True)
+        model.forward(input_ids=torch.ones(1, 4, dtype=torch.long), cache=plain, use_cache=True)
     with torch.no_grad():
         assert forward.serves(model, kwargs(1, direct_module.MAX_ROWS, grown), direct=True)
         assert not forward.serves(model, kwargs(1, direct_module.MAX_ROWS + 1, grown), direct=True)  # a prefill: the model's own
