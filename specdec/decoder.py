@@ -31,7 +31,7 @@ from transformers import LogitsProcessorList
 from transformers.generation.stopping_criteria import MaxTimeCriteria
 
 from .compiled import warming
-from .distributed import SOLO, RankCall, Ranks, call_fingerprint
+from .distributed import Ranks, call_fingerprint, coordinated
 from .generation import Resolved, build_processors, resolve_config, resolved, split_settings
 from .generators import CandidateGenerator
 from .grammar import GrammarConstraint, compile_grammar
@@ -112,20 +112,29 @@ class SpecDecoder:
         grammar, or a list of one per row) constrains the output to it (docs/structured.md); it needs
         ``tokenizer``."""
         started = time.perf_counter()
-        settings, model_inputs = split_settings(kwargs)
-        prompt = self._prompt(input_ids, attention_mask, model_inputs, prefix)
-        settings.update(self._explicit(max_new_tokens, do_sample, temperature, top_k, top_p, min_p, eos_token_id))
-        config = resolve_config(self.target, generation_config, settings, prompt.input_ids.shape[1])
-        check_generation_config(config)
-        call = resolved(config, prompt.input_ids.shape[1])
-        if stop_strings:
-            call.stop_strings = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings)
-        if grammar is not None:  # placed as a user's processor: after the config's, before the warpers
-            logits_processor = [*(logits_processor or []), self.constraint(grammar, call.eos)]
-        processors = build_processors(self.target, config, prompt.input_ids, prompt.mask(),
-                                      prefix_allowed_tokens_fn, LogitsProcessorList(logits_processor or []))
-        criteria = [*(stopping_criteria or []), *([MaxTimeCriteria(config.max_time)] if config.max_time else [])]
-        return self.run(prompt, call, processors, criteria, streamer=streamer, generator=generator, started=started)
+        with self.calling() as coordinator:  # a sharded target's ranks check the arguments inside the call
+            settings, model_inputs = split_settings(kwargs)
+            prompt = self._prompt(input_ids, attention_mask, model_inputs, prefix)
+            settings.update(self._explicit(max_new_tokens, do_sample, temperature, top_k, top_p, min_p, eos_token_id))
+            config = resolve_config(self.target, generation_config, settings, prompt.input_ids.shape[1])
+            check_generation_config(config)
+            call = resolved(config, prompt.input_ids.shape[1])
+            if stop_strings:
+                call.stop_strings = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings)
+            if grammar is not None:  # placed as a user's processor: after the config's, before the warpers
+                logits_processor = [*(logits_processor or []), self.constraint(grammar, call.eos)]
+            processors = build_processors(self.target, config, prompt.input_ids, prompt.mask(),
+                                          prefix_allowed_tokens_fn, LogitsProcessorList(logits_processor or []))
+            criteria = [*(stopping_criteria or []), *([MaxTimeCriteria(config.max_time)] if config.max_time else [])]
+            return self.run(prompt, call, processors, criteria, streamer=streamer, generator=generator, started=started,
+                            coordinator=coordinator)
+
+    def calling(self):
+        """A context for one call, around all of it (argument checks first), yielding its
+        coordinator (``specdec/distributed/``): for a target sharded over ranks, a check that
+        fails on one rank only, or any error raised inside, becomes one error on every rank, and
+        the ranks stay in step for the next call; for a target held whole, nothing."""
+        return coordinated(self.ranks)
 
     def constraint(self, grammar, eos: list[int]) -> GrammarConstraint:
         """``grammar`` (or a list of one per row) compiled for the target's tokenizer (once per
@@ -150,41 +159,57 @@ class SpecDecoder:
 
     def run(self, prompt: Prompt, call: Resolved, processors, stopping_criteria=(), *, streamer=None,
             generator: torch.Generator | None = None, stream_prompt: bool = True,
-            started: float | None = None) -> SpecOutput:
+            started: float | None = None, coordinator=None) -> SpecOutput:
         """One decode run of a validated ``prompt`` with resolved settings ``call`` and ``generate()``'s
         ``processors`` (a ``LogitsProcessorList``): the loop both ``generate`` and
-        ``model.generate(custom_generate=specdec.generate)`` run."""
+        ``model.generate(custom_generate=specdec.generate)`` run. ``coordinator``: the call's, from
+        :meth:`calling` (where the caller checked arguments inside it); a call of its own if None."""
+        if coordinator is None:
+            with self.calling() as coordinator:
+                return self.run(prompt, call, processors, stopping_criteria, streamer=streamer, generator=generator,
+                                stream_prompt=stream_prompt, started=started, coordinator=coordinator)
         started = time.perf_counter() if started is None else started
         call.sampling.validate()
         if call.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer: SpecDecoder(target, draft, tokenizer=...)")
         if streamer is not None and prompt.rows.shape[0] > 1:
             raise ValueError("a streamer needs batch size 1 (as in transformers)")
-        ranks = SOLO if self.ranks is None else RankCall(self.ranks, call_fingerprint(
-            prompt.input_ids, prompt.mask(), call.max_new_tokens, call.sampling, call.eos, call.pad, call.stop_strings,
-            self.candidate_generator.name or type(self.candidate_generator).__name__))
+        ranks = coordinator
+        if self.ranks is not None:  # what every rank must have been given alike, compared at the first message
+            sampled = bool(call.sampling.do_sample)
+            ranks.given(self._fingerprint(prompt, call, processors, stopping_criteria, generator, stream_prompt),
+                        generator if sampled else None)
         settings = CallSettings(
             max_new_tokens=call.max_new_tokens, sampling=call.sampling, generator=generator, pad=call.pad,
             streamer=ranks.streamer(streamer), cache=self.cache, ranks=ranks,
-            processors=BlockProcessors(processors, prompt.input_ids) or None,
+            processors=ranks.processors(BlockProcessors(processors, prompt.input_ids) or None),
             output_scores=call.return_dict and call.output_scores,
             output_logits=call.return_dict and call.output_logits,
             stream_prompt=stream_prompt,
             stopper=ranks.stopper(Stopper(
                 max_new_tokens=call.max_new_tokens, eos_token_ids=call.eos, stop_strings=call.stop_strings,
                 tokenizer=self.tokenizer, stopping_criteria=list(stopping_criteria))))
-        with ranks.guard():  # a rank's failure reaches every rank (specdec/distributed/)
-            run = DecodeRun(self.target, self.candidate_generator, prompt, settings,
-                            tokenizer=self.tokenizer, draft_tokenizer=self.draft_tokenizer)
-            try:
-                with torch.no_grad():
-                    while run.step():
-                        pass
-            finally:
-                run.release()
-            output = run.finish(prompt.input_ids, started)
-            output.sequences, output.stats = ranks.finish(output.sequences, output.stats)
+        run = DecodeRun(self.target, self.candidate_generator, prompt, settings,
+                        tokenizer=self.tokenizer, draft_tokenizer=self.draft_tokenizer)
+        try:
+            with torch.no_grad():
+                while run.step():
+                    pass
+        finally:
+            run.release()
+        output = run.finish(prompt.input_ids, started)
+        output.sequences, output.stats = ranks.finish(output.sequences, output.stats)
         return output
+
+    def _fingerprint(self, prompt: Prompt, call: Resolved, processors, criteria, generator, stream_prompt: bool):
+        """The parts of a call every rank of a sharded target must be given alike
+        (``specdec/distributed/fingerprint.py``)."""
+        plugin = self.candidate_generator.name or type(self.candidate_generator).__name__
+        return call_fingerprint(
+            prompt.input_ids, prompt.mask(), call.max_new_tokens, call.sampling, call.eos, call.pad, call.stop_strings,
+            call.return_dict, call.output_scores, call.output_logits, stream_prompt, plugin, self.cache,
+            self.ranks.options, prompt.prefix is not None, model_inputs=prompt.spec.user_inputs, processors=processors,
+            criteria=criteria, generator=generator, sampled=bool(call.sampling.do_sample))
 
     def warmup(self, batch_size: int = 1, max_length: int = 1024) -> float:
         """Compile every forward a call can run (``compile=True``, or a generator whose draft
@@ -232,15 +257,21 @@ class SpecDecoder:
         ``generate(prefix_ids + question_ids, prefix=prefix)`` continues from it, any number of
         times. Only the target's cache is kept: assistants prefill the whole prompt, once, in their
         own first forward (with the prefix's image inputs)."""
-        if self.cache.static:
-            raise ValueError("prefill() needs the dynamic cache (cache_implementation='dynamic')")
-        prompt = self._prompt(input_ids, attention_mask, model_inputs, None)
-        prefill, positions = prompt.spec.for_model(self.target)
-        state = ModelState(self.target, prompt.rows, prompt.lengths, pad_token_id=pad_token_id(self.target),
-                           prefill_inputs=prefill, positions=positions)
-        with torch.no_grad():
-            state.forward(start=prompt.lengths - 1)
-        return Prefix(self.target, prompt.spec, state.offsets.clone(), state.cached_slots, state.cache, state.positions)
+        with self.calling() as coordinator:  # a sharded target's ranks agree on the prefix before its forward
+            if self.cache.static:
+                raise ValueError("prefill() needs the dynamic cache (cache_implementation='dynamic')")
+            prompt = self._prompt(input_ids, attention_mask, model_inputs, None)
+            if self.ranks is not None:
+                coordinator.given(call_fingerprint(prompt.input_ids, prompt.mask(), "prefill",
+                                                   model_inputs=prompt.spec.user_inputs))
+            coordinator.together(lambda: None)
+            prefill, positions = prompt.spec.for_model(self.target)
+            state = ModelState(self.target, prompt.rows, prompt.lengths, pad_token_id=pad_token_id(self.target),
+                               prefill_inputs=prefill, positions=positions)
+            with torch.no_grad():
+                state.forward(start=prompt.lengths - 1)
+            return Prefix(self.target, prompt.spec, state.offsets.clone(), state.cached_slots, state.cache,
+                          state.positions)
 
     def _prompt(self, input_ids, attention_mask, model_inputs: dict, prefix: Prefix | None) -> Prompt:
         """Validate a prompt against the target (before any forward) and strip its left padding;

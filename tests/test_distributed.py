@@ -18,9 +18,18 @@ launches (tensor, then pipeline parallelism) keep the file quick.
 * seeded sampling gives the same tokens on every rank, and (20,000 rows of a tiny 8-token model,
   prompt lookup and a draft model) the joint distribution of three generated tokens passes the
   chi-square test against the target's exact distribution (tests/test_sampling_lossless.py);
+* ranks stay in step whatever fails where (issue 47): a check that fails on one rank only (an id
+  outside the vocabulary in one rank's prompt, through both entry points and ``prefill``), a
+  logits processor raising on one rank (greedy, and the decider's under sampling), a streamer
+  raising: every rank raises one clear error, and the next call pairs with the other rank's same
+  call (a greedy call with ``repetition_penalty=5.0`` equals the single-process output); calls
+  that differ between ranks (their logits processors, stopping criteria, generator seeds,
+  prompts) are refused on every rank with an error naming what differs, and a generator reused
+  across sampled calls stays in step;
 * a failure reaches every rank as one clear error, quickly: the decider's drafter failing (every
   rank raises, and the next call works: the process group survives), then a failure on the other
-  rank inside the target's forward (both raise within seconds; the groups are aborted).
+  rank inside the target's forward (both raise within seconds; the groups are aborted, and a
+  later call raises a clear error on every rank instead of entering a collective).
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import os
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -41,6 +51,8 @@ PROMPT = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]]
 PADDED = [[257, 257, 5, 9, 7, 8, 5, 9, 7, 8], [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]]  # 257: <pad>
 TINY_PROMPT = [[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]]
 NEW = 24
+AGREE_NEW = 8  # new tokens of the agreement cases' calls (greedy: the first of the NEW-token references)
+OUTSIDE = 10**6  # an id outside the tiny target's vocabulary
 SAMPLING = {"pl": dict(temperature=0.8, top_k=6), "dm": dict(temperature=1.2, top_p=0.9)}
 GRAMMAR_REGEX = r"[a-z]{2,5}( [a-z]{2,5}){1,6}\."  # a grammar= case: words, then a full stop
 
@@ -104,6 +116,10 @@ def references(saved) -> dict:
         new = target.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
                               pad_token_id=257)
         out[name] = new[:, ids.shape[1]:].tolist()
+    ids = torch.tensor(PROMPT)
+    new = target.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=257,
+                          repetition_penalty=5.0)
+    out["penalized"] = new[:, ids.shape[1]:].tolist()
     import xgrammar
     from transformers import AutoTokenizer
 
@@ -224,6 +240,65 @@ def test_a_rank_failing_inside_the_forward_fails_every_rank_within_seconds(tenso
         assert rank["forward_failure_seconds"] < 30
 
 
+VOCAB_ERROR = "ValueError: input_ids hold ids outside the target's vocabulary"
+
+
+@pytest.mark.parametrize("case", ["vocab_one_rank", "vocab_custom", "vocab_prefill"])
+def test_a_check_failing_on_one_rank_fails_every_rank_with_its_error(tensor, case):
+    """rank 1's prompt holds an id outside the vocabulary, rank 0's does not (SpecDecoder.generate
+    under sampling, model.generate(custom_generate=...), prefill): both ranks raise, rank 0 naming
+    rank 1's error, instead of rank 0's call returning while rank 1's raised."""
+    decider, other = tensor
+    assert other[case].startswith(VOCAB_ERROR), other[case]
+    assert decider[case].startswith(f"RankFailedError: rank 1 failed during generate(): {VOCAB_ERROR}"), decider[case]
+
+
+@pytest.mark.parametrize("case, reference", [("after_vocab", "penalized"), ("after_vocab_custom", "one"),
+                                             ("after_vocab_prefill", "one"), ("after_failures", "one")])
+def test_after_a_failure_each_call_pairs_with_the_other_ranks_same_call(tensor, references, case, reference):
+    """The call after a one-rank failure (``after_vocab``: greedy with repetition_penalty=5.0, after a
+    sampled call without it) gives the single-process output on both ranks: the ranks stayed in step."""
+    assert references["penalized"] != references["one"]  # the penalty changes the output
+    for rank in tensor:
+        assert rank[case] == [references[reference][0][:AGREE_NEW]], f"rank {rank['rank']}: {rank[case]}"
+
+
+@pytest.mark.parametrize("case, part", [("differ_penalty", "logits processors"),
+                                        ("differ_processor", "logits processors"),
+                                        ("differ_criteria", "stopping criteria"), ("differ_seed", "generator state"),
+                                        ("differ_prompt", "prompt")])
+def test_calls_that_differ_between_ranks_are_refused_naming_what_differs(tensor, case, part):
+    for rank in tensor:
+        assert rank[case].startswith("RanksDivergedError: the ranks were given different calls"), rank[case]
+        assert f"their {part} differ" in rank[case], rank[case]
+
+
+def test_a_generator_reused_across_sampled_calls_stays_in_step(tensor):
+    decider, other = tensor
+    for case in ("same_generator_1", "same_generator_2"):
+        assert isinstance(decider[case], list) and decider[case] == other[case], (decider[case], other[case])
+    assert decider["same_generator_1"] != decider["same_generator_2"]  # the generator went on drawing
+    assert decider["generator_state"] == other["generator_state"]
+
+
+@pytest.mark.parametrize("case, failed, text", [
+    ("processor_failure", 1, "RuntimeError: processor broke on rank 1"),
+    ("decider_processor_failure", 0, "RuntimeError: processor broke on rank 0"),
+    ("streamer_failure", 0, "RuntimeError: streamer broke")])
+def test_user_code_failing_mid_call_on_one_rank_fails_every_rank_and_keeps_the_groups(tensor, case, failed, text):
+    """A logits processor or the streamer raising between messages on one rank: that rank raises its
+    error, the other names it, and the process groups stay usable (``after_failures`` decodes)."""
+    for rank in tensor:
+        named = f"RankFailedError: rank {failed} failed during generate(): {text}"
+        assert rank[case] == (text if rank["rank"] == failed else named), rank[case]
+
+
+def test_after_the_groups_were_aborted_a_call_raises_a_clear_error_on_every_rank(tensor):
+    for rank in tensor:
+        for case in ("after_abort", "after_abort_same"):
+            assert rank[case].startswith("DistributedDecodeError: the process groups of this rank are unusable"), \
+                rank[case]
+
 
 # -- one process: what needs no launch -------------------------------------------------------------
 def test_a_target_held_whole_needs_no_coordination_and_bad_options_are_refused():
@@ -299,7 +374,7 @@ def _worker(kind: str, folder: str, out: str) -> None:
     result["pl_one"], result["pl_padded"] = new(run(lookup, one), one), new(run(lookup, padded), padded)
     result["dm_one"], result["dm_padded"] = new(run(drafting, one), one), new(run(drafting, padded), padded)
     result["sampled"] = new(run(drafting, padded.repeat(2, 1), do_sample=True, temperature=0.9,
-                                generator=torch.Generator().manual_seed(rank)), padded.repeat(2, 1))
+                                generator=torch.Generator().manual_seed(0)), padded.repeat(2, 1))
     if kind == "tensor":
         replicated = SpecDecoder(target, draft, distributed={"draft_placement": "replicated"})
         result["dm_replicated"] = new(run(replicated, padded), padded)
@@ -312,6 +387,7 @@ def _worker(kind: str, folder: str, out: str) -> None:
             pad_token_id=257, custom_generate=specdec.generate, draft="prompt_lookup")[:, padded.shape[1]:].tolist()
         _one_rank_things(target, folder, result)
         _lossless(load, result)
+        _agreement(target, result)
         _failures(target, result)
     else:
         try:
@@ -385,9 +461,103 @@ def _lossless(load, result: dict) -> None:
         result[f"drafted_{name}"], result[f"accepted_{name}"] = output.stats.drafted_tokens, output.stats.accepted_tokens
 
 
+def _agreement(target, result: dict) -> None:
+    """Calls whose arguments, or failures, differ between the ranks, one after another: each
+    returns the same tokens on every rank or raises one clear error on every rank; the calls
+    after them check that each rank's call still pairs with the other rank's same call."""
+    import torch.distributed as dist
+    from transformers import LogitsProcessor, StoppingCriteria
+
+    import specdec
+    from specdec import SpecDecoder
+
+    rank = dist.get_rank()
+    decoder = SpecDecoder(target, "prompt_lookup", distributed={"timeout": 60})
+    one = torch.tensor(PROMPT)
+    outside = torch.tensor([[*PROMPT[0][:-1], OUTSIDE]]) if rank == 1 else one  # rank 1's prompt alone is wrong
+
+    def attempt(case, work):
+        try:
+            output = work()
+            sequences = output if isinstance(output, torch.Tensor) else output.sequences
+            result[case] = sequences[:, one.shape[1]:].tolist()
+        except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+            result[case] = f"{type(exc).__name__}: {exc}"
+
+    def call(ids=one, **kw):
+        return decoder.generate(ids, max_new_tokens=AGREE_NEW, eos_token_id=None, **kw)
+
+    def custom(ids=one, **kw):
+        return target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=AGREE_NEW, do_sample=False,
+                               eos_token_id=None, pad_token_id=257, custom_generate=specdec.generate,
+                               draft="prompt_lookup", decoder_options={"distributed": {"timeout": 60}}, **kw)
+
+    class Ban(LogitsProcessor):  # a user processor with a setting
+        def __init__(self, token):
+            self.token = token
+
+        def __call__(self, input_ids, scores):
+            return scores.index_fill(1, torch.tensor([self.token]), float("-inf"))
+
+    class BreaksOn(LogitsProcessor):  # raises on one rank, at its n-th call (its settings agree: the rank is read)
+        def __init__(self, on, n):
+            self.on, self.n, self.calls = on, n, 0
+
+        def __call__(self, input_ids, scores):
+            self.calls += 1
+            if dist.get_rank() == self.on and self.calls == self.n:
+                raise RuntimeError(f"processor broke on rank {self.on}")
+            return scores
+
+    class StopAt(StoppingCriteria):
+        def __init__(self, length):
+            self.length = length
+
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length)
+
+    class BreakingStreamer:  # fed on the decider only
+        def __init__(self):
+            self.puts = 0
+
+        def put(self, value):
+            self.puts += 1
+            if self.puts == 3:
+                raise RuntimeError("streamer broke")
+
+        def end(self):
+            pass
+
+    seeded = lambda seed: torch.Generator().manual_seed(seed)  # noqa: E731
+    # a check only rank 1 fails (under sampling: the issue's case), then a call that must pair rightly
+    attempt("vocab_one_rank", lambda: call(outside, do_sample=True, generator=seeded(0)))
+    attempt("after_vocab", lambda: call(repetition_penalty=5.0))
+    attempt("vocab_custom", lambda: custom(outside))
+    attempt("after_vocab_custom", lambda: custom())
+    attempt("vocab_prefill", lambda: decoder.prefill(outside))
+    attempt("after_vocab_prefill", lambda: call())
+    # calls that differ between the ranks: refused on every rank, naming what differs
+    attempt("differ_penalty", lambda: call(repetition_penalty=5.0 if rank else 1.5))
+    attempt("differ_processor", lambda: call(logits_processor=[Ban(5 if rank else 7)]))
+    attempt("differ_criteria", lambda: call(stopping_criteria=[StopAt(14 if rank else 16)]))
+    attempt("differ_seed", lambda: call(do_sample=True, generator=seeded(rank)))
+    attempt("differ_prompt", lambda: call(one + rank))
+    # one generator over two sampled calls: every rank's ends where the decider's does
+    generator = seeded(3)
+    attempt("same_generator_1", lambda: call(do_sample=True, generator=generator))
+    attempt("same_generator_2", lambda: call(do_sample=True, generator=generator))
+    result["generator_state"] = zlib.crc32(generator.get_state().numpy().tobytes())
+    # failures mid-call, on one rank: every rank raises, the next call works
+    attempt("processor_failure", lambda: call(logits_processor=[BreaksOn(1, 3)]))
+    attempt("decider_processor_failure", lambda: call(logits_processor=[BreaksOn(0, 2)], do_sample=True,
+                                                        generator=seeded(0)))
+    attempt("streamer_failure", lambda: call(streamer=BreakingStreamer()))
+    attempt("after_failures", lambda: call())
+
+
 def _failures(target, result: dict) -> None:
     """The decider's drafter fails at its third step; then rank 1 fails inside a forward (last:
-    that aborts the process groups)."""
+    that aborts the process groups); then a call by a new decoder and by the same one."""
     import torch.distributed as dist
 
     from specdec import SpecDecoder
@@ -420,6 +590,15 @@ def _failures(target, result: dict) -> None:
         if handle is None:  # the process group survived: the next call decodes
             result["after_failure"] = SpecDecoder(target, "prompt_lookup").generate(
                 ids, max_new_tokens=NEW, eos_token_id=None).sequences[:, ids.shape[1]:].tolist()
+        else:
+            handle.remove()
+    later = {"after_abort": lambda: SpecDecoder(target, "prompt_lookup"), "after_abort_same": lambda: decoder}
+    for case, make in later.items():
+        try:  # the groups are aborted: a later call, by a new decoder or the same, says so; it enters no collective
+            make().generate(ids, max_new_tokens=NEW, eos_token_id=None)
+            result[case] = "no error"
+        except Exception as exc:  # noqa: BLE001
+            result[case] = f"{type(exc).__name__}: {exc}"
 
 
 def _breaker(rank: int):

@@ -1,13 +1,28 @@
 """One call's decisions, shared: the run meets its coordinator at a few points of a step.
 
 :data:`SOLO` takes every decision in place (a target held whole by this process). A
-:class:`RankCall` makes the decider's decisions every rank's: the generator's setup agreed
-(:meth:`~RankCall.together`), the drafts each forward verifies (:meth:`~RankCall.drafts`), the
-sampled verdict (:meth:`~RankCall.verdict`), a user criterion's cut (:class:`SharedStopper`), the
-output and statistics at the end (:meth:`~RankCall.finish`); :meth:`~RankCall.guard` turns a
-failure on one rank into one error on every rank. Each message is one all-reduce of an int32
+:class:`RankCall` makes the decider's decisions every rank's: the call agreed and the generator's
+setup with it (:meth:`~RankCall.together`), the drafts each forward verifies
+(:meth:`~RankCall.drafts`), the verdict (:meth:`~RankCall.verdict`: the decider's under sampling;
+with logits processors, agreed), a user criterion's cut (:class:`SharedStopper`), the output and
+statistics at the end (:meth:`~RankCall.finish`). Each message is one all-reduce of an int32
 vector: ``world`` slots (each rank's digest, or -1: failed), then the decider's payload (see the
 package docstring).
+
+Ranks stay in step from one call to the next: every rank's call sends the same messages, in the
+same order, whatever fails where.
+
+* :func:`coordinated` opens the call before its arguments are checked, so a check that fails on
+  one rank only (an id outside the vocabulary in one rank's prompt) is that rank's slot in the
+  call's first message (:meth:`~RankCall.guard`), not a call the other ranks wait in; the first
+  message also compares the calls' fingerprints (``fingerprint.py``) and names what differs.
+* User code that runs on one rank, or on every rank between messages (logits processors, the
+  streamer, the generator's ``observe`` / ``select_rows`` / ``report``), runs :class:`Deferred`:
+  its error is held (:meth:`~RankCall.hold`) and that rank sends -1 at the next message, whose
+  shape does not depend on what failed; the rank skips its decisions until then.
+* Only an error where no message comes next in step (inside the target's forward, whose
+  collectives the other ranks wait in) aborts the process groups; a later call then raises
+  :func:`~specdec.distributed.ranks.check_usable`'s error.
 """
 
 from __future__ import annotations
@@ -21,8 +36,9 @@ import torch
 
 from ..generators import CandidateGenerator, DraftingInfo, Proposal, declared_drafting
 from ..verify import Verdict
+from .fingerprint import Fingerprint, digest
 from .ranks import (DECIDER, INLINE_DRAFTS, DistributedDecodeError, RankFailedError, Ranks, RanksDivergedError,
-                    abort_process_groups, digest, sharding)
+                    abort_process_groups, broken, check_usable, mark_broken, sharding)
 
 #: a process-wide count of distributed calls: every rank makes the same calls, so it names a call
 #: the same way on every rank (the store keys of its errors)
@@ -53,17 +69,34 @@ class Solo:
     def streamer(self, streamer):
         return streamer
 
+    def processors(self, processors):
+        return processors
+
+    def fail(self, error: BaseException) -> None:
+        """This process failed where the run can still go on to its next decision point: raise now."""
+        raise error
+
     def check_assistant(self, model, mirrors: bool) -> None:
         pass
-
-    def guard(self):
-        return contextlib.nullcontext()
 
     def finish(self, sequences: torch.Tensor, stats):
         return sequences, stats
 
 
 SOLO = Solo()
+
+
+@contextlib.contextmanager
+def coordinated(ranks: Ranks | None):
+    """The coordinator of one call, around all of it, its argument checks first: :data:`SOLO`
+    for a target held whole (``ranks`` None), else a :class:`RankCall` whose guard turns a
+    failure on any rank, anywhere inside, into one error on every rank."""
+    if ranks is None:
+        yield SOLO
+        return
+    call = RankCall(ranks)
+    with call.guard():
+        yield call
 
 
 class Relay(CandidateGenerator):
@@ -100,6 +133,85 @@ def _agreed(exc: BaseException) -> BaseException:
     return exc
 
 
+def _nothing(*args, **kwargs) -> None:
+    return None
+
+
+def _unprocessed(scores: torch.Tensor, pos) -> torch.Tensor:
+    return scores
+
+
+class Deferred:
+    """``target`` (a streamer, the call's processors) whose methods in ``fallbacks`` never raise
+    here: the first error one raises is held by ``call`` for its next message; then, and once
+    the rank has failed, they return ``fallbacks[name](*args)`` instead (processors: the scores
+    unprocessed; a streamer: nothing)."""
+
+    def __init__(self, target, call: "RankCall", fallbacks: dict[str, Callable]):
+        self._target, self._call, self._fallbacks = target, call, fallbacks
+
+    def __bool__(self) -> bool:
+        return bool(self._target)
+
+    def __getattr__(self, name):
+        if name in ("_target", "_call", "_fallbacks"):  # not set yet (a copy being built): no recursion
+            raise AttributeError(name)
+        value = getattr(self._target, name)
+        if name not in self._fallbacks:
+            return value
+        fallback = self._fallbacks[name]
+
+        def deferred(*args, **kwargs):
+            if self._call.failed:
+                return fallback(*args, **kwargs)
+            try:
+                return value(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - every rank raises it at the next message
+                self._call.hold(exc)
+                return fallback(*args, **kwargs)
+
+        return deferred
+
+
+class DeferringSession(CandidateGenerator):
+    """The generator's session on a rank that runs it: ``setup`` and ``propose`` run inside the
+    call's messages (:meth:`RankCall.together`, :meth:`RankCall.drafts`); the hooks between
+    messages (``observe``, ``select_rows``, ``report``) run :class:`Deferred`-like."""
+
+    name = "deferring"
+
+    def __init__(self, session: CandidateGenerator, plugin: str, call: "RankCall"):
+        self.inner, self.call = session, call
+        self.info = declared_drafting(session, plugin)
+
+    def __getattr__(self, name):
+        if name == "inner":  # not set yet (a copy being built): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def session(self) -> "DeferringSession":
+        return self
+
+    def drafting(self) -> DraftingInfo:
+        return self.info
+
+    def setup(self, ctx) -> None:
+        self.inner.setup(ctx)
+
+    def propose(self, ctx, max_drafts):
+        return self.inner.propose(ctx, max_drafts)
+
+    def observe(self, ctx, feedback) -> None:
+        self.call.defer(lambda: self.inner.observe(ctx, feedback))
+
+    def select_rows(self, rows) -> None:
+        self.call.defer(lambda: self.inner.select_rows(rows))
+
+    def report(self) -> dict:
+        report = self.call.defer(self.inner.report)
+        return {} if report is None else report
+
+
 def _pack(offered: torch.Tensor, token_ids: torch.Tensor, inline: int, limit: int) -> torch.Tensor:
     """offered [B], token_ids [B, K] -> int32 [B + B * inline]: the counts, then each row's first
     ``inline`` ids (zero-padded)."""
@@ -116,26 +228,68 @@ class RankCall:
     """One distributed ``generate()`` call: the decisions its ranks share, what its messages cost,
     and its failures (see the package docstring)."""
 
-    def __init__(self, ranks: Ranks, fingerprint: int):
-        """The coordinator of one ``generate()`` call whose arguments digest to ``fingerprint``."""
-        self.ranks, self.id, self.fingerprint = ranks, next(_CALLS), fingerprint
+    def __init__(self, ranks: Ranks):
+        """The coordinator of one call, made before its arguments are checked (:func:`coordinated`);
+        :meth:`given` tells it the call's fingerprint before its first message."""
+        check_usable()
+        self.ranks, self.id = ranks, next(_CALLS)
         self.decides = ranks.decides
         self.replicated = ranks.options.draft_placement == "replicated"
+        self.fingerprint: Fingerprint | None = None
+        self.generator: torch.Generator | None = None  # under sampling: every rank's ends as the decider's
+        self.processed = False  # the call has logits processors: its greedy verdicts are agreed too
+        self.pending: BaseException | None = None  # this rank's error, held for the next message
         self.messages, self.bytes, self.seconds, self.steps = 0, 0, 0.0, 0
+
+    def given(self, fingerprint: Fingerprint, generator: torch.Generator | None = None) -> None:
+        """The call's arguments (compared at the first message) and, under sampling, its generator."""
+        self.fingerprint, self.generator = fingerprint, generator
+
+    # -- errors held until the next message -----------------------------------------------------------
+    @property
+    def failed(self) -> bool:
+        """Whether this rank holds an error for the next message (it skips its decisions until then)."""
+        return self.pending is not None
+
+    def hold(self, error: BaseException) -> None:
+        """Keep this rank's first error for the next message."""
+        if self.pending is None:
+            self.pending = error
+
+    def fail(self, error: BaseException) -> None:
+        """This rank failed where the run can still go on to its next message (an error every rank
+        raises alike, after the verdict, say): held, and raised there on every rank. The run goes
+        on until then, its decisions skipped (:attr:`failed`)."""
+        self.hold(error)
+
+    def defer(self, work: Callable):
+        """work(), or None with its error held (nothing runs once the rank has failed)."""
+        if self.failed:
+            return None
+        result, error = _attempt(work)
+        if error is not None:
+            self.hold(error)
+        return result
 
     # -- the run's decision points ------------------------------------------------------------------
     def session(self, generator: CandidateGenerator) -> CandidateGenerator:
-        """The generator's session on this rank: a :class:`Relay` where it does not draft."""
+        """The generator's session on this rank: a :class:`Relay` where it does not draft, else the
+        session with its hooks between messages deferred."""
         session = generator.session()
+        plugin = generator.name or type(generator).__name__
         if self.decides or self.replicated:
-            return session
-        return Relay(session, generator.name or type(generator).__name__)
+            return DeferringSession(session, plugin, self)
+        return Relay(session, plugin)
 
     def together(self, work: Callable[[], None]) -> None:
         """Run ``work`` (the generator's setup) here, then agree that it went well on every rank
-        and that every rank was given the same call."""
-        _, error = _attempt(work)
-        self._exchange(None, 0, error, self.fingerprint, what="the call's arguments")
+        and that every rank was given the same call (naming what differs where it was not)."""
+        _, error = _attempt(work) if not self.failed else (None, None)
+        value = self.fingerprint.value if self.fingerprint is not None else 0
+        try:
+            self._exchange(None, 0, error, value, what="the call's arguments")
+        except RanksDivergedError:
+            raise self._differing() from None
 
     def drafts(self, draft: Callable, room: torch.Tensor, max_drafts: int | None, state):
         """The decider's ``draft()`` (the run's propose and admit: (proposal, time drafted, (made,
@@ -152,7 +306,7 @@ class RankCall:
             return made, _pack(offered, proposal.token_ids, inline, limit) if self.decides else None
 
         mine = payload = error = None
-        if self.decides or self.replicated:
+        if (self.decides or self.replicated) and not self.failed:
             result, error = _attempt(decide)
             mine, payload = result if result is not None else (None, None)
         got = self._exchange(payload, batch * (1 + inline), error, self._state_digest(state))
@@ -169,13 +323,18 @@ class RankCall:
         return Proposal(ids, offered), time.perf_counter(), (offered, offered, offered)
 
     def verdict(self, verify: Callable[[], Verdict], sampled: bool, like: torch.Tensor) -> Verdict:
-        """The decider's verdict on every rank. Greedy verification runs on every rank (they hold
-        the same logits; the next message compares the tokens they commit); under sampling one
-        message carries the accepted counts and the target's tokens. ``like``: the drafts [B, k]."""
-        if not sampled:
+        """The verdict on every rank. Greedy verification runs on every rank (they hold the same
+        logits: the next message compares the tokens they commit); with logits processors (user
+        code, run on every rank) one message then agrees it went well everywhere. Under sampling
+        one message carries the decider's accepted counts and target tokens. ``like``: the drafts [B, k]."""
+        if not sampled and not self.processed:
             return verify()
         batch = like.shape[0]
-        mine, error = _attempt(verify) if self.decides else (None, None)
+        runs = (self.decides or not sampled) and not self.failed
+        mine, error = _attempt(verify) if runs else (None, None)
+        if not sampled:
+            self._exchange(None, 0, error, 0)
+            return mine
         payload = None if mine is None else torch.cat([mine.accepted, mine.next_token]).cpu().to(torch.int32)
         got = self._exchange(payload, 2 * batch, error, 0).long().to(like.device)
         return mine if self.decides else Verdict(got[:batch], got[batch:])
@@ -183,7 +342,7 @@ class RankCall:
     def cut(self, cut: Callable, batch: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """The decider's stopping decision (keep [B], finished [B]) on every rank: user stopping
         criteria may read a clock."""
-        mine, error = _attempt(cut) if self.decides else (None, None)
+        mine, error = _attempt(cut) if self.decides and not self.failed else (None, None)
         payload = None if mine is None else torch.cat([mine[0], mine[1].long()]).cpu().to(torch.int32)
         got = self._exchange(payload, 2 * batch, error, 0).long().to(device)
         return mine if self.decides else (got[:batch], got[batch:].bool())
@@ -194,8 +353,15 @@ class RankCall:
         return SharedStopper(stopper, self) if users else stopper
 
     def streamer(self, streamer):
-        """The streamer fed on this rank: the decider's only."""
-        return streamer if self.decides else None
+        """The streamer fed on this rank: the decider's only, its errors held for the next message."""
+        if not self.decides or streamer is None:
+            return None
+        return Deferred(streamer, self, {"put": _nothing, "end": _nothing})
+
+    def processors(self, processors):
+        """The call's processors (a BlockProcessors, or None), their errors held for the next message."""
+        self.processed = processors is not None
+        return None if processors is None else Deferred(processors, self, {"apply": _unprocessed})
 
     def check_assistant(self, model, mirrors: bool) -> None:
         if sharding(model):
@@ -209,40 +375,53 @@ class RankCall:
     # -- the end of the call ------------------------------------------------------------------------
     def finish(self, sequences: torch.Tensor, stats):
         """Every rank returns its sequences (checked equal) and the decider's statistics, with what
-        this rank's messages cost in ``stats.coordination``."""
+        this rank's messages cost in ``stats.coordination``; under sampling every rank's generator
+        ends in the decider's state (as if it had drawn the call's numbers itself)."""
         import torch.distributed as dist
 
         stats.coordination = {"messages": self.messages, "bytes": self.bytes, "seconds": self.seconds,
                               "steps": self.steps}
+        error, self.pending = self.pending, None
+        state = self.generator.get_state() if self.decides and self.generator is not None else None
+        mine = (digest(sequences), stats if self.decides else None, state, _text(error) if error else None)
         gathered: list = [None] * self.ranks.world
         try:
-            dist.all_gather_object(gathered, (digest(sequences), stats if self.decides else None),
-                                   group=self.ranks.group)
+            dist.all_gather_object(gathered, mine, group=self.ranks.group)
         except Exception as exc:  # noqa: BLE001
-            raise self._lost(exc) from exc
+            raise (error if error is not None else self._lost(exc)) from exc
+        if error is not None:
+            raise _agreed(error)
+        failed = [(r, g[3]) for r, g in enumerate(gathered) if g[3] is not None]
+        if failed:
+            lines = [f"rank {r} failed during generate(): {text}" for r, text in failed]
+            raise _agreed(RankFailedError("\n".join(lines)))
         digests = [g[0] for g in gathered]
         if len(set(digests)) > 1:
             raise _agreed(RanksDivergedError(f"the ranks' outputs differ (digests {digests})"))
+        if self.generator is not None and not self.decides:
+            self.generator.set_state(gathered[DECIDER][2])
         return sequences, gathered[DECIDER][1]
 
     @contextlib.contextmanager
     def guard(self):
-        """Around a call's run: an error raised on this rank outside a message reaches every rank."""
+        """Around a call, its argument checks included: an error raised on this rank outside a
+        message reaches every rank."""
         try:
             yield
         except BaseException as exc:
             if getattr(exc, "__specdec_agreed__", False):
                 raise
-            if self.messages == 0:  # before the first message: every rank meets at together()'s
+            if self.messages == 0 and not broken():  # before the first message: every rank meets at together()'s
                 try:
-                    self._exchange(None, 0, exc, self.fingerprint)
+                    self._exchange(None, 0, exc, 0)
                 except BaseException as settled:
                     if getattr(settled, "__specdec_agreed__", False):
                         raise  # every rank knows (this error, or another rank's)
+            # no message comes next in step (a forward's collective failed or was left): the groups go
             others = self._peer_errors(wait=2.0 if _is_communication_error(exc) else 0.0)
             if not others:
                 self._publish(exc)
-            abort_process_groups()
+            abort_process_groups(f"call {self.id} failed on rank {self.ranks.rank}: {_text(exc)[:300]}")
             if others:
                 raise RankFailedError(others) from exc
             raise
@@ -251,10 +430,12 @@ class RankCall:
     def _exchange(self, payload: torch.Tensor | None, size: int, error: BaseException | None, digest: int,
                   what: str = "the committed tokens") -> torch.Tensor:
         """One message: every rank's digest (or -1: failed) and the decider's ``payload`` [size]
-        (int32) -> the payload on every rank; raises on every rank if any rank failed or the
-        digests differ."""
+        (int32) -> the payload on every rank; raises on every rank if any rank failed (this
+        rank's held error first) or the digests differ."""
         import torch.distributed as dist
 
+        if self.pending is not None:  # failed since the last message: that error is this rank's
+            error, self.pending = self.pending, None
         ranks = self.ranks
         message = torch.zeros(ranks.world + size, dtype=torch.int32)
         message[ranks.rank] = -1 if error is not None else digest
@@ -281,6 +462,22 @@ class RankCall:
                 "calls with the same arguments, and its models must compute alike"))
         return message[ranks.world:]
 
+    def _differing(self) -> DistributedDecodeError:
+        """The first message's digests differ: every rank sends its fingerprint's parts, and
+        raises one error naming those that differ."""
+        import torch.distributed as dist
+
+        gathered: list = [None] * self.ranks.world
+        try:
+            dist.all_gather_object(gathered, self.fingerprint, group=self.ranks.group)
+        except Exception as lost:  # noqa: BLE001
+            return self._lost(lost)
+        parts = self.fingerprint.differing([g for g in gathered if g is not None]) if self.fingerprint else []
+        return _agreed(RanksDivergedError(
+            f"the ranks were given different calls: their {', '.join(parts) or 'arguments'} differ. Every rank "
+            "must make the same calls with the same arguments, in the same order (a seeded generator under "
+            "sampling: the same seed on every rank)"))
+
     def _state_digest(self, state) -> int:
         """A digest of the committed tokens of ``state`` (a ModelState)."""
         return digest(state.lengths, state.tokens[:, : int(state.lengths.max()) if state.lengths.numel() else 0])
@@ -289,9 +486,8 @@ class RankCall:
         return f"specdec/call{self.id}/failed/rank{rank}"
 
     def _publish(self, error: BaseException) -> None:
-        text = f"{type(error).__name__}: {error}"[:2000]
         try:
-            self.ranks.store.set(self._key(self.ranks.rank), text)
+            self.ranks.store.set(self._key(self.ranks.rank), _text(error)[:2000])
         except Exception:  # noqa: BLE001 - the store is gone: the others learn it from the collective
             pass
 
@@ -321,13 +517,19 @@ class RankCall:
             time.sleep(0.05)
 
     def _lost(self, exc: BaseException) -> DistributedDecodeError:
-        """What a rank whose collective failed raises: another rank's error where it published one."""
+        """What a rank whose collective failed raises: another rank's error where it published one.
+        The groups are unusable from then on (:func:`~specdec.distributed.ranks.check_usable`)."""
         others = self._peer_errors(wait=2.0)
+        mark_broken(f"call {self.id}: rank {self.ranks.rank} lost the other ranks ({type(exc).__name__})")
         if others:
             return RankFailedError(others)
         return DistributedDecodeError(
             f"rank {self.ranks.rank} lost the other ranks during generate() ({type(exc).__name__}: {exc}); a rank "
             f"stopped without an error, or took longer than the timeout ({self.ranks.options.timeout:g} s)")
+
+
+def _text(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
 
 
 def _is_communication_error(exc: BaseException) -> bool:

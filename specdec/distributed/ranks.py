@@ -5,13 +5,14 @@ weights; pipeline parallelism: a stage holding only its layers, ``PipelineIdenti
 elsewhere) from one held whole. :class:`Ranks` is one decoder's place among the ranks that hold
 its target: the gloo group of its messages (:func:`control_group`, bounded by
 ``DistributedOptions.timeout``), the process group's store (where a failing rank leaves its
-error), and which rank decides. :func:`new_dynamic_cache` gives a pipeline stage a cache whose
+error), and which rank decides. Groups a failure aborted, or whose peer was lost, are recorded
+(:func:`mark_broken`): later calls raise :func:`check_usable`'s error instead of entering a
+collective that would abort the process. :func:`new_dynamic_cache` gives a pipeline stage a cache whose
 masks are sized from a layer the stage holds. The protocol itself: ``call.py``.
 """
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -22,6 +23,7 @@ PLACEMENTS = ("one_rank", "replicated")
 INLINE_DRAFTS = 16
 DECIDER = 0
 _GROUPS: dict[float, object] = {}  # control groups by timeout (one new_group per timeout per process)
+_BROKEN: list[str] = []  # why this process's groups can carry no more collectives (empty: they can)
 
 
 class DistributedDecodeError(RuntimeError):
@@ -110,21 +112,6 @@ def new_dynamic_cache(layout: tuple[bool, ...] | None = None, reach: int = 0):
     return cache
 
 
-def call_fingerprint(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, *settings) -> int:
-    """A digest of one call's arguments (the prompt and the settings that decide its course)."""
-    prompt = digest(input_ids.shape, input_ids, attention_mask)
-    return zlib.crc32(repr(settings).encode(), prompt) & 0x7FFFFFFF
-
-
-def digest(*parts) -> int:
-    """A crc32 of tensors (their bytes) and other values (their repr), in [0, 2**31)."""
-    value = 0
-    for part in parts:
-        data = part.detach().cpu().contiguous().numpy().tobytes() if isinstance(part, torch.Tensor) else repr(part).encode()
-        value = zlib.crc32(data, value)
-    return value & 0x7FFFFFFF  # >= 0: -1 marks a failed rank
-
-
 # -- many processes ---------------------------------------------------------------------------------
 def control_group(timeout: float):
     """The gloo group the coordinator's messages travel on (one per timeout for the process; made
@@ -160,6 +147,7 @@ class Ranks:
             return None
         import torch.distributed as dist
 
+        check_usable()  # aborted groups: say so (the process group then no longer counts as initialized)
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("the target is sharded but torch.distributed is not initialized")
         return cls(target, options, kinds)
@@ -176,11 +164,12 @@ class Ranks:
                              "(docs/distributed.md)")
 
 
-def abort_process_groups() -> None:
+def abort_process_groups(reason: str = "aborted") -> None:
     """Abort every process group of this process, so that other ranks waiting in a collective
-    with it fail at once instead of waiting for a timeout."""
+    with it fail at once instead of waiting for a timeout; ``reason`` says why to later calls."""
     import torch.distributed as dist
 
+    mark_broken(reason)
     if not dist.is_initialized():
         return
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
@@ -189,3 +178,25 @@ def abort_process_groups() -> None:
     except Exception:  # noqa: BLE001 - already broken: nothing more to tell the others
         pass
     _GROUPS.clear()
+
+
+def mark_broken(reason: str) -> None:
+    """Record that this process's groups can carry no more collectives (aborted, or a peer lost):
+    a later call raises :func:`check_usable`'s error instead of entering a collective that would
+    abort the process or wait for ever."""
+    if not _BROKEN:
+        _BROKEN.append(reason)
+
+
+def broken() -> str | None:
+    """Why this process's groups are unusable, or None while they are usable."""
+    return _BROKEN[0] if _BROKEN else None
+
+
+def check_usable() -> None:
+    """Raise a clear error where an earlier call left this process's groups unusable."""
+    if _BROKEN:
+        raise DistributedDecodeError(
+            f"the process groups of this rank are unusable since an earlier generate() failed ({_BROKEN[0]}); "
+            "a failure inside the target's forward ends the launch: start the processes again "
+            "(docs/distributed.md, Failures)")
