@@ -167,6 +167,9 @@ class GrammarConstraint(LogitsProcessor):
     def __init__(self, compiled, prompt_width: int | None = None):
         xgr = xgrammar()
         self.compiled = list(compiled) if isinstance(compiled, (list, tuple)) else [compiled]
+        if not self.compiled:
+            raise ValueError("grammar= got an empty list: pass one grammar for every row, or a list of one per "
+                             "row of the batch")
         self.vocab = self.compiled[0].tokenizer_info.vocab_size
         self.width = prompt_width  # the prompt's columns as given (set at the first call when None)
         self.rows: dict[int, _RowState] = {}
@@ -176,6 +179,13 @@ class GrammarConstraint(LogitsProcessor):
     def from_hf(cls, processor, prompt_width: int | None = None) -> "GrammarConstraint":
         """The same constraint as an ``xgrammar.contrib.hf.LogitsProcessor``, for a fresh call."""
         return cls(processor.compiled_grammars, prompt_width)
+
+    def check_batch(self, batch: int) -> None:
+        """Before any forward: one grammar for every row, or exactly one per row of a ``batch``-row
+        prompt (xgrammar's processor takes the same)."""
+        if len(self.compiled) > 1 and len(self.compiled) != batch:
+            raise ValueError(f"{len(self.compiled)} grammars for a batch of {batch} rows: pass one grammar for every "
+                             f"row, or a list of exactly one per row")
 
     def row(self, index: int) -> "_RowState":
         if index not in self.rows:
@@ -311,6 +321,15 @@ class _RowState:
             self.history.append(token)
             self.accepted += 1
         return out, taken
+
+
+def no_allowed_token(row: int, new_token: int) -> ValueError:
+    """The error of a position where the grammar and the other logits processors together allow
+    no token (``generate()`` would take token 0 there and go on outside the grammar)."""
+    return ValueError(f"no token is allowed at new token {new_token} of row {row}: the grammar allows only tokens "
+                      f"that the other logits processors forbid there (suppress_tokens, bad_words_ids, a min length "
+                      f"that forbids the end of sequence, ...), so no output can follow the grammar; relax them or "
+                      f"the grammar")
 
 
 def only_token(words: torch.Tensor, vocab: int) -> int | None:

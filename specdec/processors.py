@@ -29,6 +29,9 @@ below gives exactly the scores ``generate()`` computes:
   :class:`~specdec.grammar.GrammarConstraint`, whose matchers follow each position's ids
   (specdec/grammar.py).
 
+A processor may return its scores in another dtype (float16, bfloat16, float64), as ``generate()``
+allows: the later processors, the verification and the returned scores then take that dtype.
+
 Two processors remember earlier calls and cannot be replayed at a speculative position:
 classifier-free guidance (``guidance_scale``) and SynthID watermarking; they are refused by name.
 What the processing costs per step: docs/generation.md.
@@ -205,9 +208,12 @@ def _by_length(processor, scores: torch.Tensor, pos: Positions, aligned: bool = 
             full_ids[index] = ids
             full_scores = rows_scores[:1].expand(pos.batch, -1).clone()
             full_scores[index] = rows_scores
-            out[b, j] = processor(full_ids, full_scores)[index]
+            processed = processor(full_ids, full_scores)[index]
         else:
-            out[b, j] = processor(ids, rows_scores)
+            processed = processor(ids, rows_scores)
+        if processed.dtype != out.dtype:  # generate() goes on in the dtype a processor returns (float16, ...)
+            out = out.to(processed.dtype)
+        out[b, j] = processed
     return out
 
 
@@ -254,6 +260,8 @@ class BlockProcessors:
             raise ValueError("one grammar per call: the logits processors hold "
                              f"{len(grammars)} grammar constraints")
         self.grammar: GrammarConstraint | None = grammars[0] if grammars else None
+        if self.grammar is not None:
+            self.grammar.check_batch(prompt_ids.shape[0])
         self.prompt_ids = prompt_ids  # [B0, P] as given
         self.seconds = 0.0
 

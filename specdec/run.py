@@ -16,7 +16,8 @@ One :meth:`DecodeRun.step`, the algorithm::
     forward   target.append(drafts [B, k]); target.forward() -> logits [B, k+1, V]  (first step: prefill too)
     verify    processors.apply -> scores [B, k+1, V] (generate()'s at each position, specdec/processors.py);
               greedy_verify | speculative_sample             -> accepted [B], next_token [B]
-    commit    block [B, k+1] = accepted drafts + next token;  stopper.cut -> kept [B], finished [B];
+    commit    block [B, k+1] = accepted drafts + next token;  stopper.cut -> keep [B], stopped [B];
+              stopper.settle -> kept [B], finished [B] (generate()'s padding rule, specdec/stopping.py);
               target.commit: one realign of the target's cache
     observe   StepRecord -> statistics, streamer, followers.sync, session.observe, policy.observe;
               finished rows leave every state, the session and the policy
@@ -38,7 +39,7 @@ from .compiled import compile_seconds
 from .forwards.packed import PackedLinears
 from .device import synchronize
 from .generators import CandidateGenerator, DecodeContext, Proposal, StepRecord, declared_drafting
-from .grammar import with_grammar_drafts
+from .grammar import no_allowed_token, with_grammar_drafts
 from .kv import CacheSettings, static_problem
 from .metrics import AcceptanceStats
 from .modelinfo import kv_layout, vocab_size
@@ -102,6 +103,7 @@ class DecodeRun:
         self.prompt_lengths = prompt.lengths.clone()
         self.row_ids = torch.arange(prompt.rows.shape[0], device=prompt.rows.device)  # original row of each row
         self.outputs: list[torch.Tensor | None] = [None] * prompt.rows.shape[0]
+        self.stopper.begin(prompt.input_ids, settings.pad, self.outputs, settings.output_scores)
         self.recorder = ScoreRecorder(prompt.rows.shape[0], settings.output_scores, settings.output_logits)
 
     @property
@@ -163,7 +165,9 @@ class DecodeRun:
     def step(self) -> bool:
         """Plan, propose, admit, forward, verify, commit, observe; return whether any row is still decoding."""
         started, target, compiled_before = time.perf_counter(), self.target, compile_seconds()
-        room = self.settings.max_new_tokens - (target.lengths - self.prompt_lengths) - 1  # [B] drafts a row may take
+        # every row stopped, some unpadded and short of the last one's stop (specdec/stopping.py): up to it
+        budget = self.stopper.length() or self.settings.max_new_tokens
+        room = budget - (target.lengths - self.prompt_lengths) - 1  # [B] drafts a row may take
         room = torch.minimum(room, target.position_room().clamp_min(0))  # and no draft past learned positions
         pending, context = target.pending_width(), target.cached_slots  # context: slots attended besides those fed
         first = target.is_first_iteration
@@ -177,9 +181,12 @@ class DecodeRun:
         logits = self._forward(draft_ids, offered, committed)  # [B, k+1, V]
         forwarded = time.perf_counter()
         scores = self._scores(logits, draft_ids, offered, committed)  # [B, k+1, V] as generate() processes them
-        verdict = self.ranks.verdict(lambda: self._verify(scores, draft_ids, offered, proposal),
+        verifiable, dead = self._dead_ends(scores, offered)  # a grammar's position where nothing is allowed
+        verdict = self.ranks.verdict(lambda: self._verify(scores, draft_ids, verifiable, proposal, dead),
                                      self.settings.sampling.do_sample, draft_ids)
-        block, kept, finished = self._commit(logits, draft_ids, verdict, committed)  # [B, k+1], [B], [B]
+        block, kept, finished = self._commit(scores, draft_ids, verdict, committed)  # [B, k+1], [B], [B]
+        if dead is not None:
+            self._refuse_dead_end(dead, kept, committed)
         if self.recorder:
             self.recorder.record(self.row_ids, kept, scores, logits)
         record = StepRecord(
@@ -290,7 +297,7 @@ class DecodeRun:
         position (the processors given the committed tokens and the drafts before it); the logits
         themselves when the call has no processors."""
         if self.processors is None:
-            return logits
+            return logits.float()  # generate()'s scores: the float32 logits (no copy when they are float32)
         target = self.target
         pos = self.processors.positions(target.tokens, committed, self.prompt_lengths, self.row_ids, draft_ids,
                                         offered + 1)
@@ -306,29 +313,66 @@ class DecodeRun:
         i = drafts.shape[1]
         pos = self.processors.positions(target.tokens, target.lengths, self.prompt_lengths, self.row_ids,
                                         drafts.to(target.device), torch.full_like(target.lengths, i + 1), first=i)
-        return self.processors.apply(full[:, None], pos)[:, 0, :width]
+        scores = self.processors.apply(full[:, None], pos)[:, 0, :width].float()
+        # a position where the processors allow nothing (a grammar's dead end, found when verified):
+        # any finite scores do for a proposal, none of whose drafts can then be kept
+        return scores.masked_fill(scores.amax(dim=-1, keepdim=True).isneginf(), 0.0)
 
-    def _verify(self, scores: torch.Tensor, draft_ids: torch.Tensor, offered: torch.Tensor, proposal) -> Verdict:
-        """scores [B, k+1, V] (processed, or the raw logits without processors) -> the verdict."""
+    def _dead_ends(self, scores: torch.Tensor, offered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Under a grammar, the positions of a block where the processed scores [B, k+1, V] allow
+        no token at all -> (the drafts to verify [B]: none at or after a row's first such
+        position, which is then the furthest a verdict can reach; that first position [B], k+1
+        where none), or (offered, None) when there is none. ``generate()`` would take token 0
+        there and go on unconstrained; the run stops instead if a row commits that position."""
+        if self.processors is None or self.processors.grammar is None:
+            return offered, None
+        cols = torch.arange(scores.shape[1], device=scores.device)[None, :]
+        dead = scores.amax(dim=-1).isneginf() & (cols <= offered[:, None])  # [B, k+1]
+        if not bool(dead.any()):
+            return offered, None
+        first = torch.where(dead.any(1), dead.float().argmax(1), scores.shape[1])  # [B]
+        return torch.minimum(offered, first.to(offered.dtype)), first
+
+    def _refuse_dead_end(self, dead: torch.Tensor, kept: torch.Tensor, committed: torch.Tensor) -> None:
+        """Raise where a row committed a token chosen at a position its grammar and processors
+        left without any allowed token (``dead`` [B], from :meth:`_dead_ends`)."""
+        reached = (kept > dead).nonzero().flatten().tolist()
+        if reached:
+            b = reached[0]
+            raise no_allowed_token(int(self.row_ids[b]), int(committed[b] - self.prompt_lengths[b] + dead[b]) + 1)
+
+    def _verify(self, scores: torch.Tensor, draft_ids: torch.Tensor, offered: torch.Tensor, proposal,
+                dead: torch.Tensor | None = None) -> Verdict:
+        """scores [B, k+1, V] (processed, or the raw logits without processors) -> the verdict;
+        ``dead`` [B] a position that allows no token (:meth:`_dead_ends`) scored as any other
+        (uniform), since a verdict that reaches it ends the run."""
         sampling = self.settings.sampling
+        if dead is not None:
+            cols = torch.arange(scores.shape[1], device=scores.device)[None, :, None]
+            scores = scores.masked_fill(cols == dead[:, None, None], 0.0)
         if not sampling.do_sample:
             return greedy_verify(scores, draft_ids, offered)
         k = draft_ids.shape[1]
         draft_probs = proposal.probs[:, :k].to(scores.device) if proposal.probs is not None else None
-        # with processors the warpers are among them, as in generate(); else warp here
+        # with processors the warpers are among them, as in generate() (which samples from the softmax
+        # of whatever dtype they return, float16 included: held in float32 here, the same numbers)
         target_probs = torch.softmax(scores, dim=-1) if self.processors is not None else sampling.probs(scores)
+        if target_probs.dtype in (torch.float16, torch.bfloat16):
+            target_probs = target_probs.float()
         return speculative_sample(target_probs, draft_ids, offered, draft_probs, self.settings.generator)
 
-    def _commit(self, logits: torch.Tensor, draft_ids: torch.Tensor, verdict: Verdict,
+    def _commit(self, scores: torch.Tensor, draft_ids: torch.Tensor, verdict: Verdict,
                 committed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> (block [B, k+1]: the accepted drafts, then the target's token; kept [B]: how much of
-        it each row keeps (cut where it stops); finished [B] bool). The target's cache then holds
-        the committed prefix."""
+        it each row keeps (cut where it stops; a stopped row that ``generate()`` would not pad
+        goes on); finished [B] bool: the rows that leave the batch). The target's cache then
+        holds the committed prefix. ``scores`` [B, k+1, V]: what the stopping criteria may see."""
         target = self.target
         block = torch.cat([draft_ids, verdict.next_token[:, None]], dim=1)  # [B, k+1]
         block.scatter_(1, verdict.accepted[:, None], verdict.next_token[:, None])  # the target's token after the accepted
-        kept, finished = self.stopper.cut(target.tokens, committed, block, verdict.accepted + 1,
-                                          self.prompt_lengths, logits)
+        counts = verdict.accepted + 1
+        keep, stopped = self.stopper.cut(target.tokens, committed, block, counts, self.prompt_lengths, scores)
+        kept, finished = self.stopper.settle(committed - self.prompt_lengths, counts, keep, stopped)
         target.commit(committed, block, kept, cached=committed + verdict.accepted)
         return block, kept, finished
 
@@ -372,6 +416,7 @@ class DecodeRun:
             self.outputs[row] = target.tokens[b, int(self.prompt_lengths[b]): int(target.lengths[b])].clone()
         rest = (~finished).nonzero().flatten()
         self.row_ids, self.prompt_lengths = self.row_ids[rest], self.prompt_lengths[rest]
+        self.stopper.select_rows(rest)
         if rest.numel():
             for state in self.states():
                 state.select_rows(rest)
@@ -401,9 +446,10 @@ class DecodeRun:
         self.stats.total_seconds = time.perf_counter() - started
         if self.processors is not None:
             self.stats.processor_seconds = self.processors.seconds
-        longest = max(o.numel() for o in self.outputs)
+        # generate()'s steps: a row that went on past its stop (unpadded) may hold more
+        longest = self.stopper.length() or max(o.numel() for o in self.outputs)
         new = input_ids.new_full((input_ids.shape[0], longest), self.settings.pad)
         for b, o in enumerate(self.outputs):
-            new[b, : o.numel()] = o
-        scores, logits = self.recorder.tuples()
+            new[b, : min(o.numel(), longest)] = o[:longest]
+        scores, logits = self.recorder.tuples(longest)
         return SpecOutput(sequences=torch.cat([input_ids, new], dim=1), scores=scores, logits=logits, stats=self.stats)

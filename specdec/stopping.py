@@ -1,10 +1,30 @@
 """Stopping and streaming, checked token by token inside every committed block.
 
 A verification commits up to K+1 tokens at once. Plain generation would have checked its
-stopping rules after each of them, so we do too: :meth:`Stopper.cut` returns, per row, how many
-of the new tokens to keep, so the output ends exactly where ``target.generate`` would have ended.
-User ``StoppingCriteria`` and ``stop_strings`` see each row on its own (shape ``[1, length]``),
-as they would when decoding that row alone.
+stopping rules after each of them, so we do too: :meth:`Stopper.cut` returns, per row, the
+position of its first stop in the new block, so the output ends exactly where ``target.generate``
+would have ended. Everything here follows ``generate()``'s own rules (``GenerationMixin._sample``):
+
+* **What a criterion sees.** ``generate()`` calls its ``StoppingCriteriaList`` once per step on the
+  whole batch: ``input_ids [B, P + t]`` (the prompt as given, left padding included, then every
+  row's t new tokens, a finished row's padding included) and its ``scores``: the tuple of the t
+  processed ``[B, V]`` scores so far when the call returns them (``return_dict_in_generate`` and
+  ``output_scores``), else None. Rows of a speculative batch are at different lengths, so the
+  criteria are called once per new-token count t that some row reaches in a block, on that
+  batch: row r is exact for every row that has reached t (the rows checked, the rows ahead of
+  them, the finished ones); a row behind holds the pad id past its own tokens. The contract is
+  the one ``generate()``'s loop implies and :mod:`specdec.processors` states for processors:
+  row r of a criterion's answer depends on row r of its inputs. A criterion's answer is combined
+  as ``generate()`` combines it (``is_done | answer``, then ``unfinished & ~is_done``), so what
+  ``generate()`` takes (a tensor of bools or ints, a Python bool) works alike.
+* **Which rows are padded.** ``generate()`` pads a finished row (its later tokens become the pad
+  id) only when one of its criteria has an ``eos_token_id`` (``EosTokenCriteria``, there whenever
+  the call has EOS ids). Without one, a row that a criterion or a stop string stopped goes on
+  generating until every row has stopped, and every row then holds the same number of new
+  tokens: that of the row that stopped last. :meth:`Stopper.settle` applies this to the shared
+  decision of a step (every rank runs it on the same numbers): it records each row's first stop,
+  says how many tokens each row commits (a stopped row keeps going, without padding) and which
+  rows leave the batch; :meth:`Stopper.length` is the number of new tokens ``generate()`` returns.
 """
 
 from __future__ import annotations
@@ -15,8 +35,15 @@ import torch
 
 
 class Stopper:
+    """A call's stopping rules: EOS ids, the new-token budget, stop strings, the user's criteria.
+
+    ``pads_finished`` overrides ``generate()``'s rule for whether finished rows are padded (one of
+    the criteria has an ``eos_token_id``; an EOS id is such a criterion): a caller whose config
+    holds an empty EOS list, which ``generate()`` still makes an ``EosTokenCriteria`` of, says so.
+    A run calls :meth:`begin` before its first step."""
+
     def __init__(self, *, max_new_tokens: int, eos_token_ids: Sequence[int], stop_strings=None,
-                 tokenizer=None, stopping_criteria=None):
+                 tokenizer=None, stopping_criteria=None, pads_finished: bool | None = None):
         self.max_new_tokens = max_new_tokens
         self.eos = torch.tensor(sorted(set(int(e) for e in eos_token_ids)), dtype=torch.long)
         self.criteria = list(stopping_criteria or [])
@@ -25,6 +52,21 @@ class Stopper:
 
             strings = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings)
             self.criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=strings))
+        if pads_finished is None:  # generate(): has_eos_stopping_criteria
+            pads_finished = bool(self.eos.numel()) or any(hasattr(c, "eos_token_id") for c in self.criteria)
+        self.pads_finished = bool(pads_finished)
+        self.prompt_ids: torch.Tensor | None = None
+
+    def begin(self, prompt_ids: torch.Tensor, pad: int, outputs: list, keep_scores: bool) -> None:
+        """A call's batch as ``generate()`` holds it: ``prompt_ids [B0, P]`` as given; ``outputs``
+        the run's list of each row's new tokens once it left the batch (None before); with
+        ``keep_scores`` (``return_dict_in_generate`` and ``output_scores``) the criteria get the
+        processed scores of every step, as in ``generate()``, else None."""
+        batch, device = prompt_ids.shape[0], prompt_ids.device
+        self.prompt_ids, self.pad, self.outputs = prompt_ids, int(pad), outputs
+        self.rows = torch.arange(batch, device=device)  # [B] each batch row's row of the prompt as given
+        self.stops = torch.full((batch,), -1, dtype=torch.long, device=device)  # [B0] new tokens at each row's stop
+        self.history: list[torch.Tensor] | None = [] if keep_scores and self.criteria else None  # [B0, V] a step
 
     def ended(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """[B, K] -> [B, K] bool: whether an end-of-sequence id is at or before each draft."""
@@ -41,33 +83,127 @@ class Stopper:
 
     def cut(self, tokens: torch.Tensor, committed: torch.Tensor, block: torch.Tensor, counts: torch.Tensor,
             prompt_lengths: torch.Tensor, scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decide how much of each row's new block to keep.
+        """Where each row's new block stops.
 
         tokens [B, L] holds row b's committed tokens in ``[:committed[b]]``; block [B, n] the new
-        tokens, ``counts[b]`` valid in row b; prompt_lengths [B]; scores [B, n, vocab] the
-        target's logits for each new token. Returns (keep [B], finished [B] bool).
+        tokens, ``counts[b]`` valid in row b; prompt_lengths [B]; scores [B, n, V] the processed
+        scores ``generate()`` would have chosen each new token from. Returns (keep [B]: the tokens up
+        to and including the row's first stop, all ``counts[b]`` without one; stopped [B] bool).
+        A row that stopped in an earlier block (and goes on, unpadded) is not checked again.
         """
-        batch, width = block.shape
+        if self.prompt_ids is None:  # used on its own: the batch is the rows as they are
+            self.begin(tokens[:, :0], 0, [None] * tokens.shape[0], False)
+        width = block.shape[1]
         cols = torch.arange(width, device=block.device)[None, :]  # [1, n]
-        in_block = cols < counts[:, None]  # [B, n]
-        generated = (committed - prompt_lengths)[:, None] + cols + 1  # new tokens so far, counting this one
-        stop = torch.isin(block, self.eos.to(block.device)) | (generated >= self.max_new_tokens)
-        stop &= in_block
-        # first stopping position per row, or width if none
-        first = torch.where(stop.any(1), stop.float().argmax(1), torch.full_like(counts, width))
+        generated = committed - prompt_lengths  # [B] new tokens before the block
+        stop = torch.isin(block, self.eos.to(block.device)) | (generated[:, None] + cols + 1 >= self.max_new_tokens)
+        stop &= cols < counts[:, None]
+        first = torch.where(stop.any(1), stop.float().argmax(1), torch.full_like(counts, width))  # [B]
         if self.criteria:
-            first = first.clone()
-            for b in range(batch):
-                for j in range(min(int(first[b]) + 1, int(counts[b]))):
-                    row = torch.cat([tokens[b: b + 1, : int(committed[b])], block[b: b + 1, : j + 1]], dim=1)
-                    row_scores = scores[b: b + 1, j] if scores is not None else None
-                    # a list, not a generator: every criterion sees every token, as in generate()
-                    if any([bool(c(row, row_scores).any()) for c in self.criteria]):
-                        first[b] = j
-                        break
-        finished = first < counts
-        keep = torch.where(finished, first + 1, counts)
-        return keep, finished
+            first = self._criteria(tokens, committed, block, counts, prompt_lengths, first, scores)
+        stopped = first < counts
+        return torch.where(stopped, first + 1, counts), stopped
+
+    def _criteria(self, tokens, committed, block, counts, prompt_lengths, first, scores) -> torch.Tensor:
+        """first [B] (each row's first EOS or budget stop, n where none) -> with the criteria's
+        stops: each new-token count t a row reaches up to its first stop (that token included:
+        ``generate()`` calls every criterion at every step) is shown to the criteria once, for
+        all the rows that reach it."""
+        batch, width = block.shape
+        rows = self.rows
+        cols = torch.arange(width, device=block.device)[None, :]
+        generated = committed - prompt_lengths
+        steps = generated[:, None] + cols + 1  # [B, n] new tokens at each position, counting it
+        check = (cols <= first[:, None]) & (cols < counts[:, None]) & (self.stops[rows] < 0)[:, None]
+        if not bool(check.any()):
+            return first
+        ids = self._new_tokens(tokens, committed, block, counts, prompt_lengths)  # [B0, G]
+        history = self._scores(scores, generated, counts)
+        first, found = first.clone(), torch.zeros(batch, dtype=torch.bool, device=block.device)
+        for t in sorted(set(steps[check].tolist())):
+            b, j = (check & (steps == t) & ~found[:, None]).nonzero(as_tuple=True)  # at most one position a row
+            if not b.numel():
+                continue
+            batch_ids = torch.cat([self.prompt_ids, ids[:, :t]], dim=1)  # [B0, P + t]
+            done = self._ask(batch_ids, tuple(history[:t]) if history is not None else None)  # [B0]
+            hit = done[rows[b]]
+            first[b[hit]], found[b[hit]] = j[hit], True
+        if history is not None and self.pads_finished:  # a padded row's steps after its stop: zeros (outputs.py)
+            for b in (first < counts).nonzero().flatten().tolist():
+                for step in range(int(generated[b] + first[b]) + 1, int(generated[b] + counts[b])):
+                    history[step][rows[b]] = 0
+        return first
+
+    def _ask(self, input_ids: torch.Tensor, scores) -> torch.Tensor:
+        """Every criterion on ``input_ids [B0, P + t]`` -> [B0] bool: the rows ``generate()`` would
+        mark finished (its own arithmetic, so a Python bool or an int tensor works as there)."""
+        batch = input_ids.shape[0]
+        is_done = torch.full((batch,), False, dtype=torch.bool, device=input_ids.device)
+        for criterion in self.criteria:  # every criterion, as in generate(): one may count or record
+            is_done = is_done | criterion(input_ids, scores)
+        unfinished = torch.ones(batch, dtype=torch.long, device=input_ids.device) & ~is_done
+        if unfinished.shape != (batch,):
+            raise ValueError(f"the stopping criteria returned shape {tuple(is_done.shape)} for input_ids of shape "
+                             f"{tuple(input_ids.shape)}; generate() takes a bool or one value per row ([{batch}])")
+        return unfinished == 0
+
+    def _new_tokens(self, tokens, committed, block, counts, prompt_lengths) -> torch.Tensor:
+        """[B0, G] every row's new tokens as ``generate()`` holds them: the batch rows' committed
+        tokens then their block, a finished row's output then padding; the pad id past what a row has."""
+        device = block.device
+        generated = committed - prompt_lengths  # [B]
+        known = generated + counts  # [B]
+        done = [o for o in self.outputs if o is not None]
+        longest = max([int(known.max())] + [o.numel() for o in done])
+        out = torch.full((self.prompt_ids.shape[0], longest), self.pad, dtype=tokens.dtype, device=device)
+        cols = torch.arange(longest, device=device)[None, :]  # [1, G]
+        mine = tokens.gather(1, (prompt_lengths[:, None] + cols).clamp(max=tokens.shape[1] - 1))  # [B, G]
+        new = block.to(tokens.dtype).gather(1, (cols - generated[:, None]).clamp(0, block.shape[1] - 1))
+        pad = torch.full_like(mine, self.pad)
+        out[self.rows] = torch.where(cols < generated[:, None], mine, torch.where(cols < known[:, None], new, pad))
+        for row, o in enumerate(self.outputs):
+            if o is not None:
+                out[row, : o.numel()] = o.to(device)
+        return out
+
+    def _scores(self, scores: torch.Tensor | None, generated: torch.Tensor, counts: torch.Tensor):
+        """The scores ``generate()`` passes its criteria: every step's processed [B0, V] scores (this
+        block's written in at its rows' steps), or None when the call does not return them."""
+        if self.history is None or scores is None:
+            return None
+        history, rows = self.history, self.rows.tolist()
+        while len(history) < int((generated + counts).max()):
+            history.append(scores.new_zeros(self.prompt_ids.shape[0], scores.shape[-1]))
+        for b, (g, n) in enumerate(zip(generated.tolist(), counts.tolist())):
+            for j in range(n):
+                history[g + j][rows[b]] = scores[b, j]
+        return history
+
+    def settle(self, generated: torch.Tensor, counts: torch.Tensor, keep: torch.Tensor,
+               stopped: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step's cut (``keep``, ``stopped`` [B]; the same on every rank) -> (commit [B]: the new
+        tokens each row commits, retire [B] bool: the rows that leave the batch), ``generated`` [B]
+        new tokens before the block, ``counts`` [B] the block's tokens. Records each row's first
+        stop. With padding a stopped row keeps its tokens up to the stop and leaves; without, it
+        goes on until every row has stopped, and leaves once it holds :meth:`length` tokens (or
+        its budget's worth: :meth:`length` is never more)."""
+        rows = self.rows
+        first = stopped & (self.stops[rows] < 0)
+        self.stops[rows[first]] = (generated + keep)[first]
+        if self.pads_finished:
+            return keep, stopped
+        end = self.length()  # generate()'s steps once every row has stopped, else at most the budget
+        end = self.max_new_tokens if end is None else end
+        commit = torch.minimum(counts, (end - generated).clamp_min(0))  # past its stop too: generate() pads none
+        return commit, generated + commit >= end
+
+    def length(self) -> int | None:
+        """The new tokens ``generate()`` returns per row (its steps) once every row has stopped, else None."""
+        return int(self.stops.max()) if bool((self.stops >= 0).all()) else None
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (indices into the batch) of the rows still decoding."""
+        self.rows = self.rows[rows]
 
 
 class StreamFeed:

@@ -162,14 +162,18 @@ class StopOnToken(StoppingCriteria):
 
 
 class Recorder(StoppingCriteria):
-    """Never stops; records (length, argmax of scores, last token) at each call."""
+    """Never stops; records (length, argmax of the last step's scores, last token) of each row at
+    each call, and how many steps of scores it got (generate() passes None, or, when the call
+    returns its scores, the tuple of every step's [B, V] scores so far)."""
 
     def __init__(self):
-        self.seen: list[tuple[int, int, int]] = []
+        self.seen: list[tuple[int, int | None, int]] = []
+        self.steps: list[int | None] = []
 
     def __call__(self, input_ids, scores, **kwargs):
+        self.steps.append(len(scores) if scores is not None else None)
         for b in range(input_ids.shape[0]):
-            argmax = int(scores[b].argmax()) if scores is not None else None  # generate() may pass None
+            argmax = int(scores[-1][b].argmax()) if scores is not None else None
             self.seen.append((int(input_ids.shape[1]), argmax, int(input_ids[b, -1])))
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
@@ -186,21 +190,25 @@ def test_user_stopping_criteria_inside_blocks(setup, kind):
         assert out.sequences.shape[1] == ids.shape[1] + j + 1
 
 
-def test_user_criteria_see_every_position_with_its_scores(setup):
-    """Each committed token is shown to the criteria once, in order, with the target's scores
-    for that very position (their argmax is the greedy token just committed)."""
+@pytest.mark.parametrize("returned", [False, True])
+def test_user_criteria_see_every_position_with_generates_scores(setup, returned):
+    """Each committed token is shown to the criteria once, in order, with the scores generate()
+    passes them: None, or when the call returns its scores the tuple of every step's processed
+    scores so far (the last one's argmax is the greedy token just committed)."""
     model, tok, ids, new, firsts = setup
     j = firsts[13]
+    extra = {"output_scores": True, "return_dict_in_generate": True} if returned else {}
     ours, theirs = Recorder(), Recorder()
     decoder = DECODERS["self_k8"](model, tok)
-    out = decoder.generate(ids, max_new_tokens=HORIZON, stopping_criteria=[ours, StopOnToken(new[j])])
+    out = decoder.generate(ids, max_new_tokens=HORIZON, stopping_criteria=[ours, StopOnToken(new[j])], **extra)
     model.generate(ids, max_new_tokens=HORIZON, do_sample=False,
-                   stopping_criteria=StoppingCriteriaList([theirs, StopOnToken(new[j])]))
+                   stopping_criteria=StoppingCriteriaList([theirs, StopOnToken(new[j])]), **extra)
     prompt_len = ids.shape[1]
     assert out.sequences.shape[1] == prompt_len + j + 1
     assert [length for length, _, _ in ours.seen] == list(range(prompt_len + 1, prompt_len + j + 2))
-    assert all(argmax == last for _, argmax, last in ours.seen)
-    assert [(n, last) for n, _, last in ours.seen] == [(n, last) for n, _, last in theirs.seen]
+    assert all((argmax == last) if returned else argmax is None for _, argmax, last in ours.seen)
+    assert ours.seen == theirs.seen and ours.steps == theirs.steps
+    assert ours.steps == (list(range(1, j + 2)) if returned else [None] * (j + 1))
 
 
 @pytest.mark.parametrize("stop", ["max_new_tokens", "eos"])
