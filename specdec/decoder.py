@@ -103,8 +103,8 @@ class SpecDecoder:
         (``repetition_penalty=1.1``, ``output_scores=True``, ...). Every logits processor
         ``generate()`` would build (and ``logits_processor``, ``prefix_allowed_tokens_fn``) applies
         at every verified position; what cannot be reproduced (beam search, several sequences per
-        prompt, ...) is refused by name before any forward. An explicit ``eos_token_id=None`` (or
-        []) means "no EOS", as in ``transformers``. Other keyword arguments are prefill-only
+        prompt, ...) is refused by name before any forward. An explicit ``eos_token_id=None`` means "no EOS"
+        and ``[]`` an EOS criterion of no ids (finished rows padded), as in ``transformers``. Other keyword arguments are prefill-only
         model inputs (pixel values, grids, token type ids, ...). With ``prefix`` (from
         :meth:`prefill`) the prompt rows must extend the prefix rows and carry no such inputs.
         ``generator`` (a ``torch.Generator``) draws the sampling's randomness. ``grammar`` (a JSON
@@ -154,7 +154,7 @@ class SpecDecoder:
         SamplingParams(given.get("do_sample", False), given.get("temperature", 1.0), given.get("top_k"),
                        given.get("top_p"), given.get("min_p")).validate()
         if eos_token_id is not UNSET:
-            given["eos_token_id"] = token_id_list(eos_token_id) or None
+            given["eos_token_id"] = None if eos_token_id is None else token_id_list(eos_token_id)
         return given
 
     def run(self, prompt: Prompt, call: Resolved, processors, stopping_criteria=(), *, streamer=None,
@@ -188,7 +188,9 @@ class SpecDecoder:
             stream_prompt=stream_prompt,
             stopper=ranks.stopper(Stopper(
                 max_new_tokens=call.max_new_tokens, eos_token_ids=call.eos, stop_strings=call.stop_strings,
-                tokenizer=self.tokenizer, stopping_criteria=list(stopping_criteria))))
+                tokenizer=self.tokenizer, stopping_criteria=list(stopping_criteria),
+                # generate() pads finished rows where it built an EOS criterion, an empty list of ids included
+                pads_finished=True if getattr(call.config, "_eos_token_tensor", None) is not None else None)))
         run = DecodeRun(self.target, self.candidate_generator, prompt, settings,
                         tokenizer=self.tokenizer, draft_tokenizer=self.draft_tokenizer)
         try:

@@ -339,7 +339,8 @@ class DecodeRun:
         reached = (kept > dead).nonzero().flatten().tolist()
         if reached:
             b = reached[0]
-            raise no_allowed_token(int(self.row_ids[b]), int(committed[b] - self.prompt_lengths[b] + dead[b]) + 1)
+            # through the ranks: on a sharded target every rank raises it at the next message, the groups kept
+            self.ranks.fail(no_allowed_token(int(self.row_ids[b]), int(committed[b] - self.prompt_lengths[b] + dead[b]) + 1))
 
     def _verify(self, scores: torch.Tensor, draft_ids: torch.Tensor, offered: torch.Tensor, proposal,
                 dead: torch.Tensor | None = None) -> Verdict:

@@ -137,8 +137,6 @@ def test_one_row_stopped_without_an_eos_criterion_ends_the_call(world, generator
         assert torch.equal(out, want) and out.shape[1] < width + NEW
 
 
-@pytest.mark.xfail(strict=True, reason="needs decoder.py to keep eos_token_id=[] and pass Stopper(pads_finished=...) "
-                                        "from the resolved config's _eos_token_tensor")
 @pytest.mark.parametrize("site", SITES)
 def test_an_empty_eos_list_is_an_eos_criterion_as_in_generate(world, site):
     """``eos_token_id=[]``: generate() still builds an EosTokenCriteria (of no ids), so it pads the
