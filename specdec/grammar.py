@@ -34,6 +34,7 @@ import dataclasses
 import json
 import threading
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +49,9 @@ def xgrammar():
     try:
         import xgrammar as xgr
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError('grammar-constrained decoding needs xgrammar: pip install "specdec[grammar]"') from e
+        raise ImportError("grammar-constrained decoding needs xgrammar: on a CPU machine "
+                          "pip install --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 (as the README does; "
+                          'xgrammar\'s own dependencies pull triton, GPU kernels); with a GPU, pip install "specdec[grammar]"') from e
     return xgr
 
 
@@ -118,8 +121,11 @@ def as_grammar(value) -> Grammar:
 
 
 # -- compiling, cached per tokenizer and grammar --------------------------------------------------
-_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {(vocab, stops): (compiler, {})}
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {(vocab, stops): (compiler, LRU)}
 _LOCK = threading.Lock()
+#: compiled grammars kept per tokenizer and stop tokens, least recently used dropped past it: a
+#: service that compiles a schema per request must not grow without bound
+MAX_COMPILED = 64
 
 
 def compile_grammar(grammar, tokenizer, vocab_size: int, stop_token_ids) -> object:
@@ -137,10 +143,13 @@ def compile_grammar(grammar, tokenizer, vocab_size: int, stop_token_ids) -> obje
         per_tokenizer = _COMPILED.setdefault(tokenizer, {})
         if (vocab_size, stops) not in per_tokenizer:
             info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stops) or None)
-            per_tokenizer[vocab_size, stops] = (xgr.GrammarCompiler(info), {})
+            per_tokenizer[vocab_size, stops] = (xgr.GrammarCompiler(info, cache_enabled=False), OrderedDict())  # ours is bounded
         compiler, compiled = per_tokenizer[vocab_size, stops]
         if grammar not in compiled:
             compiled[grammar] = _compile(compiler, grammar)
+            while len(compiled) > MAX_COMPILED:
+                compiled.popitem(last=False)
+        compiled.move_to_end(grammar)
         return compiled[grammar]
 
 

@@ -268,6 +268,22 @@ def test_the_compiled_grammar_is_cached_per_tokenizer_and_grammar(world):
     assert compile_grammar(SCHEMA, other, target.config.vocab_size, [tok.eos_token_id]) is not again
 
 
+def test_the_compiled_grammars_kept_are_bounded(world, monkeypatch):
+    """A service compiling a schema per request keeps at most MAX_COMPILED per tokenizer, the least
+    recently used dropped (a grammar still in use stays)."""
+    import specdec.grammar as grammar_module
+
+    target, _, _, _, _, _ = world
+    tok = byte_tokenizer()  # its own table entry
+    monkeypatch.setattr(grammar_module, "MAX_COMPILED", 3)
+    first = compile_grammar(Grammar.regex("a+"), tok, target.config.vocab_size, [tok.eos_token_id])
+    for n in range(6):
+        compile_grammar(Grammar.regex(f"b{{{n + 1}}}"), tok, target.config.vocab_size, [tok.eos_token_id])
+        assert compile_grammar(Grammar.regex("a+"), tok, target.config.vocab_size, [tok.eos_token_id]) is first
+    (_, kept), = grammar_module._COMPILED[tok].values()
+    assert len(kept) == 3 and Grammar.regex("a+") in kept and Grammar.regex("b1") not in kept
+
+
 def test_grammar_errors_say_what_to_do(world):
     target, tok, decoders, prompts, compiled, reference = world
     ids, mask = prompts["single"]
