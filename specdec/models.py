@@ -155,10 +155,10 @@ def _load_folder(folder, dtype: torch.dtype, strict: bool = False):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
-    return model.eval(), _load_tokenizer(folder, strict)
+    return model.eval(), load_tokenizer(folder, strict)
 
 
-def _load_tokenizer(folder, strict: bool):
+def load_tokenizer(folder, strict: bool):
     from transformers import AutoTokenizer
 
     present = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, name))]

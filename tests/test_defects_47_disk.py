@@ -123,6 +123,25 @@ def test_a_cached_file_changed_after_writing_is_said_and_rebuilt(packaged, file)
     assert len(dequantized) == 2 and same_weights(later, model) and later_tok.get_vocab() == tokenizer.get_vocab()
 
 
+def test_a_sharded_load_reads_only_a_verified_cache(packaged):
+    """torchrun's loader reads the cache folder itself (transformers' from_pretrained with its
+    parallel plan): it too rebuilds a damaged folder before any rank reads it, and a packaged
+    model's tokenizer there must load."""
+    from specdec.distributed.load import checkpoint_folder
+    from specdec.models import load_tokenizer
+
+    _, _, dequantized = packaged
+    load_model(NAME)
+    cache = models.weight_cache_path(NAME)
+    flip_bytes(cache / "model.safetensors")
+    with pytest.warns(UserWarning, match="model.safetensors"):
+        assert checkpoint_folder(NAME) == cache
+    assert len(dequantized) == 2
+    (cache / "tokenizer.json").write_text("{")
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        load_tokenizer(cache, strict=True)
+
+
 def test_a_file_added_to_a_cache_folder_is_said_and_rebuilt(packaged):
     _, _, dequantized = packaged
     load_model(NAME)

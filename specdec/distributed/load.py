@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from ..models import PACKAGED_MODELS, check_model_name, load_model, weight_cache_path
-from ..weight_cache import is_complete
+from ..models import PACKAGED_MODELS, load_tokenizer, check_model_name, load_model, weight_cache_path
+from ..weight_cache import folder_problem
 
 #: how long ranks wait for each other at the process group's collectives: a sharded load skews
 #: ranks by minutes (transformers' own choice when it starts the group)
@@ -51,13 +51,14 @@ def checkpoint_folder(name: str, dtype: torch.dtype = torch.float32) -> Path:
     folder = weight_cache_path(name, dtype)
     if folder is None:
         raise ValueError(f"{name!r}: a sharded load reads the weight cache, which SPECDEC_NO_WEIGHT_CACHE turns off")
-    if not is_complete(folder) and (not dist.is_initialized() or dist.get_rank() == 0):
-        load_model(name, dtype=dtype)  # de-quantizes and writes the cache
+    if folder_problem(folder) is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+        load_model(name, dtype=dtype)  # verifies the cache (a damaged one said and removed), de-quantizes, writes it
     if dist.is_initialized():
         dist.barrier()
-    if not is_complete(folder):
-        raise ValueError(f"{name!r}: the weight cache {folder} is not there on this host (each host needs one: "
-                         "run `specdec list` or load the model once on every host)")
+    problem = folder_problem(folder)  # every rank reads these files: every rank checks them
+    if problem is not None:
+        raise ValueError(f"{name!r}: the weight cache {folder} cannot be used on this host: {problem} (each host "
+                         "needs its own: load the model once on every host, e.g. with load_model)")
     return folder
 
 
@@ -67,7 +68,7 @@ def load_sharded(name: str, *, dtype: torch.dtype = torch.float32, device: str =
     and pipeline parallelism over the processes of this ``torchrun`` launch (``tp_size * pp_size``
     of them). ``tp_plan``: rules over the model's own plan (e.g. attention ``"replicate"`` where
     its heads do not divide by ``tp_size``)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
     _, world = init_ranks(torch.device(device).type)
@@ -77,8 +78,6 @@ def load_sharded(name: str, *, dtype: torch.dtype = torch.float32, device: str =
     folder = checkpoint_folder(name, dtype)
     config = DistributedConfig(tp_size=tp_size, pp_size=pp_size, **({"tp_plan": tp_plan} if tp_plan else {}))
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, distributed_config=config, local_files_only=True)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    except (OSError, ValueError):
-        tokenizer = None
+    # a packaged model's cache was saved with its tokenizer, which must load; a user's folder may have none
+    tokenizer = load_tokenizer(folder, strict=not os.path.isdir(name))
     return model.eval(), tokenizer
