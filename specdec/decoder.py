@@ -113,6 +113,8 @@ class SpecDecoder:
         ``tokenizer``."""
         started = time.perf_counter()
         with self.calling() as coordinator:  # a sharded target's ranks check the arguments inside the call
+            # the generator's own per-call options (CandidateGenerator.call_options) first
+            options = {k: kwargs.pop(k) for k in self.candidate_generator.call_options if k in kwargs}
             settings, model_inputs = split_settings(kwargs)
             prompt = self._prompt(input_ids, attention_mask, model_inputs, prefix)
             settings.update(self._explicit(max_new_tokens, do_sample, temperature, top_k, top_p, min_p, eos_token_id))
@@ -127,7 +129,7 @@ class SpecDecoder:
                                           prefix_allowed_tokens_fn, LogitsProcessorList(logits_processor or []))
             criteria = [*(stopping_criteria or []), *([MaxTimeCriteria(config.max_time)] if config.max_time else [])]
             return self.run(prompt, call, processors, criteria, streamer=streamer, generator=generator, started=started,
-                            coordinator=coordinator)
+                            coordinator=coordinator, generator_options=options)
 
     def calling(self):
         """A context for one call, around all of it (argument checks first), yielding its
@@ -159,15 +161,17 @@ class SpecDecoder:
 
     def run(self, prompt: Prompt, call: Resolved, processors, stopping_criteria=(), *, streamer=None,
             generator: torch.Generator | None = None, stream_prompt: bool = True,
-            started: float | None = None, coordinator=None) -> SpecOutput:
+            started: float | None = None, coordinator=None, generator_options: dict | None = None) -> SpecOutput:
         """One decode run of a validated ``prompt`` with resolved settings ``call`` and ``generate()``'s
         ``processors`` (a ``LogitsProcessorList``): the loop both ``generate`` and
         ``model.generate(custom_generate=specdec.generate)`` run. ``coordinator``: the call's, from
-        :meth:`calling` (where the caller checked arguments inside it); a call of its own if None."""
+        :meth:`calling` (where the caller checked arguments inside it); a call of its own if None.
+        ``generator_options``: the generator's per-call options (``CandidateGenerator.for_call``)."""
         if coordinator is None:
             with self.calling() as coordinator:
                 return self.run(prompt, call, processors, stopping_criteria, streamer=streamer, generator=generator,
-                                stream_prompt=stream_prompt, started=started, coordinator=coordinator)
+                                stream_prompt=stream_prompt, started=started, coordinator=coordinator,
+                                generator_options=generator_options)
         started = time.perf_counter() if started is None else started
         call.sampling.validate()
         if call.stop_strings and self.tokenizer is None:
@@ -191,7 +195,9 @@ class SpecDecoder:
                 tokenizer=self.tokenizer, stopping_criteria=list(stopping_criteria),
                 # generate() pads finished rows where it built an EOS criterion, an empty list of ids included
                 pads_finished=True if getattr(call.config, "_eos_token_tensor", None) is not None else None)))
-        run = DecodeRun(self.target, self.candidate_generator, prompt, settings,
+        configured = (self.candidate_generator.for_call(**generator_options) if generator_options
+                      else self.candidate_generator)
+        run = DecodeRun(self.target, configured, prompt, settings,
                         tokenizer=self.tokenizer, draft_tokenizer=self.draft_tokenizer)
         try:
             with torch.no_grad():

@@ -20,6 +20,10 @@ A generator holding something built once and shared (a quantized model copy) ove
 5. ``select_rows(rows)`` when finished rows leave the batch (per-row state must follow);
 6. ``report() -> dict`` at the end: counters the generator wants in ``stats.generator``.
 
+A generator may take options per call: the keyword arguments of ``generate()`` it names in
+``call_options`` reach ``for_call(**options)``, which returns the configuration that call's
+session is made from (``suffix``'s ``memory_scope``).
+
 Only ``propose`` is required. ``acceptance_prior()``, ``draft_cap()`` and the class flag
 ``drafts_stepwise`` are the earlier form of ``drafting()``: still honoured (with a
 ``DeprecationWarning``) where a plugin defines them. Built-in generators live in
@@ -273,6 +277,9 @@ class CandidateGenerator:
     required; every other method has a default that does nothing or declares the defaults."""
 
     name: ClassVar[str] = ""
+    #: keyword arguments of ``SpecDecoder.generate()`` that are this generator's, per call: taken out of
+    #: the call's arguments (before generation settings and model inputs) and given to :meth:`for_call`
+    call_options: ClassVar[tuple[str, ...]] = ()
     #: deprecated: ``DraftingInfo.stepwise`` (read where a plugin still sets it)
     drafts_stepwise: ClassVar[bool] = False
 
@@ -286,6 +293,12 @@ class CandidateGenerator:
         one's constructor arguments (models among them are shared, not copied)."""
         args, kwargs = getattr(self, "_init_args", ((), {}))
         return type(self)(*args, **kwargs)
+
+    def for_call(self, **options) -> "CandidateGenerator":
+        """The configuration one call decodes with, given the :attr:`call_options` the call passed
+        (only those it passed); its :meth:`session` is the call's generator. Default: this one.
+        Override to return a copy that carries them (a shallow copy shares what the decoder holds)."""
+        return self
 
     def drafting(self) -> DraftingInfo:
         """What the core's draft-length policy should know of this generator's drafts. Default:

@@ -146,7 +146,7 @@ def release(model=None) -> None:
 def generate(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
              streamer=None, draft=None, draft_options: dict | None = None, target_tokenizer=None,
              draft_tokenizer=None, generator: torch.Generator | None = None, decoder_options: dict | None = None,
-             grammar=None, **model_kwargs) -> Any:
+             grammar=None, draft_call_options: dict | None = None, **model_kwargs) -> Any:
     """``model.generate(..., custom_generate=specdec.generate, draft=...)``: the decoding loop, speculative.
 
     ``draft`` is anything ``SpecDecoder`` takes (a registered generator name, a draft model, a
@@ -154,7 +154,9 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
     options (``{"num_tokens": 4}``); ``decoder_options`` ``SpecDecoder``'s own
     (``cache_implementation``, ``compile``, ``fast_head``); ``generator`` a ``torch.Generator`` for
     the sampling's randomness; ``grammar`` what ``SpecDecoder.generate`` takes (compiled for
-    ``target_tokenizer``). Returns what ``generate()`` returns."""
+    ``target_tokenizer``); ``draft_call_options`` the generator's options for this call alone
+    (``CandidateGenerator.call_options``, e.g. ``{"memory_scope": "alice"}`` for ``suffix``).
+    Returns what ``generate()`` returns."""
     streamer = streamer if streamer is not None else _streamer_of_generate()
     # a sharded target's ranks check the arguments inside the call: a check failing on one rank fails every rank
     with coordinated(Ranks.of(model, (decoder_options or {}).get("distributed"))) as coordinator:
@@ -165,6 +167,11 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
         decoder = DRAFTERS.decoder(model, draft, dict(draft_options or {}), target_tokenizer, draft_tokenizer,
                                    dict(decoder_options or {}))
         _refuse_filled_cache(model_kwargs)
+        options = dict(draft_call_options or {})  # generate() refuses keywords no model input takes: a dict
+        unknown = sorted(set(options) - set(decoder.candidate_generator.call_options))
+        if unknown:
+            raise TypeError(f"draft_call_options {unknown}: the candidate generator takes "
+                            f"{list(decoder.candidate_generator.call_options)} per call")
         model_inputs = {k: v for k, v in model_kwargs.items() if k not in PREPARED}
         prompt = decoder._prompt(input_ids, model_kwargs.get("attention_mask"), model_inputs, None)
         max_length, eos, criteria = _split_criteria(stopping_criteria)
@@ -173,7 +180,7 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
         if grammar is not None:
             logits_processor = with_user_processor(logits_processor, decoder.constraint(grammar, call.eos))
         out = decoder.run(prompt, call, logits_processor, criteria, streamer=streamer, generator=generator,
-                          stream_prompt=False, coordinator=coordinator)
+                          stream_prompt=False, coordinator=coordinator, generator_options=options)
         return out if call.return_dict else out.sequences
 
 

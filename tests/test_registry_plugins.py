@@ -32,7 +32,8 @@ from specdec.registry import (ENTRY_POINT_GROUP, UnknownGeneratorError, availabl
 from helpers import ForwardRecorder, left_pad, perturbed_copy, repetitive_prompt
 
 ROOT = Path(__file__).resolve().parents[1]
-BUILT_INS = {"draft_model": "candidate_generators.draft_model", "prompt_lookup": "candidate_generators.prompt_lookup"}
+BUILT_INS = {"draft_model": "candidate_generators.draft_model", "prompt_lookup": "candidate_generators.prompt_lookup",
+             "suffix": "candidate_generators.suffix"}
 
 
 

@@ -7,7 +7,7 @@ loop (``specdec.generate``), so the generation config, logits processors, stoppi
 streamer are prepared exactly as for a plain call, and every verified position is scored as
 ``generate()`` would score it. Keyword arguments: ``draft`` (a generator name, a draft model or a
 ``CandidateGenerator``), ``draft_options``, ``decoder_options``, ``target_tokenizer``,
-``draft_tokenizer``, ``generator`` (see ``specdec.integration.generate``). ``stop_strings`` with
+``draft_tokenizer``, ``generator``, ``draft_call_options`` (see ``specdec.integration.generate``). ``stop_strings`` with
 ``tokenizer=`` become the criterion ``generate()`` builds from them, handed over as a stopping
 criterion: ``generate()`` does not give a callable loop its ``tokenizer``.
 """
