@@ -172,3 +172,21 @@ def every_generator(target, draft, target_tokenizer, draft_tokenizer, tokenizer=
         "cross_tokenizer": SpecDecoder(target, draft, tokenizer=target_tokenizer, draft_tokenizer=draft_tokenizer,
                                        min_confidence=0.0, **fixed),
     }
+
+
+def merged_tokenizer_world(target_merges, draft_merges, texts):
+    """A tiny Llama (seed 7) on a byte-level tokenizer with ``target_merges``, its costs pinned; a
+    perturbed copy as the draft; a draft tokenizer with ``draft_merges``; one decoder per built-in
+    generator (``every_generator``, the target's tokenizer given to each); the first of ``texts``
+    as a single prompt and all of them as a left-padded batch.
+    -> (target, target tokenizer, draft tokenizer, decoders, {"single"|"batch": (ids, mask)})"""
+    from specdec.models import byte_tokenizer
+
+    target_tok, draft_tok = byte_tokenizer(target_merges), byte_tokenizer(draft_merges)
+    target, _ = tiny_random("llama", seed=7, tokenizer=target_tok)
+    pin_costs(target)
+    draft = perturbed_copy(target, 0.1, seed=8)
+    decoders = every_generator(target, draft, target_tok, draft_tok, tokenizer=target_tok)
+    single = target_tok(texts[0], return_tensors="pt").input_ids
+    batch = left_pad([target_tok(t, return_tensors="pt").input_ids[0] for t in texts], target_tok.pad_token_id)
+    return target, target_tok, draft_tok, decoders, {"single": (single, torch.ones_like(single)), "batch": batch}

@@ -25,9 +25,8 @@ from transformers import LogitsProcessor, StoppingCriteria, StoppingCriteriaList
 
 import specdec
 from specdec.generators import CandidateGenerator, DraftingInfo, Proposal
-from specdec.models import byte_tokenizer, tiny_random
 
-from helpers import ForwardRecorder, every_generator, left_pad, perturbed_copy, pin_costs
+from helpers import ForwardRecorder, merged_tokenizer_world
 from test_processors import DRAFT_MERGES, TARGET_MERGES, TEXTS
 
 NEW = 16
@@ -40,14 +39,7 @@ def world():
     """The target, its tokenizers, one decoder per generator, a single prompt and a left-padded
     batch of three (two rows padded), and ``reference(shape, **settings)``: ``target.generate``'s
     greedy sequences for the same settings."""
-    target_tok, draft_tok = byte_tokenizer(TARGET_MERGES), byte_tokenizer(DRAFT_MERGES)
-    target, _ = tiny_random("llama", seed=7, tokenizer=target_tok)
-    pin_costs(target)
-    draft = perturbed_copy(target, 0.1, seed=8)
-    decoders = every_generator(target, draft, target_tok, draft_tok, tokenizer=target_tok)
-    single = target_tok(TEXTS[0], return_tensors="pt").input_ids
-    batch = left_pad([target_tok(t, return_tensors="pt").input_ids[0] for t in TEXTS], target_tok.pad_token_id)
-    prompts = {"single": (single, torch.ones_like(single)), "batch": batch}
+    target, target_tok, draft_tok, decoders, prompts = merged_tokenizer_world(TARGET_MERGES, DRAFT_MERGES, TEXTS)
 
     def reference(shape: str, **settings):
         ids, mask = prompts[shape]

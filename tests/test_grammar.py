@@ -32,9 +32,9 @@ jsonschema = pytest.importorskip("jsonschema")
 import specdec  # noqa: E402
 from specdec import SpecDecoder  # noqa: E402
 from specdec.grammar import Grammar, GrammarConstraint, check_output, compile_grammar, only_token  # noqa: E402
-from specdec.models import byte_tokenizer, tiny_random  # noqa: E402
+from specdec.models import byte_tokenizer  # noqa: E402
 
-from helpers import every_generator, left_pad, perturbed_copy, pin_costs  # noqa: E402
+from helpers import merged_tokenizer_world, perturbed_copy  # noqa: E402
 from test_processors import DRAFT_MERGES, TARGET_MERGES, TEXTS  # noqa: E402
 from test_sampling_lossless import PROMPT, TINY_VOCAB, assert_same_distribution, joint_counts, tiny_vocab_llama  # noqa: E402
 
@@ -62,14 +62,7 @@ GENERATORS = ["none", "prompt_lookup", "draft_model", "self_draft", "self_draft_
 
 @pytest.fixture(scope="module")
 def world():
-    target_tok, draft_tok = byte_tokenizer(TARGET_MERGES), byte_tokenizer(DRAFT_MERGES)
-    target, _ = tiny_random("llama", seed=7, tokenizer=target_tok)
-    pin_costs(target)
-    draft = perturbed_copy(target, 0.1, seed=8)
-    decoders = every_generator(target, draft, target_tok, draft_tok, tokenizer=target_tok)
-    single = target_tok(TEXTS[0], return_tensors="pt").input_ids
-    batch = left_pad([target_tok(t, return_tensors="pt").input_ids[0] for t in TEXTS], target_tok.pad_token_id)
-    prompts = {"single": (single, torch.ones_like(single)), "batch": batch}
+    target, target_tok, _, decoders, prompts = merged_tokenizer_world(TARGET_MERGES, DRAFT_MERGES, TEXTS)
     eos = [target_tok.eos_token_id]
     compiled = {name: compile_grammar(g, target_tok, target.config.vocab_size, eos) for name, g in GRAMMARS.items()}
     references = {}
