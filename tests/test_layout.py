@@ -12,6 +12,9 @@
    blocks included; function bodies and ``if TYPE_CHECKING:`` blocks left out). An edge goes to
    the module named, and to the packages on the way to it whose ``__init__`` would run (not the
    importer's own ancestors, which are already being imported).
+4. Engines are reached through their root only: no module outside ``specdec/engines/`` (the core,
+   the plugins, the tests, the benchmarks) imports a module inside it, ``specdec.engines.<name>``,
+   in any way rule 1 counts; ``from specdec.engines import Layout`` is the way in.
 
 The checkers are plain functions of a source tree, so the tests at the end run them on small
 made-up trees that break each rule, proving each assertion can fail.
@@ -183,6 +186,39 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+# -- rule 4: engines through their root only -----------------------------------------------------
+ENGINES = "specdec.engines"
+#: every folder of the repository whose modules may import specdec
+OUTSIDE = ("specdec", "candidate_generators", "tests", "benchmarks")
+
+
+def submodule_imports(root: Path, folders: tuple[str, ...], package: str) -> list[str]:
+    """``file:line: what`` for every import of a module inside ``package`` (a submodule, or a name
+    from one) by a module of ``folders`` outside ``package``."""
+    inside = {name for name in modules_of(root, package.replace(".", "/")) if name != package}
+
+    def private(name: str | None) -> bool:
+        return name is not None and any(name == m or name.startswith(m + ".") for m in inside)
+
+    problems = []
+    for folder in folders:
+        if not (root / folder).is_dir():
+            continue
+        for name, path in modules_of(root, folder).items():
+            if name == package or name.startswith(package + "."):
+                continue
+            tree = ast.parse(path.read_text(), str(path))
+            is_package = path.name == "__init__.py"
+            where = path.relative_to(root)
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    bad = [t for t in targets(name, is_package, node) if private(t)]
+                    if bad:
+                        problems.append(f"{where}:{node.lineno}: imports {bad[0]}")
+            problems += [f"{where}: imports {literal} by name" for literal in _literal_imports(tree) if private(literal)]
+    return sorted(set(problems))
+
+
 # -- rule 2: plugins only -------------------------------------------------------------------------
 def declared_entry_points(root: Path) -> dict[str, str]:
     """The entry points ``pyproject.toml`` declares (the installed metadata before Python 3.11)."""
@@ -236,6 +272,11 @@ def test_the_core_has_no_import_cycle():
     assert len(graph) > 10 and "specdec.kv" in graph["specdec.state"]  # the graph is read at all
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_engines_are_imported_through_their_root_only():
+    assert (ROOT / "specdec/engines/__init__.py").is_file()  # the package the rule is about exists
+    assert submodule_imports(ROOT, OUTSIDE, ENGINES) == []
 
 
 # -- each checker fails on a tree that breaks its rule ----------------------------------------------
@@ -317,3 +358,24 @@ def test_a_plugin_missing_from_the_entry_points_is_found():
 ])
 def test_imports_resolve_as_python_does(importer, is_package, source, expected):
     assert targets(importer, is_package, ast.parse(source).body[0]) == expected
+
+
+def test_an_import_of_an_engine_module_from_outside_is_found_however_written(tmp_path):
+    root = _tree(tmp_path, {
+        "core/__init__.py": "",
+        "core/engines/__init__.py": "from .eager import Eager\nfrom .cpu import Cpu\n",  # the root itself may
+        "core/engines/eager.py": "Eager = 1\n",
+        "core/engines/cpu/__init__.py": "from .stack import Cpu\n",
+        "core/engines/cpu/stack.py": "from ..eager import Eager\nCpu = 2\n",  # inside the package: allowed
+        "core/a.py": "from core.engines.eager import Eager\n",
+        "core/b.py": "def f():\n    from .engines import eager\n",  # a submodule named by a from-import
+        "core/c.py": "import core.engines.cpu.stack\n",
+        "core/d.py": "import importlib\nM = importlib.import_module('core.engines.eager')\n",
+        "core/e.py": "from core.engines import Eager, Cpu\nfrom . import engines\nimport core.engines\n",  # the root
+        "core/f.py": "from .enginesque import x\n",  # a look-alike name is not the package
+        "plugins/g.py": "from core.engines.cpu import Cpu\n",
+    })
+    found = submodule_imports(root, ("core", "plugins", "missing"), "core.engines")
+    assert found == ["core/a.py:1: imports core.engines.eager", "core/b.py:2: imports core.engines.eager",
+                     "core/c.py:1: imports core.engines.cpu.stack", "core/d.py: imports core.engines.eager by name",
+                     "plugins/g.py:1: imports core.engines.cpu"], found
