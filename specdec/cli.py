@@ -30,6 +30,9 @@ from .names import did_you_mean
 #: ``--dtype``'s choices: the keys of ``specdec.models.DTYPES``, named here so that building the
 #: parser imports no torch (tests/test_defects_47_hygiene.py checks that the two agree)
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+#: ``--engine``'s choices: ``specdec.engines.ENGINE_CHOICES``, named here for the same reason
+#: (tests/test_engine_option.py checks that the two agree)
+ENGINE_NAMES = ("auto", "cpu", "eager")
 
 
 class UsageError(ValueError):
@@ -174,6 +177,7 @@ class Placement:
     dtype: Any = None  # a torch.dtype; None: float32
     cache_implementation: str = "dynamic"
     compile: bool = False
+    engine: str = "auto"  # what runs the forwards (docs/engines.md)
 
     def load(self, name: str):
         """``load_model(name)`` in this dtype on this device."""
@@ -195,7 +199,8 @@ def check_placement(args) -> Placement:
     if args.compile and args.cache_implementation != "static":
         raise UsageError("--compile needs --cache-implementation static (a dynamic cache changes shape every step, "
                          "so compiled forwards would recompile)")
-    return Placement(device, DTYPES[args.dtype], args.cache_implementation, args.compile)
+    return Placement(device, DTYPES[args.dtype], args.cache_implementation, args.compile,
+                     getattr(args, "engine", "auto"))
 
 
 def check_target(name: str) -> None:
@@ -212,9 +217,13 @@ def build_decoder(target, tokenizer, plan: DraftPlan, placement: Placement | Non
     from .decoder import SpecDecoder
 
     placement = placement or Placement()
-    cache = dict(cache_implementation=placement.cache_implementation, compile=placement.compile)
+    cache = dict(cache_implementation=placement.cache_implementation, compile=placement.compile,
+                 engine=placement.engine)
     if plan.model is None:
-        return SpecDecoder(target, plan.generator, tokenizer=tokenizer, **cache)
+        try:
+            return SpecDecoder(target, plan.generator, tokenizer=tokenizer, **cache)
+        except ValueError as exc:  # an engine that cannot serve this model (--engine cpu on a GPU)
+            raise UsageError(f"--engine: {exc}") from None
     draft_model, draft_tokenizer = placement.load(plan.model)
     try:
         return SpecDecoder(target, draft_model, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer, **cache,
@@ -404,6 +413,9 @@ def _generate_parser(sub) -> None:
     _common_arguments(g)
     g.add_argument("prompt")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--engine", choices=list(ENGINE_NAMES), default="auto",
+                   help="what runs the forwards: auto (default), cpu (specdec's CPU forwards where they pay) or "
+                        "eager (the model's own forward); printed with the first call's choices")
     g.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     g.add_argument("--temperature", type=_positive_float, default=None, help="with --sample (default 1.0)")
     g.add_argument("--top-k", type=_positive_int, default=None, help="with --sample")

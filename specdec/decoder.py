@@ -32,6 +32,7 @@ from transformers.generation.stopping_criteria import MaxTimeCriteria
 
 from .compiled import warming
 from .distributed import Ranks, call_fingerprint, coordinated
+from .engines import check_engine, resolve_engine_name
 from .generation import Resolved, build_processors, resolve_config, resolved, split_settings
 from .generators import CandidateGenerator
 from .grammar import GrammarConstraint, compile_grammar
@@ -59,6 +60,10 @@ class SpecDecoder:
     :class:`CandidateGenerator` instance or class, or None (plain decoding through the same loop).
     ``fast_head`` (default True) computes each model's output layer as ``W @ h.T`` in eager
     forwards where that is faster on this machine (``specdec.forwards.head``); False keeps the models' own.
+    ``engine`` (``specdec.engines.ENGINE_CHOICES``) says what runs every forward of this decoder's
+    models: "auto" (default) and "cpu" specdec's CPU forwards where their probes and timings choose
+    them, "eager" the models' own forward and nothing else (docs/engines.md); reported in
+    ``out.stats.choices["engine"]``.
     ``distributed`` (a :class:`~specdec.distributed.DistributedOptions` or its fields as a dict)
     says how the ranks of a target sharded under ``torchrun`` share the call's decisions
     (docs/distributed.md); a target held whole by this process ignores it.
@@ -66,13 +71,14 @@ class SpecDecoder:
 
     def __init__(self, target, draft=None, *, tokenizer=None, draft_tokenizer=None,
                  cache_implementation: str = "dynamic", compile: bool | dict = False, fast_head: bool = True,
-                 distributed=None, **generator_options):
+                 engine: str = "auto", distributed=None, **generator_options):
+        check_engine(resolve_engine_name(engine), target)  # a bad name: refused before anything else
         self.target = target
         self.ranks = Ranks.of(target, distributed)  # None: this process holds the whole target
         fast_head = fast_head if self.ranks is None else False  # a sharded head is the model's to gather
         self.tokenizer = tokenizer
         self.draft_tokenizer = draft_tokenizer
-        self.cache = CacheSettings.make(cache_implementation, compile, fast_head=fast_head)
+        self.cache = CacheSettings.make(cache_implementation, compile, fast_head=fast_head, engine=engine)
         if self.ranks is not None:
             self.ranks.check_cache(self.cache)
         if self.cache.static:
@@ -275,7 +281,7 @@ class SpecDecoder:
             coordinator.together(lambda: None)
             prefill, positions = prompt.spec.for_model(self.target)
             state = ModelState(self.target, prompt.rows, prompt.lengths, pad_token_id=pad_token_id(self.target),
-                               prefill_inputs=prefill, positions=positions)
+                               prefill_inputs=prefill, positions=positions, kv=self.cache)
             with torch.no_grad():
                 state.forward(start=prompt.lengths - 1)
             return Prefix(self.target, prompt.spec, state.offsets.clone(), state.cached_slots, state.cache,

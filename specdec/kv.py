@@ -50,6 +50,7 @@ from .cache_pool import POOL, new_static_cache  # noqa: F401  (new_static_cache:
 from .compiled import (agrees, check_compile_options, checked, compiled_forward, compiling, miscompiled,
                        run_compiled)
 from .distributed import new_dynamic_cache, stage_layout
+from .engines import resolve_engine_name
 from .forwards.head import model_logits
 
 #: forward widths the compiled path pads to by default (each compiles once per batch size and
@@ -76,10 +77,14 @@ class CacheSettings:
     widths: tuple[int, ...] = WIDTHS  # the widths compiled forwards pad to; wider ones run eagerly
     owned: bool = False  # the model is private to its generator: see compiled_forward
     fast_head: bool = True  # eager forwards compute the output layer as ``head.FastHead`` where it pays
+    #: the engine the forwards run on (``specdec.engines.ENGINE_CHOICES``): "eager" keeps every
+    #: forward of this decoder's models the model's own (no scripted stack, packed weights or fast
+    #: output layer), per decoder, whatever another decoder of the same model runs
+    engine: str = "auto"
 
     @classmethod
     def make(cls, implementation: str = "dynamic", compile: Any = False,
-             widths: tuple[int, ...] = WIDTHS, fast_head: bool = True) -> "CacheSettings":
+             widths: tuple[int, ...] = WIDTHS, fast_head: bool = True, engine: str = "auto") -> "CacheSettings":
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(f"cache_implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
         if not isinstance(compile, (bool, dict)):
@@ -88,6 +93,7 @@ class CacheSettings:
             check_compile_options(compile, "compile")
         if not isinstance(fast_head, bool):
             raise TypeError(f"fast_head must be True or False, got {fast_head!r}")
+        resolve_engine_name(engine)
         if compile is not False and implementation != "static":
             raise ValueError("compile=True needs cache_implementation='static' (a dynamic cache changes shape "
                              "every step, so compiled forwards would recompile)")
@@ -95,16 +101,22 @@ class CacheSettings:
             raise ValueError(f"compiled widths must be positive ints, got {widths!r}")
         options = dict(compile) if isinstance(compile, dict) else {}
         return cls(implementation, bool(compile is not False), options, widths=tuple(sorted(set(widths))),
-                   fast_head=bool(fast_head))
+                   fast_head=bool(fast_head), engine=engine)
 
     @property
     def static(self) -> bool:
         return self.implementation == "static"
 
     @property
+    def own_forward(self) -> bool:
+        """Whether every forward is the model's own (``engine="eager"``)."""
+        return self.engine == "eager"
+
+    @property
     def key(self) -> tuple:
-        """What a forward's cost depends on besides the model, device and dtype."""
-        return (self.implementation, self.compile, self.fast_head)
+        """What a forward's cost depends on besides the model, device and dtype ("auto" and "cpu"
+        run the same forwards)."""
+        return (self.implementation, self.compile, self.fast_head, self.own_forward)
 
 
 def static_problem(model, prefill_inputs: bool) -> str | None:
@@ -133,7 +145,8 @@ class DynamicKV:
         ``width`` columns (or fewer, with ``logits_to_keep``)."""
         if needs_mask:
             kwargs["attention_mask"] = mask(first_slot + width)
-        return model_logits(model, kwargs, direct=direct, fast_head=self.settings.fast_head)
+        return model_logits(model, kwargs, direct=direct, fast_head=self.settings.fast_head,
+                            own=self.settings.own_forward)
 
     def padded_width(self, width: int, first: bool) -> int:
         return width
@@ -209,7 +222,8 @@ class StaticKV:
                 layer.cumulative_length = torch.tensor(first_slot)
         kwargs["attention_mask"] = mask(self.length)  # always: slots past the rows' ends hold stale entries
         if self.compiled is None or first or fed not in self.settings.widths:
-            return model_logits(model, kwargs, direct=direct, fast_head=self.settings.fast_head)
+            return model_logits(model, kwargs, direct=direct, fast_head=self.settings.fast_head,
+                                own=self.settings.own_forward)
         kwargs.pop("logits_to_keep", None)  # an int argument would compile one graph per value
         if checked(model, (fed, self.length)):
             return run_compiled(self.compiled, model, kwargs, width)  # [B, width, V]

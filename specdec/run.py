@@ -38,6 +38,7 @@ from .assistant import Assistant
 from .compiled import compile_seconds
 from .forwards.packed import PackedLinears
 from .device import synchronize
+from .engines import engine_report
 from .generators import CandidateGenerator, DecodeContext, Proposal, StepRecord, declared_drafting
 from .grammar import no_allowed_token, with_grammar_drafts
 from .kv import CacheSettings, static_problem
@@ -69,7 +70,8 @@ class DecodeRun:
         # several, so the target's rows that end apart are shifted into line instead (a copy of the
         # lagging rows' cache; docs/performance.md, "Batches")
         self.target.refeed_limit = 0
-        PackedLinears.calling(target)  # a model called again gets its weights packed (forwards/packed.py)
+        if not settings.cache.own_forward:  # engine="eager" is no sign of use: another decoder's packing is its own
+            PackedLinears.calling(target)  # a model called again gets its weights packed (forwards/packed.py)
         if prompt.prefix is not None:
             self.target.continue_from(prompt.prefix)
         self.followers: list[ModelState] = []  # assistants in the target's token space
@@ -145,7 +147,8 @@ class DecodeRun:
                                        (base.options or base.compile) if compile is None else compile,
                                        compile_widths or base.widths)
             # keeps the warmed-up lengths and the call's choice of head
-            cache = dataclasses.replace(cache, lengths=base.lengths, owned=bool(owned), fast_head=base.fast_head)
+            cache = dataclasses.replace(cache, lengths=base.lengths, owned=bool(owned), fast_head=base.fast_head,
+                                        engine=base.engine)
         if tokens is None:  # follows the target's tokens: the run keeps it in step
             prefill, positions = self.spec.for_model(model)  # the inputs its forward declares; its own positions
             state = ModelState(model, self.target.tokens[:, : self.width], self.target.lengths,
@@ -425,6 +428,16 @@ class DecodeRun:
             if self.policy is not None:
                 self.policy.select_rows(rest)
 
+    def _engine_report(self) -> str:
+        """What ran each model's forwards (``stats.choices["engine"]``): "target: ...", then each
+        assistant's (a copy or a draft model) as "assistant i: ...", joined by " | "."""
+        def said(state: ModelState) -> str:
+            return engine_report(state.model, state.kv.settings.engine, state.kv.settings.fast_head)
+
+        parts = [f"target: {said(self.target)}"]
+        parts += [f"assistant {i}: {said(state)}" for i, state in enumerate(self.assistants)]
+        return " | ".join(parts)
+
     def states(self) -> list[ModelState]:
         """The target's state and every assistant's."""
         return [self.target, *self.followers, *self.own]
@@ -441,9 +454,10 @@ class DecodeRun:
         report = self.session.report()  # counters; words (a choice and its reason) go to stats.choices
         self.stats.generator = {k: v for k, v in report.items() if not isinstance(v, str)}
         self.stats.choices.update({k: v for k, v in report.items() if isinstance(v, str)})
-        packed = PackedLinears.decision(self.target.model)
+        packed = None if self.settings.cache.own_forward else PackedLinears.decision(self.target.model)
         if packed is not None:
             self.stats.choices["packed_weights"] = packed
+        self.stats.choices["engine"] = self._engine_report()
         self.stats.total_seconds = time.perf_counter() - started
         if self.processors is not None:
             self.stats.processor_seconds = self.processors.seconds

@@ -438,8 +438,9 @@ def test_batch_sizes_default_and_old_field_keep_the_hash(tmp_path):
     legacy = {**plain.model_dump(mode="json", exclude={"description", "batch_sizes", "device", "dtype", "reference",
                                                  "repeats", "distributed"}),
               "batch_size": 1}
-    legacy["methods"] = [{k: v for k, v in m.items() if k not in ("cache_implementation", "compile", "fast_head")}
-                         for m in legacy["methods"]]  # the schema before devices, compilation and the fast head
+    legacy["methods"] = [{k: v for k, v in m.items() if k not in ("cache_implementation", "compile", "fast_head",
+                                                                  "engine")}
+                         for m in legacy["methods"]]  # the schema before devices, compilation, the fast head, engines
     legacy["dataset"] = {k: v for k, v in legacy["dataset"].items() if k not in ("first_per_category", "max_turns")}
     legacy["generation"] = {k: v for k, v in legacy["generation"].items()  # before the processor settings and grammars
                             if k not in ("min_p", "repetition_penalty", "encoder_repetition_penalty",

@@ -8,7 +8,7 @@ one ``baseline`` method, the reference. The schema, field by field: docs/benchma
 Invariants: unknown fields are refused at every level, and so is a key given twice in one YAML
 mapping (PyYAML would keep the last silently); every error is one line naming the field
 (``methods[1].generator``, or the file and line) and the allowed values; a method's SpecDecoder
-settings (``cache_implementation``, ``compile``, ``fast_head``) are its own keys, its generator's
+settings (``cache_implementation``, ``compile``, ``fast_head``, ``engine``) are its own keys, its generator's
 options go in ``options``, and a key in the wrong one is named as such; validation never loads a
 model, never writes a file, and checks the spelling of ``device`` only (the run checks the device
 when it starts).
@@ -29,6 +29,7 @@ import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ..engines import resolve_engine_name
 from ..generators import NoDraft
 from ..grammar import Grammar
 from ..models import DTYPES, PACKAGED_MODELS, TINY_ARCHS, device_name_problem
@@ -123,7 +124,7 @@ def generator_class(name: str) -> type:
 
 
 #: a SpecDecoder method's keys beside ``options`` that set SpecDecoder itself, not its generator
-DECODER_KEYS = ("cache_implementation", "compile", "fast_head")
+DECODER_KEYS = ("cache_implementation", "compile", "fast_head", "engine")
 
 
 def generator_option_problem(cls: type, options: dict, with_draft: bool) -> str | None:
@@ -242,6 +243,9 @@ class MethodConfig(_Strict):
                                                               "true, or a mapping of compile options")
     fast_head: bool = Field(True, description="specdec methods: compute the output layer as W @ h.T where a CPU "
                                               "runs that faster (docs/performance.md); false: the model's own head")
+    engine: str = Field("auto", description="specdec methods: what runs the forwards (docs/engines.md): auto, cpu "
+                                            "(specdec's CPU forwards where they pay), eager (the model's own forward "
+                                            "and nothing else)")
 
     @field_validator("compile", mode="before")
     @classmethod
@@ -251,6 +255,11 @@ class MethodConfig(_Strict):
             return value
         raise ValueError(f"expected true, false or a mapping of compile options (e.g. {{backend: aot_eager}}), "
                          f"got {value!r}")
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, value: str) -> str:
+        return resolve_engine_name(value)  # a ValueError with a hint for a misspelt name
 
     @field_validator("generator")
     @classmethod
@@ -293,6 +302,9 @@ class MethodConfig(_Strict):
         if self.generator in REFERENCE_METHODS and not self.fast_head:
             raise ValueError(f"fast_head: {self.generator!r} runs transformers' own generate, whose output layer "
                              "is the model's; remove 'fast_head'")
+        if self.generator in REFERENCE_METHODS and self.engine != "auto":
+            raise ValueError(f"engine: {self.generator!r} runs transformers' own generate, whose forwards are the "
+                             "model's; remove 'engine'")
         if needs_draft and self.draft is None:
             raise ValueError(f"draft: method {self.generator!r} needs a draft model (a load_model name)")
         if not needs_draft and self.draft is not None:

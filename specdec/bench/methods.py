@@ -180,11 +180,11 @@ def _spec_runner(method: MethodConfig, target, tokenizer, draft, gen: Generation
     try:
         decoder = SpecDecoder(target, instance, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer,
                               cache_implementation=method.cache_implementation, compile=method.compile,
-                              fast_head=method.fast_head, distributed=distributed)
+                              fast_head=method.fast_head, engine=method.engine, distributed=distributed)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"methods: {method.name!r}: SpecDecoder refused its settings (cache_implementation "
                           f"{method.cache_implementation!r}, compile {method.compile!r}, fast_head "
-                          f"{method.fast_head!r}): {exc}") from None
+                          f"{method.fast_head!r}, engine {method.engine!r}): {exc}") from None
 
     def call(input_ids, attention_mask, seed, max_new_tokens, grammar):
         generator = None

@@ -187,9 +187,12 @@ def _processor_time(rows: list[dict], processors: dict) -> list[str]:
 
 
 def _cache_words(method: dict) -> str:
-    """How a method keeps its cache and computes its output layer, in words (nothing for the defaults)."""
+    """How a method keeps its cache, what runs its forwards and computes its output layer, in words
+    (nothing for the defaults; what ``engine: auto`` chose is in the choices section)."""
     compile = method.get("compile", False)
-    words = "" if method.get("fast_head", True) else ", the model's own output layer (fast_head: false)"
+    engine = method.get("engine", "auto")
+    words = "" if engine == "auto" else f", engine `{engine}`"
+    words += "" if method.get("fast_head", True) else ", the model's own output layer (fast_head: false)"
     if method.get("cache_implementation", "dynamic") == "dynamic" and compile is False:
         return words
     words = f", {method['cache_implementation']} cache" + words

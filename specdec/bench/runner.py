@@ -68,7 +68,7 @@ def config_hash(config: BenchConfig, questions: list[Question]) -> str:
 #: default, so those results still resume
 _LATER_FIELDS = {"config": ("device", "dtype", "reference", "repeats", "distributed"),
                  "dataset": ("first_per_category", "max_turns"),
-                 "method": ("cache_implementation", "compile", "fast_head"),
+                 "method": ("cache_implementation", "compile", "fast_head", "engine"),
                  "generation": ("min_p", "repetition_penalty", "encoder_repetition_penalty", "no_repeat_ngram_size",
                                 "min_new_tokens", "bad_words_ids", "suppress_tokens", "grammar")}
 

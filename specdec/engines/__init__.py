@@ -19,11 +19,18 @@ The protocol, for a batch of B rows feeding T columns each after the S slots the
   why. The caller runs a chain instead, never different logits.
 
 Engines: ``"eager"``, the model's own ``forward`` and nothing else (:func:`make_engine`).
+
+Choosing one (``SpecDecoder(..., engine=...)``, docs/engines.md, "Choosing an engine"):
+:data:`ENGINE_CHOICES` are the names ``engine=`` takes, checked by :func:`resolve_engine_name`
+before any forward; :func:`engine_report` says what a call ran (``out.stats.choices["engine"]``).
+"auto" and "cpu" still run specdec's CPU forwards where they are (``specdec/forwards/``, decided
+per model by probes and timings); "eager" runs none of them for that decoder alone.
 """
 
 from __future__ import annotations
 
 from .base import CAUSAL, Engine, EngineOutput, Layout, LayoutNotSupported
+from .cpu import decisions as _cpu_decisions
 from .eager import EagerEngine
 
 #: engine name -> its class (constructed with the model it serves)
@@ -39,5 +46,48 @@ def make_engine(name: str, model) -> Engine:
     return ENGINES[name](model)
 
 
+#: what ``engine=`` takes: "auto" (the CPU engine's forwards where their probes and timings choose
+#: them, the model's own elsewhere), "cpu" (the same, named: a model on a CPU only), "eager" (the
+#: model's own forward and nothing else)
+ENGINE_CHOICES = ("auto", "cpu", "eager")
+
+
+def resolve_engine_name(name) -> str:
+    """``name`` checked against :data:`ENGINE_CHOICES` (a ValueError with a hint otherwise, a
+    TypeError for a non-string), returned as given."""
+    from ..names import did_you_mean
+
+    if not isinstance(name, str):
+        raise TypeError(f"engine must be a name, one of {', '.join(ENGINE_CHOICES)}; got {name!r}")
+    if name not in ENGINE_CHOICES:
+        raise ValueError(f"unknown engine {name!r}.{did_you_mean(name, ENGINE_CHOICES)} "
+                         f"Known: {', '.join(ENGINE_CHOICES)}")
+    return name
+
+
+def check_engine(name: str, model) -> None:
+    """Refuse an engine that cannot serve ``model`` (before any forward): "cpu" needs it on a CPU."""
+    param = next(model.parameters(), None)
+    device = param.device.type if param is not None else "cpu"
+    if name == "cpu" and device != "cpu":
+        raise ValueError(f"engine='cpu' runs models on a CPU; {type(model).__name__} is on {device} "
+                         "(use engine='auto' or 'eager')")
+
+
+def engine_report(model, name: str, fast_head: bool = True) -> str:
+    """What engine ``name`` (checked) runs ``model``'s forwards with, in words (``stats.choices``):
+    "eager: ..." or "cpu: ..." with what its forwards decided so far for the model (read only:
+    nothing is probed or timed here)."""
+    if name == "eager":
+        return "eager: the model's own forward"
+    param = next(model.parameters(), None)
+    if param is not None and param.device.type != "cpu":
+        return f"eager ({name}: the CPU engine serves models on a CPU; this one is on {param.device.type})"
+    said = _cpu_decisions(model)
+    if not fast_head:
+        said = said[: said.rindex("; fast output layer")] + "; fast output layer off (fast_head=False)"
+    return f"cpu{' (auto)' if name == 'auto' else ''}: {said}"
+
+
 __all__ = ["CAUSAL", "ENGINES", "EagerEngine", "Engine", "EngineOutput", "Layout", "LayoutNotSupported",
-           "make_engine"]
+           "ENGINE_CHOICES", "check_engine", "engine_report", "make_engine", "resolve_engine_name"]

@@ -189,14 +189,19 @@ def _observed(model: torch.nn.Module, run):
     return out
 
 
-def model_logits(model, kwargs: dict, *, direct: bool = False, fast_head: bool = True) -> torch.Tensor:
+def model_logits(model, kwargs: dict, *, direct: bool = False, fast_head: bool = True,
+                 own: bool = False) -> torch.Tensor:
     """``model(**kwargs).logits`` (``model.forward`` if ``direct``: no module hooks), with the output
     layer as :class:`FastHead` where ``fast_head`` and the model qualifies, grouped-query
     attention without copies of the cache on a CPU (``attention.grouped_attention``), a
     forward of a few tokens through packed weights where they pay (``packed.packed_linears``,
     the output layer's among them: no fast head then), and otherwise the decoder's layers as one
-    scripted function where the model qualifies (``direct.DirectForward``)."""
+    scripted function where the model qualifies (``direct.DirectForward``). ``own`` (the
+    caller's ``engine="eager"``) runs the model's forward and none of these: nothing is decided,
+    counted or packed for the model by such a call."""
     kwargs = with_current_cache_keyword(model, kwargs)
+    if own:
+        return (model.forward if direct else model)(**kwargs).logits
     fed = kwargs.get("input_ids")
     fed = kwargs.get("inputs_embeds") if fed is None else fed
     device = model.device if fed is None else fed.device
