@@ -259,3 +259,26 @@ def test_the_command_line_takes_an_engine_and_prints_the_choice(capsys):
     with pytest.raises(SystemExit):
         cli.main([*base, "--engine", "eagr", "abc"])
     assert "invalid choice: 'eagr'" in capsys.readouterr().err
+
+
+def test_the_report_splits_a_speedup_into_the_engines_share_and_speculations():
+    """With the loop drafting nothing on an engine, a method's speedup = that loop's x its own over it."""
+    from specdec.bench.report import _engine_share_section
+    from specdec.bench.summary import Summary
+
+    def summary(method, generator, speedup, reference=False):
+        return Summary(method, generator, "overall", 4, 100, 1.0, speedup, None, False, None, None, reference)
+
+    meta = {"config": {"methods": [{"name": "base", "generator": "baseline"},
+                                   {"name": "loop_eager", "generator": "none", "engine": "eager"},
+                                   {"name": "loop_auto", "generator": "none"},
+                                   {"name": "pl_eager", "generator": "prompt_lookup", "engine": "eager"},
+                                   {"name": "pl_auto", "generator": "prompt_lookup"}]}}
+    overall = [summary("base", "baseline", 1.0, reference=True), summary("loop_eager", "none", 1.0),
+               summary("loop_auto", "none", 1.25), summary("pl_eager", "prompt_lookup", 1.6),
+               summary("pl_auto", "prompt_lookup", 2.0)]
+    text = "\n".join(_engine_share_section(meta, overall))
+    assert "| `pl_auto` | `auto` | 2.00x | 1.25x (`loop_auto`) | 1.60x |" in text
+    assert "| `pl_eager` | `eager` | 1.60x | 1.00x (`loop_eager`) | 1.60x |" in text
+    assert "| `loop_auto` | `auto` | 1.25x | 1.25x (`loop_auto`) | n/a |" in text.replace("—", "n/a")
+    assert _engine_share_section({"config": {"methods": meta["config"]["methods"][3:]}}, overall[3:]) == []

@@ -208,6 +208,7 @@ def _subtask_tables(meta: dict, all_summaries: list[Summary], subtasks: list[str
     out = ["", "## Overall", ""]
     out += _table(["method"] + METRIC_HEADER, [[f"`{s.method}`"] + _metric_cells(s) for s in overall])
     out += _identical_section(meta, overall)
+    out += _engine_share_section(meta, overall)
     out += ["", "## Speedup over baseline by subtask", ""]
     out += _table(["method"] + subtasks + [OVERALL],
                   [[f"`{m['name']}`"] + [_f(by[(m["name"], g)].speedup, ".2f", "x") if (m["name"], g) in by else NA
@@ -224,6 +225,30 @@ def _subtask_tables(meta: dict, all_summaries: list[Summary], subtasks: list[str
                       [[f"`{s.method}`"] + [f"{v:.2f}" for v in (s.stats.per_position_acceptance + [0.0] * width)[:width]]
                        for s in measured])
     return out
+
+
+def _engine_share_section(meta: dict, overall: list[Summary]) -> list[str]:
+    """Where the run has specdec's loop with no drafts (generator ``none``) on an engine, each
+    method's speedup split in two: that loop's over the reference (the engine's share: the same
+    tokens, one per forward) and the method's over that loop (speculation's share)."""
+    engines = {m["name"]: m.get("engine", "auto") for m in meta["config"]["methods"]}
+    by = {s.method: s for s in overall}
+    loops = {engines[s.method]: s for s in overall if s.generator == "none" and s.speedup}
+    if not loops:
+        return []
+    body = []
+    for s in overall:
+        loop = loops.get(engines.get(s.method, "auto"))
+        if s.reference or s.speedup is None or loop is None or s.kind.reference:
+            continue
+        body.append([f"`{s.method}`", f"`{engines[s.method]}`", _f(s.speedup, ".2f", "x"),
+                     f"{loop.speedup:.2f}x (`{loop.method}`)",
+                     _f(s.speedup / loop.speedup if s.method != loop.method else None, ".2f", "x")])
+    ref = next((m for m in by if by[m].reference), "the reference")
+    return ["", "## The engine's share and speculation's", "",
+            f"Speedup over `{ref}` = the loop's with no drafts on the same engine (the engine's share: one "
+            "token a forward, the same tokens) x the method's over that loop (speculation's share).", ""] + \
+        _table(["method", "engine", "speedup", "loop, no drafts, same engine", "speculation alone"], body)
 
 
 def _identical_section(meta: dict, overall: list[Summary]) -> list[str]:
