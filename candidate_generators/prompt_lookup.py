@@ -12,6 +12,15 @@ none after weak ones. A match is *contested* when the suffix occurred more than 
 not every occurrence was followed by the same token (the latest one's is proposed). The
 acceptance measured per source, from which ``NGRAM_PRIOR`` is rounded, is in
 docs/draft_length.md ("Its inputs").
+
+With ``tree=True`` a row proposes a token tree (docs/trees.md) instead of one copy: what followed
+the latest match (the chain it would propose otherwise, node 0 on and first at every level, so
+the tree's leading chain is that copy) merged with what followed up to ``branches - 1`` other
+earlier occurrences of the suffix (older ones, then shorter suffixes'), as one trie (shared
+prefixes once), within the step's draft budget: each other continuation adds at most a quarter of
+the budget past where it leaves the trie, together at most half of it, and the first copy is
+shortened to make room. Rows whose continuations all agree propose a chain, and a step where every
+row does proposes no tree at all.
 """
 
 from __future__ import annotations
@@ -60,6 +69,66 @@ def lookup(sequence: torch.Tensor, max_ngram: int, min_ngram: int, count: int) -
     return lookup_match(sequence, max_ngram, min_ngram, count).drafts
 
 
+def other_continuations(sequence: torch.Tensor, max_ngram: int, min_ngram: int, count: int,
+                        limit: int) -> list[list[int]]:
+    """sequence [L] -> up to ``limit`` distinct continuations (each up to ``count`` tokens) of the
+    earlier occurrences of its suffix, the latest occurrence of the longest suffix first (the one
+    :func:`lookup_match` proposes), then older ones, then shorter suffixes'."""
+    length, found = sequence.shape[0], []
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if length <= n:
+            continue
+        windows = sequence[: length - 1].unfold(0, n, 1)  # [L-n, n]: windows with a next token
+        hits = (windows == sequence[length - n:]).all(dim=1).nonzero().flatten().tolist()
+        for hit in reversed(hits):
+            continuation = sequence[hit + n: hit + n + count].tolist()
+            if continuation not in found:
+                found.append(continuation)
+                if len(found) == limit:
+                    return found
+    return found
+
+
+def continuation_trie(continuations: list[list[int]], budget: int) -> list[tuple[int, int]]:
+    """Continuations (the first the main copy) -> at most ``budget`` trie nodes ``(token, parent)``
+    (parent -1: the root), parents first, the first continuation's nodes leading (module docstring)."""
+    if not continuations or budget <= 0:
+        return []
+    first, others = continuations[0], continuations[1:]
+    share = max(1, budget // 4)  # the most nodes one other continuation adds
+    plans = []  # (continuation, where it leaves the first, nodes it adds)
+    for other in others:
+        common = next((i for i, (a, b) in enumerate(zip(first, other)) if a != b), min(len(first), len(other)))
+        if common < len(other):
+            plans.append((other, common, min(share, len(other) - common)))
+    extra, kept = 0, []
+    for plan in plans:
+        if extra + plan[2] > budget // 2:
+            break
+        kept.append(plan)
+        extra += plan[2]
+    main = min(len(first), budget - extra)
+    nodes: list[tuple[int, int]] = []
+    child: dict[tuple[int, int], int] = {}
+
+    def insert(tokens: list[int], adds: int) -> None:
+        parent = -1
+        for token in tokens:
+            if (parent, token) not in child:
+                if adds == 0 or len(nodes) == budget:
+                    return
+                child[(parent, token)] = len(nodes)
+                nodes.append((token, parent))
+                adds -= 1
+            parent = child[(parent, token)]
+
+    insert(first[:main], main)
+    for other, common, adds in kept:
+        if common < main:  # it leaves the (shortened) first copy inside the trie: an alternative
+            insert(other, adds)
+    return nodes
+
+
 def ngram_prior(n: int, contested: bool = False) -> float:
     return NGRAM_PRIOR[min(n, max(NGRAM_PRIOR))][int(contested)]
 
@@ -77,10 +146,15 @@ class PromptLookupGenerator(CandidateGenerator):
     # seldom right to pay for a wider forward, and replaying the policy on recorded outputs
     # (benchmarks/replay_policy.py) chose 4..2; the measurements are in docs/draft_length.md.
     def __init__(self, *, num_tokens: int = 4, max_ngram: int = 4, min_ngram: int = 2,
-                 schedule: str = "auto", max_tokens: int = 10):
+                 schedule: str = "auto", max_tokens: int = 10, tree: bool = False, branches: int = 4):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        if not isinstance(tree, bool):
+            raise TypeError(f"tree must be True or False, got {tree!r}")
+        if not isinstance(branches, int) or isinstance(branches, bool) or branches < 1:
+            raise ValueError(f"branches must be a positive int, got {branches!r}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.tree, self.branches = tree, branches
         self.schedule = DraftLengthSchedule(num_tokens, schedule, max_tokens)
 
     def setup(self, ctx: DecodeContext) -> None:
@@ -98,10 +172,22 @@ class PromptLookupGenerator(CandidateGenerator):
         tokens, lengths = ctx.tokens, ctx.lengths.tolist()
         found = [lookup_match(tokens[b, : lengths[b]], self.max_ngram, self.min_ngram, budget[b]) if budget[b] > 0
                  else Match(0, False, tokens.new_empty(0)) for b in range(len(lengths))]
-        proposal = Proposal.from_rows([m.drafts for m in found], tokens.device)
+        trees = [self._tree(tokens[b, : lengths[b]], m, budget[b]) for b, m in enumerate(found)] if self.tree else None
+        if trees is not None and any(any(parent != i - 1 for i, (_, parent) in enumerate(t)) for t in trees):
+            proposal = Proposal.from_tree(trees, tokens.device)
+        else:
+            proposal = Proposal.from_rows([m.drafts for m in found], tokens.device)
         proposal.sources = torch.tensor([ngram_source(self.max_ngram, m.n, m.contested) for m in found],
                                         dtype=torch.long)
         return proposal
+
+    def _tree(self, sequence: torch.Tensor, match: Match, budget: int) -> list[tuple[int, int]]:
+        """One row's trie of continuations (:func:`continuation_trie`); its chain where there is one."""
+        chain = [(int(t), i - 1) for i, t in enumerate(match.drafts.tolist())]
+        if match.n == 0 or budget < 2 or self.branches == 1:
+            return chain
+        continuations = other_continuations(sequence, self.max_ngram, self.min_ngram, budget, self.branches)
+        return continuation_trie(continuations, budget) if len(continuations) > 1 else chain
 
     def observe(self, ctx: DecodeContext, feedback: Feedback) -> None:
         self.schedule.update(feedback)

@@ -14,7 +14,8 @@ A generator holding something built once and shared (a quantized model copy) ove
    hands an assistant model to the controller and returns an
    :class:`~specdec.assistant.Assistant` handle (the controller owns its cache);
 3. ``propose(ctx, max_drafts) -> Proposal`` before every target forward. ``max_drafts [B]`` is the
-   most each row may offer (so output never runs past ``max_new_tokens``);
+   most each row may offer (so output never runs past ``max_new_tokens``); a proposal with
+   ``parents`` is a token tree of that many nodes (docs/trees.md), verified in one forward;
 4. ``observe(ctx, feedback)`` after every verification, with the step's :class:`StepRecord`
    (a :class:`Feedback`: per-row offered/accepted counts, and the rest of what the step saw);
 5. ``select_rows(rows)`` when finished rows leave the batch (per-row state must follow);
@@ -55,6 +56,9 @@ class Proposal:
     token_ids: torch.Tensor  # [B, K] long, padded past each row's length
     lengths: torch.Tensor  # [B] long, valid drafts per row (0 allowed)
     probs: torch.Tensor | None = None  # [B, K, target_vocab] draft distribution, None = point masses
+    #: [B, K] long: a token tree (docs/trees.md): ``parents[b, i]`` is draft i's parent index in row b
+    #: (-1: a child of the pending token), parents before children, ``lengths[b]`` nodes; None = a chain
+    parents: torch.Tensor | None = None
     #: [B] long: which of the generator's sources drafted each row (an index into
     #: ``DraftingInfo.priors``), for a generator with several; None = source 0
     sources: torch.Tensor | None = None
@@ -68,6 +72,63 @@ class Proposal:
     def empty(cls, batch: int, device: torch.device | str = "cpu") -> "Proposal":
         return cls(torch.zeros(batch, 0, dtype=torch.long, device=device),
                    torch.zeros(batch, dtype=torch.long, device=device))
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
+
+    def leading_chain(self) -> "Proposal":
+        """A tree proposal's leading chain as a chain proposal: node 0, its first child, that one's
+        first child, ... (a trie built one continuation after another leads with the first); the
+        proposal itself when it is a chain. What a step verifies where a tree cannot be."""
+        if self.parents is None:
+            return self
+        ids = self.token_ids
+        parents, lengths = self.parents.to(ids.device).long(), self.lengths.to(ids.device).long()
+        batch, k = ids.shape
+        real = torch.arange(k, device=ids.device)[None, :] < lengths[:, None]  # [B, K]
+        order = torch.zeros(batch, k, dtype=torch.long, device=ids.device)  # [B, K] node at each chain index
+        count = torch.zeros(batch, dtype=torch.long, device=ids.device)
+        node = torch.where(lengths > 0, 0, -1)  # [B] the chain's next node (-1: it ended)
+        for j in range(k):
+            live = node >= 0
+            if not bool(live.any()):
+                break
+            order[:, j] = node.clamp(min=0)
+            count += live.long()
+            child = (parents == node[:, None]) & real & live[:, None]  # [B, K]
+            node = torch.where(child.any(dim=1), child.float().argmax(dim=1), -1)
+        probs = self.probs
+        if probs is not None:
+            probs = probs.gather(1, order.to(probs.device)[..., None].expand(-1, -1, probs.shape[-1]))
+        confidence = self.confidence
+        if confidence is not None:
+            confidence = confidence[:, :k].gather(1, order.to(confidence.device))
+        return replace(self, token_ids=ids.gather(1, order), lengths=count.to(self.lengths.device), probs=probs,
+                       confidence=confidence, parents=None)
+
+    def is_chain(self, counts: torch.Tensor | None = None) -> bool:
+        """Whether every row's first ``counts[b]`` (default ``lengths[b]``) nodes form a chain, each
+        the child of the one before (always, for a proposal without ``parents``)."""
+        if self.parents is None:
+            return True
+        counts = (self.lengths if counts is None else counts).to(self.parents.device)
+        index = torch.arange(self.parents.shape[1], device=self.parents.device)[None, :]
+        return bool(((self.parents == index - 1) | (index >= counts[:, None])).all())
+
+    @classmethod
+    def from_tree(cls, rows: list[list[tuple[int, int]]], device: torch.device | str = "cpu") -> "Proposal":
+        """Point-mass tree drafts from per-row lists of ``(token, parent)`` nodes (parent -1: a
+        child of the pending token; parents before children), padded with token 0 and parent -1."""
+        counts = [len(r) for r in rows]
+        width = max(counts, default=0)
+        token_ids = torch.zeros(len(rows), width, dtype=torch.long)
+        parents = torch.full((len(rows), width), -1, dtype=torch.long)
+        for b, r in enumerate(rows):
+            for i, (token, parent) in enumerate(r):
+                token_ids[b, i], parents[b, i] = token, parent
+        return cls(token_ids.to(device), torch.tensor(counts, dtype=torch.long, device=device),
+                   parents=parents.to(device))
 
     @classmethod
     def from_rows(cls, rows: list[list[int]] | list[torch.Tensor], device: torch.device | str = "cpu") -> "Proposal":
@@ -135,6 +196,9 @@ class StepRecord(Feedback):
     forward: float = 0.0  # seconds of the target's forward
     verifying: float = 0.0  # seconds from the proposal to the commit (forward, verification, commit)
     grammar_drafts: torch.Tensor | None = None  # [B] of the offered drafts, the trailing ones a grammar proposed
+    #: whether the step verified a token tree: ``offered`` then counts its nodes, ``accepted`` the
+    #: depth of the accepted path (docs/trees.md)
+    tree: bool = False
 
     def drafter_view(self) -> "StepRecord":
         """The step as the generator's drafts saw it: the grammar's drafts after them left out (free,

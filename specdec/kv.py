@@ -138,15 +138,23 @@ class DynamicKV:
         self.cache = new_dynamic_cache(self.layout, reach)
 
     def forward(self, model, kwargs: dict, *, first_slot: int, width: int, first: bool, mask,
-                needs_mask: bool, direct: bool = False) -> torch.Tensor:
+                needs_mask: bool, direct: bool = False, runner=None) -> torch.Tensor:
         """Run the model on ``kwargs`` (ids/positions ``[B, fed]``, fed = :meth:`padded_width`);
         ``mask(slots)`` gives the ``[B, slots]`` attention mask, needed unless every slot holds a
-        real token. ``direct`` calls ``model.forward`` (no module hooks). -> logits of the first
+        real token. ``direct`` calls ``model.forward`` (no module hooks); ``runner(model, kwargs)``,
+        where given, runs the forward instead (a tree's, through an engine). -> logits of the first
         ``width`` columns (or fewer, with ``logits_to_keep``)."""
         if needs_mask:
             kwargs["attention_mask"] = mask(first_slot + width)
+        if runner is not None:
+            return runner(model, kwargs)
         return model_logits(model, kwargs, direct=direct, fast_head=self.settings.fast_head,
                             own=self.settings.own_forward)
+
+    def gather_slots(self, first: int, sources: torch.Tensor) -> None:
+        """Slot ``first + j`` of row b takes what slot ``sources[b, j]`` holds (``sources [B, W]``):
+        a tree's accepted nodes moved into chain order (docs/trees.md)."""
+        _gather_slots(self.cache, first, sources)
 
     def padded_width(self, width: int, first: bool) -> int:
         return width
@@ -209,7 +217,7 @@ class StaticKV:
         self.compiled = compiled_forward(model, settings.options, owned=settings.owned) if compiles else None
 
     def forward(self, model, kwargs: dict, *, first_slot: int, width: int, first: bool, mask,
-                needs_mask: bool, direct: bool = False) -> torch.Tensor:
+                needs_mask: bool, direct: bool = False, runner=None) -> torch.Tensor:
         fed = kwargs["input_ids"].shape[1]
         held = self.cache
         self._reserve(model, first_slot + fed)
@@ -221,6 +229,8 @@ class StaticKV:
             else:
                 layer.cumulative_length = torch.tensor(first_slot)
         kwargs["attention_mask"] = mask(self.length)  # always: slots past the rows' ends hold stale entries
+        if runner is not None:  # a tree's forward, through an engine: never compiled
+            return runner(model, kwargs)
         if self.compiled is None or first or fed not in self.settings.widths:
             return model_logits(model, kwargs, direct=direct, fast_head=self.settings.fast_head,
                                 own=self.settings.own_forward)
@@ -280,6 +290,10 @@ class StaticKV:
                 new_layer.keys[:, :, :old_length].copy_(old_layer.keys)
                 new_layer.values[:, :, :old_length].copy_(old_layer.values)
         self._give_back(model, old)
+
+    def gather_slots(self, first: int, sources: torch.Tensor) -> None:
+        """As :meth:`DynamicKV.gather_slots`, in place in the static tensors."""
+        _gather_slots(self.cache, first, sources)
 
     def crop(self, old_slots: int, new_slots: int) -> None:
         pass  # the write position is set before every forward; stale slots are masked, then overwritten
@@ -369,6 +383,18 @@ def _ensure_initialized(new_layer, like, batch: int, dtype: torch.dtype | None =
 def _layers(cache: DynamicCache):
     return [layer for layer in cache.layers
             if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel()]
+
+
+def _gather_slots(cache, first: int, sources: torch.Tensor) -> None:
+    """Every layer's slots ``first .. first + W - 1`` of row b take slots ``sources [B, W]``: one
+    gather per tensor along the slot dimension (sources may point inside or past the window)."""
+    width = sources.shape[1]
+    if width == 0:
+        return
+    for layer in _layers(cache):
+        for tensor in (layer.keys, layer.values):  # [B, heads, slots, dim]
+            index = sources.to(tensor.device)[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
+            tensor[:, :, first: first + width] = tensor.gather(2, index)
 
 
 def _shift_rows(cache, shifts: torch.Tensor) -> None:

@@ -52,6 +52,11 @@ class AcceptanceStats:
     #: of the drafted and accepted tokens, the grammar's own drafts (specdec/grammar.py)
     grammar_drafts: int = 0
     grammar_accepted: int = 0
+    #: row-steps that verified a token tree, its nodes and the depth accepted (docs/trees.md); such a
+    #: step also counts its nodes as drafted tokens and its depth as accepted ones above
+    tree_steps: int = 0
+    tree_nodes: int = 0
+    tree_depth: int = 0
 
     # -- recording ---------------------------------------------------------------------------
     def record_step(self, drafted: list[int], accepted: list[int], committed: list[int]) -> None:
@@ -74,6 +79,12 @@ class AcceptanceStats:
         for f, d, a in zip(grammar, drafted, accepted):
             self.grammar_drafts += f
             self.grammar_accepted += max(0, a - (d - f))
+
+    def record_tree(self, nodes: list[int], depth: list[int]) -> None:
+        """One tree forward's nodes and accepted depth per row (``record_step`` counted them as drafts)."""
+        self.tree_steps += len(nodes)
+        self.tree_nodes += sum(nodes)
+        self.tree_depth += sum(depth)
 
     def record_forward(self, tokens: int, seconds: float) -> None:
         """One target forward (not the prefill) that fed ``tokens`` took ``seconds``."""
@@ -102,6 +113,9 @@ class AcceptanceStats:
             coordination=_add_dicts(self.coordination, other.coordination, 0),
             grammar_drafts=self.grammar_drafts + other.grammar_drafts,
             grammar_accepted=self.grammar_accepted + other.grammar_accepted,
+            tree_steps=self.tree_steps + other.tree_steps,
+            tree_nodes=self.tree_nodes + other.tree_nodes,
+            tree_depth=self.tree_depth + other.tree_depth,
         )
 
     __add__ = merge
@@ -172,6 +186,8 @@ class AcceptanceStats:
             **({"grammar_drafts": self.grammar_drafts, "grammar_accepted": self.grammar_accepted,
                 "grammar_share": self.grammar_share, "drafter_acceptance_rate": self.drafter_acceptance_rate}
                if self.grammar_drafts else {}),  # grammar-constrained calls only
+            **({"tree_steps": self.tree_steps, "tree_nodes": self.tree_nodes, "tree_depth": self.tree_depth}
+               if self.tree_steps else {}),  # calls that verified token trees only
             "mean_accepted_length": self.mean_accepted_length,
             "acceptance_rate": self.acceptance_rate,
             "per_position_acceptance": self.per_position_acceptance,
@@ -183,7 +199,7 @@ class AcceptanceStats:
         keys = ("steps", "drafted_tokens", "accepted_tokens", "committed_tokens", "accepted_at_position",
                 "draft_seconds", "verify_seconds", "total_seconds", "generator", "drafts_verified",
                 "skipped_steps", "calibration_seconds", "compile_seconds", "choices", "processor_seconds", "coordination",
-                "grammar_drafts", "grammar_accepted")
+                "grammar_drafts", "grammar_accepted", "tree_steps", "tree_nodes", "tree_depth")
         stats = cls(**{k: d[k] for k in keys if k in d})
         stats.forward_costs = {int(t): list(v) for t, v in d.get("forward_costs", {}).items()}
         return stats

@@ -22,6 +22,14 @@ One :meth:`DecodeRun.step`, the algorithm::
     observe   StepRecord -> statistics, streamer, followers.sync, session.observe, policy.observe;
               finished rows leave every state, the session and the policy
 
+A proposal with ``parents`` (a token tree, docs/trees.md) is admitted by its node count, fed in
+the same one forward with the tree layout through the eager engine (``specdec.engines``), its
+scores processed along each node's own path, verified from the root (``tree_greedy_verify``,
+``tree_point_mass_sample``) and turned into the chain it accepted: the target's cache keeps the
+accepted nodes' entries moved into chain order (``ModelState.keep_path``), and from there the
+step is a chain's (commit, stopping, streamer, followers). A tree the step cannot verify (a
+grammar, a distributed call, a model the engine refuses) is verified as its leading chain.
+
 The record of a step is built once and read by everyone who learns from the step; the policy is
 met only through ``plan``, ``admit`` and ``observe`` (and, from the generator, through the
 context it was built with: ``ctx.draft_rate`` and ``ctx.keep_drafting``).
@@ -38,7 +46,8 @@ from .assistant import Assistant
 from .compiled import compile_seconds
 from .forwards.packed import PackedLinears
 from .device import synchronize
-from .engines import engine_report
+from .distributed import Solo
+from .engines import Layout, LayoutNotSupported, engine_report, make_engine
 from .generators import CandidateGenerator, DecodeContext, Proposal, StepRecord, declared_drafting
 from .grammar import no_allowed_token, with_grammar_drafts
 from .kv import CacheSettings, static_problem
@@ -51,7 +60,8 @@ from .request import CallSettings, Prompt
 from .state import ModelState, cache_problem
 from .stopping import StreamFeed
 from .validation import check_proposal
-from .verify import Verdict, greedy_verify, speculative_sample
+from .verify import (TreeVerdict, Verdict, greedy_verify, leaf_chains, speculative_sample, tree_greedy_verify,
+                     tree_point_mass_sample)
 
 #: tokens an assistant may have pending before a proposal (the target's newest, the last draft, a
 #: re-tokenized tail) for the proposal's time to count as drafting cost: more is catching up
@@ -107,6 +117,8 @@ class DecodeRun:
         self.outputs: list[torch.Tensor | None] = [None] * prompt.rows.shape[0]
         self.stopper.begin(prompt.input_ids, settings.pad, self.outputs, settings.output_scores)
         self.recorder = ScoreRecorder(prompt.rows.shape[0], settings.output_scores, settings.output_logits)
+        self._tree_engine = None  # the eager engine that runs tree forwards, made at the first tree
+        self._tree_refusal: str | None = None  # why this call verifies trees as chains (None: it does not)
 
     @property
     def assistants(self) -> list[ModelState]:
@@ -180,13 +192,23 @@ class DecodeRun:
             lambda: self._draft(asked, room), room, self.drafting.max_drafts, target)  # [B] each
         k = int(offered.max())
         draft_ids = proposal.token_ids[:, :k].to(target.device)  # [B, k]
+        parents = proposal.parents[:, :k].to(target.device) if proposal.parents is not None else None  # [B, k]
         committed = target.lengths.clone()  # [B]
-        logits = self._forward(draft_ids, offered, committed)  # [B, k+1, V]
+        logits = self._forward(draft_ids, offered, committed, parents)  # [B, k+1, V]
         forwarded = time.perf_counter()
-        scores = self._scores(logits, draft_ids, offered, committed)  # [B, k+1, V] as generate() processes them
-        verifiable, dead = self._dead_ends(scores, offered)  # a grammar's position where nothing is allowed
-        verdict = self.ranks.verdict(lambda: self._verify(scores, draft_ids, verifiable, proposal, dead),
-                                     self.settings.sampling.do_sample, draft_ids)
+        dead = None
+        if parents is None:
+            scores = self._scores(logits, draft_ids, offered, committed)  # [B, k+1, V] as generate() processes them
+            verifiable, dead = self._dead_ends(scores, offered)  # a grammar's position where nothing is allowed
+            verdict = self.ranks.verdict(lambda: self._verify(scores, draft_ids, verifiable, proposal, dead),
+                                         self.settings.sampling.do_sample, draft_ids)
+        else:  # a tree: verified from the root, then the chain it accepted (columns and cache entries)
+            scores = self._tree_scores(logits, draft_ids, parents, offered, committed)  # [B, k+1, V]
+            verdict = self._verify_tree(scores, draft_ids, parents, offered)
+            columns = torch.cat([torch.zeros_like(verdict.path[:, :1]), verdict.path + 1], dim=1)  # [B, k+1]
+            draft_ids = draft_ids.gather(1, verdict.path)  # [B, k]: the accepted path's tokens first
+            scores, logits = (_columns(x, columns) for x in (scores, logits))
+            target.keep_path(committed, verdict.path, verdict.accepted)
         block, kept, finished = self._commit(scores, draft_ids, verdict, committed)  # [B, k+1], [B], [B]
         if dead is not None:
             self._refuse_dead_end(dead, kept, committed)
@@ -199,7 +221,7 @@ class DecodeRun:
             first=first, catching_up=catching_up, waiting=first and bool(self.borrowers),
             compiling=compile_seconds() - compiled_before, started=started, drafting=drafted - started,
             forward=forwarded - drafted, verifying=time.perf_counter() - drafted,
-            grammar_drafts=proposal.grammar_drafts)
+            grammar_drafts=proposal.grammar_drafts, tree=parents is not None)
         self._observe(record, block, committed)
         if bool(finished.any()):
             self._retire(finished)
@@ -237,6 +259,8 @@ class DecodeRun:
         proposal = self.session.propose(self.ctx, asked)
         drafted = time.perf_counter()
         made, candidates, offered = self._admit(proposal, asked)
+        if proposal.parents is not None:
+            proposal, offered = self._tree_or_chain(proposal, offered)
         if self.processors is not None and self.processors.grammar is not None:
             proposal, offered = self._constrain(proposal, offered, room)
         return proposal, drafted, (made, candidates, offered)
@@ -247,11 +271,16 @@ class DecodeRun:
         target = self.target
         check_proposal(proposal, self.plugin, target.batch_size, self.vocab, self.settings.sampling.do_sample,
                        len(self.drafting.priors))
+        tree = proposal.parents is not None
+        if tree:
+            self._check_tree(proposal)
         ids = proposal.token_ids.to(target.device)  # [B, K]
+        # a tree's first nodes are a tree too (parents come first): a tree is cut like a chain
         made = target.admissible_drafts(ids, torch.minimum(proposal.lengths.to(target.device), asked).clamp_min(0))
-        if self.processors is not None and self.processors.hard:
+        if self.processors is not None and self.processors.hard and not tree:
             made = self._allowed(ids, made, proposal.confidence)
-        candidates = self.stopper.worth_verifying(ids, made)
+        # a tree's node after an end of sequence in node order may be its sibling: nothing cut
+        candidates = made if tree else self.stopper.worth_verifying(ids, made)
         if self.policy is None:
             return made, candidates, candidates
         sources = proposal.sources.cpu() if proposal.sources is not None else None  # [B] or None: source 0
@@ -271,13 +300,104 @@ class DecodeRun:
         proposal = with_grammar_drafts(proposal, rows, taken)
         return proposal, proposal.lengths.to(offered.device)
 
-    def _forward(self, draft_ids: torch.Tensor, offered: torch.Tensor, committed: torch.Tensor) -> torch.Tensor:
+    def _forward(self, draft_ids: torch.Tensor, offered: torch.Tensor, committed: torch.Tensor,
+                 parents: torch.Tensor | None = None) -> torch.Tensor:
         """Feed the pending tokens and row b's first ``offered[b]`` drafts -> logits [B, k+1, V] from
-        each row's last committed token on; waits for the device, so the forward can be timed."""
+        each row's last committed token on; waits for the device, so the forward can be timed.
+        With ``parents [B, k]`` the drafts are a tree's nodes, fed with its layout through the eager
+        engine: column i+1 is then the logits after node i's own chain."""
         self.target.append(draft_ids, offered)
-        logits = self.target.forward(start=committed - 1)
+        if parents is None:
+            logits = self.target.forward(start=committed - 1)
+        else:
+            logits = self.target.forward_tree(committed - 1, (parents, offered, self._tree_engine))
         synchronize(self.target.device)
         return logits
+
+    # -- token trees (docs/trees.md) ----------------------------------------------------------------
+    def _check_tree(self, proposal: Proposal) -> None:
+        """A proposal's ``parents`` must be a well-formed tree over its drafts; name the plugin if not."""
+        where = f"candidate generator {self.plugin!r}"
+        parents = proposal.parents
+        if not isinstance(parents, torch.Tensor) or tuple(parents.shape) != tuple(proposal.token_ids.shape):
+            raise ValueError(f"{where}: Proposal.parents must be None or a long tensor shaped like token_ids "
+                             f"{tuple(proposal.token_ids.shape)}, got "
+                             f"{tuple(parents.shape) if isinstance(parents, torch.Tensor) else type(parents).__name__}")
+        try:
+            Layout.tree(parents, lengths=proposal.lengths.to(parents.device))
+        except ValueError as error:
+            raise ValueError(f"{where}: Proposal.parents: {error}") from None
+
+    def _tree_or_chain(self, proposal: Proposal, offered: torch.Tensor) -> tuple[Proposal, torch.Tensor]:
+        """A checked tree proposal and the nodes admitted per row [B] -> the proposal this step
+        verifies: the tree itself, or its leading chain where the step cannot verify a tree (or the
+        nodes admitted form a chain in every row, which the chain's faster path verifies)."""
+        if self.settings.sampling.do_sample and proposal.probs is not None:
+            raise NotImplementedError(
+                f"candidate generator {self.plugin!r} proposed a token tree with draft probabilities: sampling "
+                "verifies point-mass trees only for now (recursive rejection over stochastic siblings is not "
+                "built); propose probs=None, a chain, or decode greedily")
+        # a first forward's prefill-only inputs (images) pass with the first step: trees after it
+        passing = self.target.is_first_iteration and bool(self.target.prefill_inputs)
+        reason = self._tree_refusal or (None if passing else self._tree_problem())
+        if reason is not None and self._tree_refusal is None:
+            self._tree_refusal = reason  # for the rest of the call
+            self.stats.choices["trees"] = f"verified as chains: {reason}"
+        if reason is None and not passing and not proposal.is_chain(offered):
+            return proposal, offered
+        cut = dataclasses.replace(proposal, lengths=torch.minimum(proposal.lengths, offered.to(proposal.lengths.device)))
+        chain = cut.leading_chain()
+        return chain, torch.minimum(offered, chain.lengths.to(offered.device))
+
+    def _tree_problem(self) -> str | None:
+        """Why this call cannot verify trees (None: it can): a grammar (its matchers follow one
+        chain), a distributed call, or a model the eager engine cannot run a tree layout on."""
+        if self.processors is not None and self.processors.grammar is not None:
+            return "a grammar constrains the call"
+        if not isinstance(self.ranks, Solo):
+            return "a distributed call"
+        if self._tree_engine is None:
+            self._tree_engine = make_engine("eager", self.target.model)
+        try:
+            self._tree_engine.check_tree_support(self.target.kv.cache)
+        except LayoutNotSupported as error:
+            return str(error)
+        return None
+
+    def _tree_scores(self, logits: torch.Tensor, node_ids: torch.Tensor, parents: torch.Tensor,
+                     offered: torch.Tensor, committed: torch.Tensor) -> torch.Tensor:
+        """A tree's logits [B, k+1, V] (column i+1: after node i) -> the scores ``generate()`` would
+        compute at each column given that node's own path: the processors are applied once per
+        leaf rank, over the chains from the root to each row's l-th leaf (a chain block as
+        :meth:`_scores` processes one), and each column takes its scores from a chain through it."""
+        if self.processors is None:
+            return logits.float()
+        target = self.target
+        chains, depths = leaf_chains(parents, offered)  # [L, B, k] node indices, [L, B]
+        out = logits.float().clone()
+        rows = torch.arange(out.shape[0], device=out.device)[:, None]
+        for path, depth in zip(chains, depths):
+            width = int(depth.max())
+            path = path[:, :width]  # [B, d]
+            columns = torch.cat([torch.zeros_like(path[:, :1]), path + 1], dim=1)  # [B, d+1]
+            pos = self.processors.positions(target.tokens, committed, self.prompt_lengths, self.row_ids,
+                                            node_ids.gather(1, path), depth + 1)
+            processed = self.processors.apply(_columns(logits.float(), columns), pos)  # [B, d+1, V]
+            if processed.dtype != out.dtype:
+                out = out.to(processed.dtype)
+            valid = torch.arange(width + 1, device=out.device)[None, :] <= depth[:, None]  # [B, d+1]
+            out[rows.expand_as(columns)[valid], columns[valid]] = processed[valid]
+        return out
+
+    def _verify_tree(self, scores: torch.Tensor, node_ids: torch.Tensor, parents: torch.Tensor,
+                     offered: torch.Tensor) -> TreeVerdict:
+        """A tree's scores [B, k+1, V] -> its verdict: greedy, or the target sampled from the root
+        down where a point-mass child holds the sampled token (specdec/verify.py)."""
+        sampling = self.settings.sampling
+        if not sampling.do_sample:
+            return tree_greedy_verify(scores, node_ids, parents, offered)
+        target_probs = torch.softmax(scores, dim=-1) if self.processors is not None else sampling.probs(scores)
+        return tree_point_mass_sample(target_probs.float(), node_ids, parents, offered, self.settings.generator)
 
     def _allowed(self, ids: torch.Tensor, made: torch.Tensor, confidence: torch.Tensor | None) -> torch.Tensor:
         """made [B] cut before the first draft a processor forbids whatever the logits (a bad word,
@@ -400,6 +520,8 @@ class DecodeRun:
     def _count(self, record: StepRecord) -> None:
         stats = self.stats
         stats.record_step(record.offered.tolist(), record.accepted.tolist(), record.kept.tolist())
+        if record.tree:
+            stats.record_tree(record.offered.tolist(), record.accepted.tolist())
         if record.grammar_drafts is not None:
             stats.record_grammar(record.grammar_drafts.tolist(), record.offered.tolist(), record.accepted.tolist())
         record = record.drafter_view()
@@ -468,3 +590,9 @@ class DecodeRun:
             new[b, : min(o.numel(), longest)] = o[:longest]
         scores, logits = self.recorder.tuples(longest)
         return SpecOutput(sequences=torch.cat([input_ids, new], dim=1), scores=scores, logits=logits, stats=self.stats)
+
+
+# -- token trees: pure helpers ----------------------------------------------------------------------
+def _columns(x: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """x [B, T, V], columns [B, C] -> x[b, columns[b, c]]: [B, C, V]."""
+    return x.gather(1, columns[..., None].expand(-1, -1, x.shape[-1]))

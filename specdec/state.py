@@ -41,6 +41,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from .engines import Layout
 from .kv import CacheSettings, make_kv
 from .modelinfo import cache_argument, vocab_size
 from .multimodal import PrefillInputs, TokenPositions
@@ -271,13 +272,27 @@ class ModelState:
         distribution after row b's token ``start[b] + j`` (entries past a row's end are filler).
         Each ``start[b]`` must be a token that is not yet cached (pending).
         """
+        return self._forward(start)
+
+    def forward_tree(self, start: torch.Tensor, tree: tuple) -> torch.Tensor:
+        """:meth:`forward` where the tokens after each row's ``start[b]`` are a token tree's nodes:
+        ``tree = (parents [B, K], nodes [B], engine)`` (``Proposal.parents``), fed in one forward
+        through ``engine`` (specdec.engines) with the tree layout, each at its root's position plus
+        its depth; ``out[b, 1 + i]`` is the distribution after node i's own chain. The cache holds
+        every node afterwards (:meth:`keep_path` keeps the accepted ones)."""
+        return self._forward(start, tree)
+
+    def _forward(self, start: torch.Tensor, tree: tuple | None = None) -> torch.Tensor:
         first_slot = self.cached_slots
         ends = self.offsets + self.lengths  # [B] slot after each row's last token
         width, first = int(ends.max()) - first_slot, self.is_first_iteration
-        index, real, ids, positions = self._chunk(first_slot, width)
         first_needed = self.offsets + start - first_slot  # [B] chunk column of the first logits needed
         if bool((first_needed < 0).any()):
             raise RuntimeError("ModelState.forward asked for logits of a token that is already cached")
+        layout = runner = None
+        if tree is not None:
+            layout, runner, width = self._tree_forward(tree, first_needed + 1, width)
+        index, real, ids, positions = self._chunk(first_slot, width, layout)
         keep = width - int(first_needed.min())
         kwargs: dict[str, Any] = {
             "input_ids": ids,
@@ -293,9 +308,10 @@ class ModelState:
 
         if first:  # a first forward starts at slot 0 unless it continues a prefix
             kwargs.update(self.prefill_inputs.for_chunk(index[:, :width], real[:, :width]))
-        needs_mask = self.batch_size > 1 or bool((self.offsets > 0).any()) or not bool(real[:, :width].all())
+        needs_mask = (self.batch_size > 1 or bool((self.offsets > 0).any()) or not bool(real[:, :width].all())
+                      or runner is not None)
         logits = self.kv.forward(self.model, kwargs, first_slot=first_slot, width=width, first=first,
-                                 mask=mask, needs_mask=needs_mask)
+                                 mask=mask, needs_mask=needs_mask, runner=runner)
         # [B, keep, V]: the last `keep` of the `width` columns (all of them if the model ignores logits_to_keep)
         keep = logits.shape[1]
         self.is_first_iteration = False
@@ -308,11 +324,54 @@ class ModelState:
         cols = cols.clamp(max=keep - 1)  # [B, M]
         return logits.gather(1, cols[..., None].expand(-1, -1, logits.shape[-1]))
 
-    def _chunk(self, first_slot: int, width: int) -> tuple[torch.Tensor, ...]:
+    def _tree_forward(self, tree: tuple, node0: torch.Tensor, width: int):
+        """``tree = (parents [B, K], nodes [B], engine)``, ``node0 [B]`` the chunk column of each
+        row's node 0 -> (the checked tree layout, the runner that feeds it through the engine, the
+        chunk width: wide enough for every row's K node columns, the ones past a row's end padding)."""
+        parents, nodes, engine = tree
+        width = max(width, int((node0 + parents.shape[1]).max()))
+        layout = Layout.tree(parents.to(self.device), start=node0, lengths=nodes.to(self.device))
+        cache_key = self._cache_kwarg
+        plain = {"input_ids", "position_ids", cache_key, "use_cache", "attention_mask", "logits_to_keep"}
+
+        def runner(model, kwargs: dict) -> torch.Tensor:
+            out = engine.forward(kwargs["input_ids"], kwargs["position_ids"], layout=layout, cache=kwargs[cache_key],
+                                 attention_mask=kwargs.get("attention_mask"),
+                                 logits_to_keep=kwargs.get("logits_to_keep"),
+                                 model_inputs={k: v for k, v in kwargs.items() if k not in plain})
+            return out.logits
+
+        return layout, runner, width
+
+    def keep_path(self, start: torch.Tensor, path: torch.Tensor, accepted: torch.Tensor) -> None:
+        """After a tree forward (tokens ``start[b] ..`` of row b were its nodes): move the cached
+        entries of each row's accepted nodes ``path[b, :accepted[b]]`` (node indices, root to
+        deepest) to the slots of the chain they make, ``start[b] .. start[b] + accepted[b] - 1``,
+        in one gather per cache tensor; :meth:`commit` then drops the rest."""
+        count = int(accepted.max()) if accepted.numel() else 0
+        if count == 0:
+            return
+        depth = torch.arange(count, device=self.device)[None, :]  # [1, A]
+        moved = (path[:, :count].to(self.device) != depth) & (depth < accepted.to(self.device)[:, None])  # [B, A]
+        if not bool(moved.any()):  # the accepted path is the leading chain: already in place
+            return
+        base = self.offsets + start.to(self.device)  # [B] slot of each row's node 0
+        if bool((base[:, None] + path[:, :count].to(self.device) >= self.cached_slots)[moved].any()):
+            raise RuntimeError("ModelState.keep_path: an accepted node is no longer cached")
+        first = int(base.min())
+        width = int((base + accepted.to(self.device)).max()) - first
+        cols = first + torch.arange(width, device=self.device)[None, :].repeat(self.batch_size, 1)  # [B, W]
+        along = cols - base[:, None]  # [B, W] depth - 1 of each slot in its row's chain
+        take = (along >= 0) & (along < accepted.to(self.device)[:, None])
+        nodes = path.to(self.device).gather(1, along.clamp(0, path.shape[1] - 1))
+        self.kv.gather_slots(first, torch.where(take, base[:, None] + nodes, cols))
+
+    def _chunk(self, first_slot: int, width: int, layout: Layout | None = None) -> tuple[torch.Tensor, ...]:
         """The columns the next forward feeds, ``width`` of them padded to a compiled width F ->
         (index [B, F]: each row's token index there, real [B, F], ids [B, F], positions [B, F] or
-        [3, B, F] for mRoPE)."""
-        fed = self.kv.padded_width(width, self.is_first_iteration)  # columns past `width` are padding
+        [3, B, F] for mRoPE). A tree ``layout`` feeds ``width`` columns exactly (its forward is never
+        compiled), each at the position of its column in its own chain (``Layout.chain_columns``)."""
+        fed = width if layout is not None else self.kv.padded_width(width, self.is_first_iteration)
         chunk_slots = first_slot + torch.arange(fed, device=self.device)[None, :]  # [1, F]
         index = chunk_slots - self.offsets[:, None]  # [B, F] token index at each chunk slot
         real = (index >= 0) & (index < self.lengths[:, None])
@@ -321,6 +380,9 @@ class ModelState:
         # model sees padding there, which can only change what an assistant proposes
         ids = ids.masked_fill(~real | (ids >= self.vocab_limit), self.pad_token_id)  # [B, F]
         at = index
+        if layout is not None:  # a node at its root's position plus its depth
+            columns = torch.arange(fed, device=self.device)[None, :]
+            at = index + layout.chain_columns(fed, self.batch_size, self.device) - columns
         if self.position_limit is not None:  # learned positions: refuse a token past them, keep padding inside
             self._check_positions()
             at = index.clamp(max=self.position_limit - 1)  # only padded columns move (real ones are below)

@@ -1,0 +1,247 @@
+"""Token trees (docs/trees.md): many guesses verified in one forward, exactly.
+
+* the verifier's math on hand-made logits (greedy takes the deepest all-argmax path, not the first
+  sibling's), and point-mass tree sampling against a Markov chain's exact joint (chi-square);
+* greedy ``SpecDecoder.generate`` with trees identical to ``target.generate`` on every tiny
+  architecture (prompt lookup's tries), dynamic and static caches, batch 1 and a left-padded batch
+  with a different tree per row; a hand-made generator whose right branch at depth 2 follows a
+  wrong first sibling accepts deeper than its leading chain, with the same output;
+* logits processors along each node's own path; sampling end to end (chi-square on a tiny vocab);
+* malformed trees, and trees with draft probabilities under sampling, refused naming the plugin.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec import SpecDecoder
+from specdec.generators import CandidateGenerator, DraftingInfo, Proposal
+from specdec.models import TINY_ARCHS
+from specdec.sampling import SamplingParams
+from specdec.verify import tree_greedy_verify, tree_point_mass_sample
+
+from helpers import left_pad, reference, tiny_pair
+from test_sampling_lossless import (N, TINY_VOCAB, VOCAB, X0, assert_same_distribution, chain_joint,
+                                    exact_three_token_joint, joint_counts, markov_tables, tiny_vocab_llama)
+
+#: a prompt whose suffix (5 6 7) occurred twice before with different continuations: prompt lookup
+#: proposes a tree at the first step
+CONTESTED = torch.tensor([[5, 6, 7, 8, 9, 12, 5, 6, 7, 10, 11, 13, 4, 5, 6, 7]])
+
+
+@pytest.fixture(scope="module")
+def pairs():
+    built = {}
+
+    def get(arch: str):
+        if arch not in built:
+            built[arch] = tiny_pair(arch)
+        return built[arch]
+
+    return get
+
+
+class Oracle(CandidateGenerator):
+    """Proposes, from the known greedy output ``ref`` [B, P+N] (rows left-padded by ``pads``), the
+    tree: the right token t1, then under it a wrong sibling before the right t2, then t3 under t2
+    (odd rows: a wrong sibling before t1 at the root, then t2, t3). ``chain=True`` proposes its
+    leading chain instead (t1, wrong)."""
+
+    name = "oracle_tree"
+
+    def __init__(self, ref: torch.Tensor, pads: list[int], chain: bool = False):
+        self.ref, self.pads, self.chain = ref, pads, chain
+
+    def drafting(self) -> DraftingInfo:
+        return DraftingInfo(max_drafts=None)  # no policy: every step verifies what is proposed
+
+    def propose(self, ctx, max_drafts):
+        rows = []
+        for b in range(ctx.batch_size):
+            at = self.pads[b] + int(ctx.lengths[b])
+            truth = self.ref[b, at: at + 3].tolist()
+            if len(truth) < 3 or int(max_drafts[b]) < 4:
+                rows.append([])
+                continue
+            wrong = (truth[1] + 1 + b) % 300
+            if self.chain:
+                rows.append([(truth[0], -1), (wrong, 0)])
+            elif b % 2:  # odd rows: the wrong sibling at the root, before the right one
+                rows.append([((truth[0] + 1) % 300, -1), (truth[0], -1), (truth[1], 1), (truth[2], 2)])
+            else:
+                rows.append([(truth[0], -1), (wrong, 0), (truth[1], 0), (truth[2], 2)])
+        return Proposal.from_tree(rows) if not self.chain else Proposal.from_rows([[t for t, _ in r] for r in rows])
+
+
+# -- the verifier -----------------------------------------------------------------------------------
+def test_greedy_tree_verdict_takes_the_deepest_all_argmax_path():
+    vocab = 10
+    node_ids = torch.tensor([[3, 4, 5, 6, 7]])  # node 0 (3) root child; 1 (4) and 2 (5) under 0; 3 (6) under 2
+    parents = torch.tensor([[-1, 0, 0, 2, -1]])
+    argmax = [3, 5, 9, 6, 1, 0]  # column i+1 after node i: root -> 3; node 0 -> 5 (node 2, not node 1); 2 -> 6; 3 -> 1
+    logits = torch.nn.functional.one_hot(torch.tensor([argmax]), vocab).float()  # [1, 6, V]
+    verdict = tree_greedy_verify(logits, node_ids, parents, torch.tensor([5]))
+    assert verdict.accepted.tolist() == [3] and verdict.path[0, :3].tolist() == [0, 2, 3]
+    assert verdict.next_token.tolist() == [argmax[3 + 1]]  # the argmax after node 3
+    short = tree_greedy_verify(logits, node_ids, parents, torch.tensor([3]))  # node 3 is padding
+    assert short.accepted.tolist() == [2] and short.next_token.tolist() == [6]
+
+
+def run_tree(target_table: torch.Tensor, seed: int, nodes: int = 6) -> torch.Tensor:
+    """Decode N rows of the Markov chain in lockstep with random point-mass trees (tokens and shapes
+    random per row and step) until each has >= 3 tokens; return [N, 3] first committed tokens."""
+    g = torch.Generator().manual_seed(seed)
+    out = torch.full((N, 3 * (nodes + 1)), -1, dtype=torch.long)
+    count = torch.zeros(N, dtype=torch.long)
+    last = torch.full((N,), X0, dtype=torch.long)
+    rows = torch.arange(N)
+    index = torch.arange(nodes)
+    for _ in range(3):
+        parents = (torch.rand(N, nodes, generator=g) * (index + 1)).long() - 1  # [N, K] each in -1 .. i-1
+        node_ids = torch.randint(0, VOCAB, (N, nodes), generator=g)
+        lengths = torch.randint(0, nodes + 1, (N,), generator=g)
+        context = torch.cat([last[:, None], node_ids], 1)  # [N, K+1]: the token each column follows
+        verdict = tree_point_mass_sample(target_table[context], node_ids, parents, lengths, g)
+        path = node_ids.gather(1, verdict.path)  # [N, K]
+        block = torch.cat([path, torch.zeros(N, 1, dtype=torch.long)], 1)
+        block[rows, verdict.accepted] = verdict.next_token
+        for j in range(nodes + 1):
+            take = j <= verdict.accepted
+            out[rows[take], count[take] + j] = block[take, j]
+        count += verdict.accepted + 1
+        last = verdict.next_token
+    return out[:, :3]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(True, 1.0), SamplingParams(True, 0.7, top_k=4)],
+                         ids=["plain", "top_k"])
+def test_point_mass_tree_sampling_commits_the_target_distribution(params):
+    target_table, _ = markov_tables(params)
+    first = run_tree(target_table, seed=11)
+    assert_same_distribution(joint_counts(first, VOCAB), chain_joint(target_table).flatten())
+
+
+# -- greedy, end to end -----------------------------------------------------------------------------
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("arch", list(TINY_ARCHS))
+def test_prompt_lookup_trees_match_generate(pairs, arch, cache):
+    target, _, _ = pairs(arch)
+    for ids in (CONTESTED, torch.randint(3, 11, (1, 40), generator=torch.Generator().manual_seed(1))):
+        ref = reference(target, ids, 32)
+        out = SpecDecoder(target, "prompt_lookup", tree=True, schedule="fixed", num_tokens=6,
+                          cache_implementation=cache).generate(ids, max_new_tokens=32)
+        assert torch.equal(out.sequences, ref)
+        if ids is CONTESTED:  # the first step's lookup was a tree, verified as one
+            assert out.stats.tree_steps >= 1 and out.stats.tree_nodes > out.stats.tree_depth
+            assert "trees" not in out.stats.choices
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "gpt2"])
+def test_a_right_branch_after_a_wrong_sibling_is_accepted(pairs, arch, cache):
+    target, _, _ = pairs(arch)
+    ids = CONTESTED
+    ref = reference(target, ids, 30)
+    tree = SpecDecoder(target, Oracle(ref, [0]), cache_implementation=cache).generate(ids, max_new_tokens=30)
+    chain = SpecDecoder(target, Oracle(ref, [0], chain=True), cache_implementation=cache).generate(
+        ids, max_new_tokens=30)
+    assert torch.equal(tree.sequences, ref) and torch.equal(chain.sequences, ref)
+    assert tree.stats.tree_steps > 0 and tree.stats.tree_depth == 3 * tree.stats.tree_steps  # t1, t2, t3 every step
+    assert chain.stats.accepted_tokens == chain.stats.steps - 1 or chain.stats.acceptance_rate <= 0.5
+    assert tree.stats.mean_accepted_length > chain.stats.mean_accepted_length + 1
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gpt2"])
+def test_a_left_padded_batch_with_a_tree_per_row(pairs, arch, cache):
+    target, _, _ = pairs(arch)
+    rows = [CONTESTED[0], torch.randint(3, 11, (9,), generator=torch.Generator().manual_seed(4)),
+            torch.tensor([20, 21, 22, 23, 20, 21, 24, 25, 20, 21, 22])]
+    padded, mask = left_pad(rows, pad_id=257)
+    refs = [reference(target, row[None, :], 24)[0] for row in rows]
+    width = padded.shape[1]
+    full = [torch.cat([padded[b, : width - row.numel()], refs[b]]) for b, row in enumerate(rows)]
+    longest = max(f.numel() for f in full)  # a row that ends early (EOS) is padded after it
+    ref = torch.stack([torch.nn.functional.pad(f, (0, longest - f.numel()), value=257) for f in full])
+    pads = [width - row.numel() for row in rows]
+    for generator in ("prompt_lookup", Oracle(ref, pads)):
+        options = {"tree": True, "schedule": "fixed", "num_tokens": 6} if generator == "prompt_lookup" else {}
+        out = SpecDecoder(target, generator, cache_implementation=cache, **options).generate(
+            padded, mask, max_new_tokens=24)
+        for b, row in enumerate(rows):
+            want = refs[b][row.numel():]
+            assert torch.equal(out.sequences[b, width: width + want.numel()], want), (generator, b)
+        assert out.stats.tree_steps > 0
+
+
+@pytest.mark.parametrize("settings", [{"repetition_penalty": 1.5}, {"no_repeat_ngram_size": 2},
+                                      {"repetition_penalty": 1.3, "no_repeat_ngram_size": 3}],
+                         ids=["repetition", "no_repeat", "both"])
+def test_processors_apply_along_each_nodes_own_path(pairs, settings):
+    target, _, _ = pairs("llama")
+    for ids in (CONTESTED, torch.randint(3, 11, (1, 30), generator=torch.Generator().manual_seed(2))):
+        ref = reference(target, ids, 30, **settings)
+        for generator in ("prompt_lookup", Oracle(ref, [0])):
+            options = {"tree": True} if generator == "prompt_lookup" else {}
+            out = SpecDecoder(target, generator, **options).generate(ids, max_new_tokens=30, **settings)
+            assert torch.equal(out.sequences, ref), generator
+        assert out.stats.tree_steps > 0
+
+
+# -- sampling, end to end ---------------------------------------------------------------------------
+class Siblings(CandidateGenerator):
+    """Two point-mass siblings at the root, and a child under the second where room allows."""
+
+    name = "siblings"
+
+    def drafting(self) -> DraftingInfo:
+        return DraftingInfo(max_drafts=None)
+
+    def propose(self, ctx, max_drafts):
+        room = int(max_drafts.min())
+        nodes = [(1, -1), (2, -1), (3, 1)][: max(room, 0)]
+        return Proposal.from_tree([nodes] * ctx.batch_size)
+
+
+def test_tree_sampling_end_to_end_samples_the_target_distribution():
+    target = tiny_vocab_llama(0)
+    prompt = torch.tensor([[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]])
+    params = SamplingParams(True, 0.8, top_k=6)
+    out = SpecDecoder(target, Siblings()).generate(
+        prompt.repeat(N, 1), max_new_tokens=3, do_sample=True, temperature=params.temperature, top_k=params.top_k,
+        generator=torch.Generator().manual_seed(0))
+    new = out.sequences[:, prompt.shape[1]:]
+    assert out.stats.tree_steps >= N and 0 < out.stats.tree_depth < out.stats.tree_nodes
+    assert_same_distribution(joint_counts(new, TINY_VOCAB), exact_three_token_joint(target, prompt, params))
+
+
+# -- refusals ---------------------------------------------------------------------------------------
+class Fixed(CandidateGenerator):
+    name = "fixed_tree"
+
+    def __init__(self, parents, probs: bool = False):
+        self.parents, self.probs = parents, probs
+
+    def drafting(self) -> DraftingInfo:
+        return DraftingInfo(max_drafts=None)
+
+    def propose(self, ctx, max_drafts):
+        k = len(self.parents)
+        probs = torch.full((ctx.batch_size, k, 320), 1 / 320) if self.probs else None
+        return Proposal(torch.full((ctx.batch_size, k), 7), torch.full((ctx.batch_size,), k), probs=probs,
+                        parents=torch.tensor([self.parents] * ctx.batch_size))
+
+
+@pytest.mark.parametrize("parents,problem", [([-1, 2, 0], "at or after its child"), ([-1, 5], "out of range"),
+                                             ([-1, -3], "out of range"), ([-1, 1], "at or after its child")])
+def test_a_malformed_tree_is_refused_naming_the_plugin(pairs, parents, problem):
+    target, _, _ = pairs("llama")
+    with pytest.raises(ValueError, match=f"'fixed_tree'.*{problem}"):
+        SpecDecoder(target, Fixed(parents)).generate(CONTESTED, max_new_tokens=8)
+
+
+def test_a_tree_with_draft_probabilities_is_refused_under_sampling(pairs):
+    target, _, _ = pairs("llama")
+    with pytest.raises(NotImplementedError, match="'fixed_tree'.*draft probabilities"):
+        SpecDecoder(target, Fixed([-1, -1], probs=True)).generate(CONTESTED, max_new_tokens=8, do_sample=True)
