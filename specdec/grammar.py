@@ -44,14 +44,18 @@ from transformers import LogitsProcessor
 GRAMMAR_LIMIT = 32
 
 
+#: xgrammar without its GPU-kernel dependency, as the README's install and .ci/run give it (tests/test_docs.py)
+CPU_INSTALL = "pip install --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2"
+
+
 def xgrammar():
     """The xgrammar module, or an ImportError saying how to install it."""
     try:
         import xgrammar as xgr
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("grammar-constrained decoding needs xgrammar: on a CPU machine "
-                          "pip install --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 (as the README does; "
-                          'xgrammar\'s own dependencies pull triton, GPU kernels); with a GPU, pip install "specdec[grammar]"') from e
+        raise ImportError(f"grammar-constrained decoding needs xgrammar: on a CPU machine {CPU_INSTALL} (as the "
+                          "README does; xgrammar's own dependencies pull triton, GPU kernels); with a GPU, "
+                          'pip install "specdec[grammar]"') from e
     return xgr
 
 
@@ -126,6 +130,8 @@ _LOCK = threading.Lock()
 #: compiled grammars kept per tokenizer and stop tokens, least recently used dropped past it: a
 #: service that compiles a schema per request must not grow without bound
 MAX_COMPILED = 64
+#: grammar compilers kept per tokenizer (one per vocabulary size and set of stop ids), least recently used dropped
+MAX_COMPILERS = 8
 
 
 def compile_grammar(grammar, tokenizer, vocab_size: int, stop_token_ids) -> object:
@@ -140,10 +146,13 @@ def compile_grammar(grammar, tokenizer, vocab_size: int, stop_token_ids) -> obje
     xgr = xgrammar()
     stops = tuple(sorted(int(t) for t in stop_token_ids))
     with _LOCK:
-        per_tokenizer = _COMPILED.setdefault(tokenizer, {})
+        per_tokenizer = _COMPILED.setdefault(tokenizer, OrderedDict())
         if (vocab_size, stops) not in per_tokenizer:
             info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stops) or None)
             per_tokenizer[vocab_size, stops] = (xgr.GrammarCompiler(info, cache_enabled=False), OrderedDict())  # ours is bounded
+            while len(per_tokenizer) > MAX_COMPILERS:  # a service passing its own EOS ids per request
+                per_tokenizer.popitem(last=False)
+        per_tokenizer.move_to_end((vocab_size, stops))
         compiler, compiled = per_tokenizer[vocab_size, stops]
         if grammar not in compiled:
             compiled[grammar] = _compile(compiler, grammar)

@@ -9,8 +9,9 @@ loads read that instead. Invariants:
 * a folder is complete only with its marker file, written last, after the saved copy has loaded
   back to identical weights, config, generation config and tokenizer; the marker records the
   size and SHA-256 of every file in the folder;
-* nothing in a folder is trusted unverified: every load hashes every file and compares it with
-  the marker (:func:`folder_problem`), and loads the tokenizer strictly. A folder that fails (a
+* nothing in a folder is trusted unverified: a load hashes every file and compares it with the
+  marker (:func:`folder_problem`; again in the same process only where a file's size, inode or
+  modification time changed), and loads the tokenizer strictly. A folder that fails (a
   flipped byte, an edited config, a damaged tokenizer, a file added or missing, no marker or one
   from before the digests) is removed with a warning naming the file, and the caller
   de-quantizes again and rewrites it (:func:`load_cached`). Hashing SmolLM2-135M's 540 MB takes
@@ -109,12 +110,38 @@ def file_digests(folder: Path) -> dict[str, dict]:
             for name in _files(folder)}
 
 
+#: folder -> the stat of every file (marker included) when the process last found it as written: a
+#: folder loaded again, unchanged since, is not hashed again (a rank's second check, a second load)
+_VERIFIED: dict[str, tuple] = {}
+
+
+def _stats(folder: Path) -> tuple:
+    return tuple((str(p.relative_to(folder)), p.stat().st_ino, p.stat().st_size, p.stat().st_mtime_ns)
+                 for p in sorted(folder.rglob("*")) if p.is_file())
+
+
 def folder_problem(folder: Path) -> str | None:
     """Why cache folder ``folder`` cannot be trusted, naming the file, or None when every file is
-    as written (size and SHA-256, as its marker records them) and none was added."""
+    as written (size and SHA-256, as its marker records them) and none was added. A folder this
+    process verified is hashed again only when a file's size, inode or modification time changed."""
     marker = folder / CACHE_MARKER
     if not marker.is_file():
         return f"{marker} is missing (the folder was never completed)"
+    try:
+        seen = _stats(folder)
+    except OSError as exc:  # a file removed while listed
+        return f"{folder} changed while it was read ({exc})"
+    if _VERIFIED.get(str(folder)) == seen:
+        return None
+    problem = _hashed_problem(folder, marker)
+    if problem is None:
+        _VERIFIED[str(folder)] = seen
+    else:
+        _VERIFIED.pop(str(folder), None)
+    return problem
+
+
+def _hashed_problem(folder: Path, marker: Path) -> str | None:
     files = _marker_files(folder)
     if files is None:
         return f"{marker} lists no file digests (damaged, or written by an older specdec)"

@@ -142,6 +142,21 @@ def test_a_sharded_load_reads_only_a_verified_cache(packaged):
         load_tokenizer(cache, strict=True)
 
 
+def test_a_folder_verified_once_is_hashed_again_only_when_a_file_changes(packaged, monkeypatch):
+    from specdec import weight_cache
+
+    load_model(NAME)
+    cache = models.weight_cache_path(NAME)
+    hashed = []
+    real = weight_cache._digest
+    monkeypatch.setattr(weight_cache, "_digest", lambda path: hashed.append(path.name) or real(path))
+    assert weight_cache.folder_problem(cache) is None and hashed
+    hashed.clear()
+    assert weight_cache.folder_problem(cache) is None and hashed == []  # verified by this process, unchanged since
+    edit_json(cache / "generation_config.json", repetition_penalty=3.0)
+    assert "generation_config.json" in weight_cache.folder_problem(cache) and hashed
+
+
 def test_a_file_added_to_a_cache_folder_is_said_and_rebuilt(packaged):
     _, _, dequantized = packaged
     load_model(NAME)
@@ -306,7 +321,9 @@ def test_the_time_budget_stops_measuring_and_says_so(target, own_cache):
     assert not choice.cut_short and "budget" not in choice.reason
 
 
-def test_a_spent_budget_is_said_on_stderr_in_stats_and_in_the_file(own_cache, monkeypatch, capsys):
+def test_a_spent_budget_is_said_on_stderr_and_in_stats_and_kept_for_the_process_only(own_cache, monkeypatch,
+                                                                                    capsys):
+    """A choice cut short by the budget is one busy moment's: the process keeps it, no file does."""
     fresh = tiny_random("llama", seed=15)[0]
     monkeypatch.delenv("SPECDEC_QUIET", raising=False)
     ids = repetitive_prompt(10)
@@ -315,9 +332,9 @@ def test_a_spent_budget_is_said_on_stderr_in_stats_and_in_the_file(own_cache, mo
     assert "stopped by its 0 s time budget" in out.stats.choices["weights_choice"]
     err = capsys.readouterr().err
     assert "for at most some 0 s" in err and "the 0 s time budget ran out: the best copy measured by then" in err
-    monkeypatch.setattr(choose, "_MEMO", {})
-    kept = choose.load(choose.cache_key(fresh))
-    assert kept.cut_short and "stopped by its 0 s time budget" in kept.reason
+    assert "kept for this process only" in err
+    assert choose._MEMO[choose.cache_key(fresh)].cut_short  # this process keeps it
+    assert choose.load(choose.cache_key(fresh)) is None  # a later process measures again
     monkeypatch.setenv(choose.BUDGET_ENV, "soon")
     with pytest.raises(ValueError, match="SPECDEC_CHOICE_BUDGET must be a number of seconds"):
         choose.budget_seconds()

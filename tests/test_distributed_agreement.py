@@ -73,6 +73,29 @@ def test_processors_by_class_and_settings_never_by_address():
     assert describe(lambda x: x)[0] == "callable" and "0x" not in repr(describe(lambda x: x))
 
 
+def test_numpy_arrays_enums_and_held_objects_are_described_by_their_values():
+    """A processor's settings may sit in a numpy array, an Enum or an object it holds: two calls
+    that differ there must not fingerprint alike (one rank's settings would silently give way)."""
+    import enum
+
+    import numpy as np
+
+    class Mode(enum.Enum):
+        A = 1
+        B = 2
+
+    class Knobs:
+        def __init__(self, level):
+            self.level = level
+
+    assert settings_of(Holds(np.array([1, 2]))) == settings_of(Holds(np.array([1, 2])))
+    assert settings_of(Holds(np.array([1, 2]))) != settings_of(Holds(np.array([7, 9])))
+    assert settings_of(Holds(Mode.A)) != settings_of(Holds(Mode.B))
+    assert settings_of(Holds(Knobs(3))) == settings_of(Holds(Knobs(3)))
+    assert settings_of(Holds(Knobs(3))) != settings_of(Holds(Knobs(4)))
+    assert "0x" not in repr(settings_of(Holds(Knobs(Knobs(Knobs(3))))))  # past the depth: the class alone
+
+
 def test_a_criterion_made_at_another_moment_is_the_same_call():
     first = _fingerprint(criteria=[MaxTimeCriteria(3.0)])
     time.sleep(0.01)

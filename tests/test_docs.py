@@ -121,3 +121,11 @@ def test_the_readmes_install_line_gives_what_every_docs_example_imports():
             continue
         importlib.import_module(module)
     assert not missing, f"the README's install line leaves out: {'; '.join(missing)}"
+
+
+def test_the_missing_xgrammar_message_gives_the_readmes_install():
+    from specdec.grammar import CPU_INSTALL
+
+    packages = CPU_INSTALL.split("--no-deps", 1)[1].split()
+    run = readme_run_block()
+    assert all(p in run for p in packages) and "--no-deps" in run

@@ -275,6 +275,10 @@ def test_the_compiled_grammars_kept_are_bounded(world, monkeypatch):
         assert compile_grammar(Grammar.regex("a+"), tok, target.config.vocab_size, [tok.eos_token_id]) is first
     (_, kept), = grammar_module._COMPILED[tok].values()
     assert len(kept) == 3 and Grammar.regex("a+") in kept and Grammar.regex("b1") not in kept
+    monkeypatch.setattr(grammar_module, "MAX_COMPILERS", 2)  # one compiler per set of stop ids: bounded too
+    for stop in range(4):
+        compile_grammar(Grammar.regex("a+"), tok, target.config.vocab_size, [stop])
+    assert list(grammar_module._COMPILED[tok]) == [(target.config.vocab_size, (2,)), (target.config.vocab_size, (3,))]
 
 
 def test_grammar_errors_say_what_to_do(world):

@@ -27,6 +27,7 @@ grammar's text.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import numbers
 import zlib
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ import torch
 TENSOR_LIMIT = 1 << 16
 #: attributes that record a moment, not a setting: they differ between ranks by nature
 VOLATILE = frozenset({"initial_timestamp"})
+#: how deep the attributes of an object of no known kind are described (then its class alone)
+OBJECT_DEPTH = 2
 
 
 @dataclass(frozen=True)
@@ -82,10 +85,17 @@ def settings_of(obj) -> tuple:
     return _name(type(obj)), {k: describe(v) for k, v in sorted(attributes.items()) if k not in VOLATILE}
 
 
-def describe(value):
-    """``value`` as plain data with no address in it (see the module docstring)."""
+def describe(value, depth: int = 0):
+    """``value`` as plain data with no address in it (see the module docstring); an object of no
+    known kind by its attributes, ``OBJECT_DEPTH`` levels deep (a processor holding a helper that
+    holds the settings), then by its class."""
     if value is None or isinstance(value, (bool, int, float, str, bytes)):
         return value
+    if isinstance(value, enum.Enum):
+        return "enum", _name(type(value)), describe(value.value)
+    if type(value).__module__ == "numpy" and hasattr(value, "tobytes") and hasattr(value, "shape"):  # an array
+        return ("array", str(value.dtype), tuple(value.shape),
+                zlib.crc32(value.tobytes()) if value.size <= TENSOR_LIMIT else None)
     if isinstance(value, numbers.Number):  # numpy's scalars, ...
         return "number", repr(value)
     if isinstance(value, torch.Tensor):
@@ -95,17 +105,22 @@ def describe(value):
     if isinstance(value, torch.Generator):
         return "generator", str(value.device), digest(value.get_state())
     if isinstance(value, dict):
-        return "dict", tuple(sorted((repr(describe(k)), describe(v)) for k, v in value.items()))
+        return "dict", tuple(sorted((repr(describe(k, depth)), describe(v, depth)) for k, v in value.items()))
     if isinstance(value, (list, tuple)):
-        return type(value).__name__, tuple(describe(v) for v in value)
+        return type(value).__name__, tuple(describe(v, depth) for v in value)
     if isinstance(value, (set, frozenset)):
-        return "set", tuple(sorted(repr(describe(v)) for v in value))
+        return "set", tuple(sorted(repr(describe(v, depth)) for v in value))
     if dataclasses.is_dataclass(value) and not isinstance(value, type):  # settings objects: every field
-        return _name(type(value)), tuple((f.name, describe(getattr(value, f.name))) for f in dataclasses.fields(value))
+        return _name(type(value)), tuple((f.name, describe(getattr(value, f.name), depth))
+                                         for f in dataclasses.fields(value))
     if type(value).__name__ == "CompiledGrammar":
         return "grammar", str(value.grammar)
     if isinstance(value, type) or callable(value) and hasattr(value, "__qualname__"):
         return "callable", _name(value)
+    attributes = getattr(value, "__dict__", None)
+    if attributes and depth < OBJECT_DEPTH:
+        return "object", _name(type(value)), tuple((k, describe(v, depth + 1)) for k, v in sorted(attributes.items())
+                                                   if k not in VOLATILE)
     return "object", _name(type(value))
 
 

@@ -537,9 +537,10 @@ def choose(target, sample: torch.Tensor | Callable[[], torch.Tensor], build: Cal
             f"for at most some {seconds:g} s" + (f" (once; kept in {path}) ..." if path is not None else " ..."))
         choice, built = measure(target, sample() if callable(sample) else sample, build, draft_cache,
                                 budget=seconds, progress=progress)
-        cut = (f" (the {seconds:g} s time budget ran out: the best copy measured by then"
-               + (f"; delete {path} to measure again)" if path is not None else ")")) if choice.cut_short else ""
+        cut = (" (the {:g} s time budget ran out: the best copy measured by then, kept for this process "
+               "only; a later process measures again)".format(seconds)) if choice.cut_short else ""
         say(f"... chose {choice.weights} in {choice.seconds:.1f} s{cut}")
-        save(key, choice)
+        if not choice.cut_short:  # one busy moment must not fix the copy for this machine for good
+            save(key, choice)
         _MEMO[key] = choice
         return choice, built

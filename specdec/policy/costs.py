@@ -26,6 +26,7 @@ import torch
 
 from ..compiled import say
 from ..device import synchronize
+from ..distributed import sharding
 from ..forwards.packed import measuring
 from ..kv import CacheSettings, make_kv
 from ..modelinfo import cache_argument
@@ -212,7 +213,8 @@ def calibrate(model, tokens: torch.Tensor, cache: CacheSettings | None = None, s
     cache a throwaway one. The user's model is only read. It calls ``model.forward`` itself, so
     forward hooks that watch decoding do not see these forwards (their time is reported apart,
     as ``AcceptanceStats.calibration_seconds``). Rounds stop once ``budget`` seconds
-    (``CALIBRATION_BUDGET``) have passed, with a line on stderr; the first round always completes."""
+    (``CALIBRATION_BUDGET``; none on a sharded target, whose ranks must run the same forwards) have
+    passed, with a line on stderr; the first round always completes."""
     cache = cache or CacheSettings()
     device = next(model.parameters()).device
     tokens = tokens.reshape(-1).to(device)
@@ -231,8 +233,11 @@ def calibrate(model, tokens: torch.Tensor, cache: CacheSettings | None = None, s
     try:
         with torch.no_grad(), measuring():  # timing forwards: no sign of use, they get no weights packed
             prefix = tokens.repeat(context // tokens.numel() + 1)[:context]
-            curve = _time_widths(model, made, cache_kwarg, prefix, reps, CALIBRATED,
-                                 CALIBRATION_BUDGET if budget is None else budget)
+            if budget is None:
+                # a sharded target's calibration forwards are collectives: every rank must run the same
+                # rounds, which a clock of each rank's own cannot promise (docs/distributed.md)
+                budget = float("inf") if sharding(model) else CALIBRATION_BUDGET
+            curve = _time_widths(model, made, cache_kwarg, prefix, reps, CALIBRATED, budget)
     finally:
         if made is not own:
             made.release()
