@@ -213,6 +213,22 @@ def pytest_runtest_setup(item):
 
 
 # -- fixtures ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pairs():
+    """arch -> (target, draft, tokenizer) of a tiny architecture (``helpers.tiny_pair``), each built on
+    first use and kept for the module."""
+    from helpers import tiny_pair
+
+    built = {}
+
+    def get(arch: str):
+        if arch not in built:
+            built[arch] = tiny_pair(arch)
+        return built[arch]
+
+    return get
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """SmolLM2-135M-Instruct from its PyPI package (loaded once per test process)."""

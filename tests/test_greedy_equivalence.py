@@ -12,22 +12,9 @@ import torch
 from specdec import SpecDecoder
 from specdec.models import TINY_ARCHS
 
-from helpers import left_pad, reference, repetitive_prompt, tiny_pair
+from helpers import left_pad, reference, repetitive_prompt
 
 ARCHS = list(TINY_ARCHS)  # llama, mistral (sliding), qwen2, gemma2 & gemma3 (sliding), gpt2, opt, phi3
-
-
-@pytest.fixture(scope="module")
-def pairs():
-    """arch -> (target, draft, tokenizer), each built on first use and kept for the module."""
-    built = {}
-
-    def get(arch: str):
-        if arch not in built:
-            built[arch] = tiny_pair(arch)
-        return built[arch]
-
-    return get
 
 
 @pytest.fixture(scope="module", params=ARCHS)

@@ -21,25 +21,13 @@ from specdec.models import TINY_ARCHS
 from specdec.sampling import SamplingParams
 from specdec.verify import tree_greedy_verify, tree_point_mass_sample
 
-from helpers import left_pad, reference, tiny_pair
+from helpers import left_pad, reference
 from test_sampling_lossless import (N, TINY_VOCAB, VOCAB, X0, assert_same_distribution, chain_joint,
                                     exact_three_token_joint, joint_counts, markov_tables, tiny_vocab_llama)
 
 #: a prompt whose suffix (5 6 7) occurred twice before with different continuations: prompt lookup
 #: proposes a tree at the first step
 CONTESTED = torch.tensor([[5, 6, 7, 8, 9, 12, 5, 6, 7, 10, 11, 13, 4, 5, 6, 7]])
-
-
-@pytest.fixture(scope="module")
-def pairs():
-    built = {}
-
-    def get(arch: str):
-        if arch not in built:
-            built[arch] = tiny_pair(arch)
-        return built[arch]
-
-    return get
 
 
 class Oracle(CandidateGenerator):
