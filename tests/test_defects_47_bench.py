@@ -184,10 +184,10 @@ def test_a_duplicate_yaml_key_is_an_error_naming_the_line(tmp_path, capsys):
      "'cache_implementation'"),
     ({"generator": "prompt_lookup", "fast_haed": False},
      "methods[1].fast_haed: unknown field 'fast_haed'; allowed: name, generator, draft, options, "
-     "cache_implementation, compile, fast_head. Did you mean 'fast_head'?"),
+     "cache_implementation, compile, fast_head, engine. Did you mean 'fast_head'?"),
     ({"generator": "prompt_lookup", "decoder_options": {"fast_head": False}},
      "methods[1].decoder_options: unknown field 'decoder_options' (a bench method gives SpecDecoder's settings as "
-     "its own keys (cache_implementation, compile, fast_head)"),
+     "its own keys (cache_implementation, compile, fast_head, engine)"),
     ({"generator": "prompt_lookup", "options": {"num_tokns": 3}}, "Did you mean 'num_tokens'?"),
 ])
 def test_a_misplaced_or_misspelt_decoder_setting_names_the_method_key(method, expected):
