@@ -109,9 +109,11 @@ class SpecDecoder:
         (``repetition_penalty=1.1``, ``output_scores=True``, ...). Every logits processor
         ``generate()`` would build (and ``logits_processor``, ``prefix_allowed_tokens_fn``) applies
         at every verified position; what cannot be reproduced (beam search, several sequences per
-        prompt, ...) is refused by name before any forward. An explicit ``eos_token_id=None`` means "no EOS"
-        and ``[]`` an EOS criterion of no ids (finished rows padded), as in ``transformers``. Other keyword arguments are prefill-only
-        model inputs (pixel values, grids, token type ids, ...). With ``prefix`` (from
+        prompt, ...) is refused by name before any forward. An explicit ``eos_token_id=None`` means
+        "no EOS" and ``[]`` an EOS criterion of no ids (finished rows padded), as in
+        ``transformers``. Other keyword arguments are prefill-only model inputs (pixel values,
+        grids, token type ids, ...), except the candidate generator's own per-call options
+        (``CandidateGenerator.call_options``, e.g. ``suffix``'s ``memory_scope``). With ``prefix`` (from
         :meth:`prefill`) the prompt rows must extend the prefix rows and carry no such inputs.
         ``generator`` (a ``torch.Generator``) draws the sampling's randomness. ``grammar`` (a JSON
         schema as a dict or pydantic class, a :class:`~specdec.grammar.Grammar`, a compiled xgrammar
