@@ -152,3 +152,29 @@ def test_a_target_held_whole_decodes_exactly_through_the_coordinated_paths():
         decoder.generate(torch.tensor([[5, 10**6]]), max_new_tokens=8)
     with pytest.raises(ValueError, match="outside the target's vocabulary"):
         decoder.prefill(torch.tensor([[5, 10**6]]))
+
+
+def test_broken_groups_stay_refused_until_the_process_starts_new_ones(tmp_path):
+    """After an abort every call is refused with a clear error; a process that starts its groups
+    again (init_process_group once more) can decode again."""
+    import torch.distributed as dist
+
+    from specdec.distributed import DistributedDecodeError, check_usable
+    from specdec.distributed import ranks as ranks_module
+
+    assert not dist.is_initialized()
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/first", rank=0, world_size=1)
+        ranks_module.mark_broken("a test's abort")
+        with pytest.raises(DistributedDecodeError, match="a test's abort"):
+            check_usable()
+        dist.destroy_process_group()
+        with pytest.raises(DistributedDecodeError):  # no groups at all: still refused
+            check_usable()
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/second", rank=0, world_size=1)
+        check_usable()  # new groups: usable
+        assert ranks_module.broken() is None
+    finally:
+        ranks_module._BROKEN.clear()
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -23,7 +23,9 @@ PLACEMENTS = ("one_rank", "replicated")
 INLINE_DRAFTS = 16
 DECIDER = 0
 _GROUPS: dict[float, object] = {}  # control groups by timeout (one new_group per timeout per process)
-_BROKEN: list[str] = []  # why this process's groups can carry no more collectives (empty: they can)
+#: why this process's groups can carry no more collectives, and the default group that broke (empty:
+#: they can); a process that starts new groups (``init_process_group`` again) is usable again
+_BROKEN: list[tuple[str, object]] = []
 
 
 class DistributedDecodeError(RuntimeError):
@@ -185,18 +187,34 @@ def mark_broken(reason: str) -> None:
     a later call raises :func:`check_usable`'s error instead of entering a collective that would
     abort the process or wait for ever."""
     if not _BROKEN:
-        _BROKEN.append(reason)
+        _BROKEN.append((reason, _world()))
+
+
+def _world():
+    """This process's default group, or None (held while broken, so a new one is never the same object)."""
+    import torch.distributed as dist
+
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
 def broken() -> str | None:
-    """Why this process's groups are unusable, or None while they are usable."""
-    return _BROKEN[0] if _BROKEN else None
+    """Why this process's groups are unusable, or None while they are usable (also once the process
+    has started new groups since they broke: aborted groups leave none, so any is new)."""
+    if _BROKEN:
+        reason, world = _BROKEN[0]
+        now = _world()
+        if now is None or now is world:
+            return reason
+        _BROKEN.clear()
+        _GROUPS.clear()  # the control groups were the old world's
+    return None
 
 
 def check_usable() -> None:
     """Raise a clear error where an earlier call left this process's groups unusable."""
-    if _BROKEN:
+    reason = broken()
+    if reason is not None:
         raise DistributedDecodeError(
-            f"the process groups of this rank are unusable since an earlier generate() failed ({_BROKEN[0]}); "
+            f"the process groups of this rank are unusable since an earlier generate() failed ({reason}); "
             "a failure inside the target's forward ends the launch: start the processes again "
             "(docs/distributed.md, Failures)")
