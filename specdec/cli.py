@@ -377,8 +377,11 @@ def generator_summaries() -> dict[str, str]:
         except (ImportError, AttributeError, OSError, TypeError, ValueError, SyntaxError):
             from .registry import get_candidate_generator
 
-            cls = get_candidate_generator(ep.name)
-            doc = sys.modules[cls.__module__].__doc__ or ""
+            try:
+                cls = get_candidate_generator(ep.name)
+                doc = sys.modules[cls.__module__].__doc__ or ""
+            except Exception as exc:  # noqa: BLE001 - a plugin that does not load is listed as such
+                doc = f"(does not load: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
         out[ep.name] = (doc.strip().splitlines() or [""])[0]
     return out
 

@@ -159,6 +159,24 @@ def test_list_names_the_registrys_generators_without_importing_them():
         assert described[name] == module.__doc__.strip().splitlines()[0]
 
 
+def test_list_names_a_plugin_that_does_not_load_instead_of_failing(monkeypatch):
+    import importlib.metadata
+
+    from specdec import cli
+
+    broken = importlib.metadata.EntryPoint("broken_plugin", "no_such_module_for_specdec_tests:Nothing",
+                                           cli.ENTRY_POINT_GROUP)
+    real = importlib.metadata.entry_points
+    monkeypatch.setattr(importlib.metadata, "entry_points",
+                        lambda group=None, **kw: [*real(group=group), broken] if group == cli.ENTRY_POINT_GROUP
+                        else real(group=group, **kw))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the registry's own word on skipping it, where it looks again
+        summaries = cli.generator_summaries()
+    assert summaries["broken_plugin"].startswith("(does not load: ")
+    assert summaries["prompt_lookup"]
+
+
 def test_the_command_lines_own_copies_of_torch_side_names_agree():
     from specdec import cli, registry
     from specdec.models import DTYPES
