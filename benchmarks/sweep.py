@@ -35,57 +35,43 @@ GENERATORS = ("none", "prompt_lookup", "draft_model", "self_draft", "self_draft_
 EOS, PAD = 256, 257
 
 
-class LastTokenIn(StoppingCriteria):
-    """Stops a row whose last token is one of ``ids`` (per row, as generate() asks)."""
+class Criterion(StoppingCriteria):
+    """A user's criterion set by one ``value``, named by it (the reference cache tells settings apart by repr)."""
 
-    def __init__(self, ids):
-        self.ids = torch.tensor(ids)
-
-    def __call__(self, input_ids, scores, **kwargs):
-        return torch.isin(input_ids[:, -1], self.ids)
+    def __init__(self, value):
+        self.value = value
 
     def __repr__(self):
-        return f"LastTokenIn({self.ids.tolist()})"
+        return f"{type(self).__name__}({self.value!r})"
 
 
-class WidthAtLeast(StoppingCriteria):
-    """Stops every row once the padded batch is ``width`` wide: a criterion on the tensor's shape."""
-
-    def __init__(self, width):
-        self.width = width
+class LastTokenIn(Criterion):
+    """Stops a row whose last token is one of ``value`` (per row, as generate() asks)."""
 
     def __call__(self, input_ids, scores, **kwargs):
-        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.width, dtype=torch.bool)
-
-    def __repr__(self):
-        return f"WidthAtLeast({self.width})"
+        return torch.isin(input_ids[:, -1], torch.tensor(self.value))
 
 
-class SumAbove(StoppingCriteria):
-    """Stops a row whose ids, padding included, sum past ``limit``: it reads the row as generate() lays it out."""
-
-    def __init__(self, limit):
-        self.limit = limit
+class WidthAtLeast(Criterion):
+    """Stops every row once the padded batch is ``value`` wide: a criterion on the tensor's shape."""
 
     def __call__(self, input_ids, scores, **kwargs):
-        return input_ids.sum(dim=1) > self.limit
-
-    def __repr__(self):
-        return f"SumAbove({self.limit})"
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.value, dtype=torch.bool)
 
 
-class PaddedRowsAfter(StoppingCriteria):
-    """Stops the rows whose column 0 is padding once the batch is ``width`` wide: a criterion on
+class SumAbove(Criterion):
+    """Stops a row whose ids, padding included, sum past ``value``: it reads the row as generate() lays it out."""
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids.sum(dim=1) > self.value
+
+
+class PaddedRowsAfter(Criterion):
+    """Stops the rows whose column 0 is padding once the batch is ``value`` wide: a criterion on
     column 0 and on the width, which only the left-padded batch generate() passes answers alike."""
 
-    def __init__(self, width):
-        self.width = width
-
     def __call__(self, input_ids, scores, **kwargs):
-        return (input_ids[:, 0] == PAD) & (input_ids.shape[1] >= self.width)
-
-    def __repr__(self):
-        return f"PaddedRowsAfter({self.width})"
+        return (input_ids[:, 0] == PAD) & (input_ids.shape[1] >= self.value)
 
 
 def draw(rng: random.Random, index: int) -> dict:

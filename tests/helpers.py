@@ -190,3 +190,18 @@ def merged_tokenizer_world(target_merges, draft_merges, texts):
     single = target_tok(texts[0], return_tensors="pt").input_ids
     batch = left_pad([target_tok(t, return_tensors="pt").input_ids[0] for t in texts], target_tok.pad_token_id)
     return target, target_tok, draft_tok, decoders, {"single": (single, torch.ones_like(single)), "batch": batch}
+
+
+def commit_verdict(out: torch.Tensor, count: torch.Tensor, drafts: torch.Tensor, verdict) -> torch.Tensor:
+    """Append each row's accepted drafts (of ``drafts [N, K]``, in path order) and the verdict's own
+    token to ``out [N, L]`` at ``count [N]``, in place (``count`` advances); -> the token [N]. For the
+    tests that decode a Markov chain in lockstep through a verifier."""
+    n, k = drafts.shape
+    rows = torch.arange(n)
+    block = torch.cat([drafts, drafts.new_zeros(n, 1)], 1)  # [N, K+1]
+    block[rows, verdict.accepted] = verdict.next_token
+    for j in range(k + 1):
+        take = j <= verdict.accepted
+        out[rows[take], count[take] + j] = block[take, j]
+    count += verdict.accepted + 1
+    return verdict.next_token

@@ -48,7 +48,7 @@ from specdec import SpecDecoder
 from specdec.sampling import SamplingParams, warp_logits
 from specdec.verify import Verdict, speculative_sample
 
-from helpers import chi_square_pooled
+from helpers import chi_square_pooled, commit_verdict
 
 ALPHA = 1e-3
 MAX_TV = 0.05
@@ -101,7 +101,6 @@ def run_chain(target_table, draft_table, one_hot: bool, seed: int, verify=specul
     out = torch.full((N, 3 * (K + 1)), -1, dtype=torch.long)
     count = torch.zeros(N, dtype=torch.long)
     last = torch.full((N,), X0, dtype=torch.long)
-    rows = torch.arange(N)
     for _ in range(3):  # each step commits >= 1 token per row
         drafts, prev = [], last
         for _ in range(K):
@@ -113,13 +112,7 @@ def run_chain(target_table, draft_table, one_hot: bool, seed: int, verify=specul
         draft_probs = None if one_hot else draft_table[context[:, :K]]  # [N, K, V]
         lengths = torch.randint(0, K + 1, (N,), generator=g)  # rows offer different numbers of drafts
         verdict: Verdict = verify(target_probs, draft_ids, lengths, draft_probs, g)
-        block = torch.cat([draft_ids, torch.zeros(N, 1, dtype=torch.long)], 1)  # [N, K+1]
-        block[rows, verdict.accepted] = verdict.next_token
-        for j in range(K + 1):
-            take = j <= verdict.accepted
-            out[rows[take], count[take] + j] = block[take, j]
-        count += verdict.accepted + 1
-        last = verdict.next_token
+        last = commit_verdict(out, count, draft_ids, verdict)
     return out[:, :3]
 
 

@@ -21,7 +21,7 @@ from specdec.models import TINY_ARCHS
 from specdec.sampling import SamplingParams
 from specdec.verify import tree_greedy_verify, tree_point_mass_sample
 
-from helpers import left_pad, reference
+from helpers import commit_verdict, left_pad, reference
 from test_sampling_lossless import (N, TINY_VOCAB, VOCAB, X0, assert_same_distribution, chain_joint,
                                     exact_three_token_joint, joint_counts, markov_tables, tiny_vocab_llama)
 
@@ -83,7 +83,6 @@ def run_tree(target_table: torch.Tensor, seed: int, nodes: int = 6) -> torch.Ten
     out = torch.full((N, 3 * (nodes + 1)), -1, dtype=torch.long)
     count = torch.zeros(N, dtype=torch.long)
     last = torch.full((N,), X0, dtype=torch.long)
-    rows = torch.arange(N)
     index = torch.arange(nodes)
     for _ in range(3):
         parents = (torch.rand(N, nodes, generator=g) * (index + 1)).long() - 1  # [N, K] each in -1 .. i-1
@@ -91,14 +90,7 @@ def run_tree(target_table: torch.Tensor, seed: int, nodes: int = 6) -> torch.Ten
         lengths = torch.randint(0, nodes + 1, (N,), generator=g)
         context = torch.cat([last[:, None], node_ids], 1)  # [N, K+1]: the token each column follows
         verdict = tree_point_mass_sample(target_table[context], node_ids, parents, lengths, g)
-        path = node_ids.gather(1, verdict.path)  # [N, K]
-        block = torch.cat([path, torch.zeros(N, 1, dtype=torch.long)], 1)
-        block[rows, verdict.accepted] = verdict.next_token
-        for j in range(nodes + 1):
-            take = j <= verdict.accepted
-            out[rows[take], count[take] + j] = block[take, j]
-        count += verdict.accepted + 1
-        last = verdict.next_token
+        last = commit_verdict(out, count, node_ids.gather(1, verdict.path), verdict)  # the path, [N, K]
     return out[:, :3]
 
 
