@@ -407,12 +407,9 @@ def measure(target, sample: torch.Tensor, build: Callable, draft_cache=None,
     ones, wide = [], {width: [] for width in WIDTHS}  # the target's timings, over every copy's rounds
     try:
         for index, name in enumerate(names):
-            best = max((c.expected_speedup for c in found if c.problem is None), default=0.0)
-            if best >= ENOUGH:
-                found.append(Candidate(name, problem=f"not needed: another copy is expected to give {best:.2f}x"))
-                continue
-            if any(c.problem is None for c in found) and spent():
-                found.append(Candidate(name, problem=f"the {budget_s:g} s time budget ran out before it"))
+            skipped = _skipped(found, spent, budget_s)
+            if skipped is not None:
+                found.append(Candidate(name, problem=skipped))
                 continue
             bar.stage(index, name, "building")
             try:
@@ -436,18 +433,35 @@ def measure(target, sample: torch.Tensor, build: Callable, draft_cache=None,
         bar.close()
         if reference is not None:
             reference.release()
+    best = _best(found)
+    CostModel.offer(target, target_costs(statistics.median(ones), wide), CacheSettings())
+    choice = Choice(best.weights, found, ones[0], f"{machine.describe()}, {torch.get_num_threads()} threads",
+                    spent.elapsed(), budget=budget_s, cut_short=spent.spent)
+    return choice, {best.weights: built[best.weights]}
+
+
+def _skipped(found: list, spent, budget_s: float) -> str | None:
+    """Why the next candidate is not built, after the ones ``found`` so far: one is expected to reach
+    :data:`ENOUGH`, or one was timed and the budget is ``spent``; None: build it."""
+    best = max((c.expected_speedup for c in found if c.problem is None), default=0.0)
+    if best >= ENOUGH:
+        return f"not needed: another copy is expected to give {best:.2f}x"
+    if any(c.problem is None for c in found) and spent():
+        return f"the {budget_s:g} s time budget ran out before it"
+    return None
+
+
+def _best(found: list):
+    """The candidate to choose: the first timed, replaced by a later one only :data:`BETTER_BY` better."""
     usable = [c for c in found if c.problem is None]
     if not usable:
         raise RuntimeError("weights='auto': no candidate copy could be built here: "
                            + "; ".join(f"{c.weights}: {c.problem}" for c in found))
-    CostModel.offer(target, target_costs(statistics.median(ones), wide), CacheSettings())
     best = usable[0]
     for candidate in usable[1:]:
         if candidate.expected_speedup > best.expected_speedup * BETTER_BY:  # (none after one reaching ENOUGH is built)
             best = candidate
-    choice = Choice(best.weights, found, ones[0], f"{machine.describe()}, {torch.get_num_threads()} threads",
-                    spent.elapsed(), budget=budget_s, cut_short=spent.spent)
-    return choice, {best.weights: built[best.weights]}
+    return best
 
 
 def _time_against(reference: StepTimer, copy, name: str, sample: torch.Tensor, steps: int, draft_cache,
