@@ -96,7 +96,6 @@ class SuffixTrie:
         self.first_child = array("i", [-1])
         self.next_sibling = array("i", [-1])
         self.edges: dict[int, int] = {}  # node * STRIDE + token -> child
-        self.tokens = 0
 
     def _child(self, node: int, token: int) -> int:
         key = node * STRIDE + token
@@ -132,7 +131,6 @@ class SuffixTrie:
                 if len(nxt) < depth:
                     nxt.append(c)
             active = nxt
-        self.tokens += len(tokens)
         return active
 
     def find(self, tokens) -> int:
@@ -152,6 +150,19 @@ class SuffixTrie:
             child = self.next_sibling[child]
         out.sort(key=lambda pair: -pair[0])  # stable: among equal counts the latest created stays first
         return out
+
+    def top_child(self, node: int) -> tuple[int, int, int]:
+        """(count, child, the children's total count) of ``node``'s most frequent child (ties: the
+        latest created), child -1 where it has none: :meth:`children`'s first, in one pass (drafting
+        asks it for every token; no list, no sort)."""
+        best_count, best, total, child = 0, -1, 0, self.first_child[node]
+        while child >= 0:
+            c = self.count[child]
+            total += c
+            if c > best_count:
+                best_count, best = c, child
+            child = self.next_sibling[child]
+        return best_count, best, total
 
     def match(self, context: list[int], longest: int) -> tuple[int, int]:
         """(node, length): the longest suffix of ``context``, at most ``longest`` tokens, that was
@@ -184,11 +195,10 @@ class SuffixTrie:
                 node, depth = self.match(seq, longest)
                 if depth < min_match:
                     break
-            ranked = self.children(node)
-            if not ranked:
+            count, top, total = self.top_child(node)
+            if top < 0:
                 break
-            total = sum(c for c, _ in ranked)
-            count, node = ranked[0]
+            node = top
             if count / total < min_prob:
                 break
             branch.tokens.append(self.token[node])
