@@ -116,8 +116,8 @@ _VERIFIED: dict[str, tuple] = {}
 
 
 def _stats(folder: Path) -> tuple:
-    return tuple((str(p.relative_to(folder)), p.stat().st_ino, p.stat().st_size, p.stat().st_mtime_ns)
-                 for p in sorted(folder.rglob("*")) if p.is_file())
+    return tuple((str(p.relative_to(folder)), st.st_ino, st.st_size, st.st_mtime_ns)
+                 for p in sorted(folder.rglob("*")) if p.is_file() for st in (p.stat(),))
 
 
 def folder_problem(folder: Path) -> str | None:
@@ -152,8 +152,9 @@ def _hashed_problem(folder: Path, marker: Path) -> str | None:
         path = folder / name
         if not path.is_file():
             return f"{path} is missing"
-        if path.stat().st_size != entry["bytes"]:
-            return f"{path} has {path.stat().st_size} bytes, {entry['bytes']} when it was written"
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            return f"{path} has {size} bytes, {entry['bytes']} when it was written"
         if _digest(path) != entry["sha256"]:
             return f"{path} differs from what was written (its SHA-256)"
     return None

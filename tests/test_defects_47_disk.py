@@ -407,3 +407,11 @@ def test_the_command_line_reads_the_choice_the_api_made(own_cache, monkeypatch, 
         torch.set_num_threads(threads)
     err = capsys.readouterr().err
     assert code == 0 and "choosing the draft copy" not in err, err
+
+
+def test_the_choice_files_candidate_check_covers_every_field_of_a_candidate():
+    import dataclasses
+
+    from specdec.forwards.choice_file import _CANDIDATE_FIELDS
+
+    assert set(_CANDIDATE_FIELDS) == {f.name for f in dataclasses.fields(choose.Candidate)}

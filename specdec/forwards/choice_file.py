@@ -133,9 +133,9 @@ def choice_problem(data, key: str) -> str | None:
     measured = [c["weights"] for c in candidates if c["problem"] is None]
     if data.get("weights") not in measured or data["weights"] not in WEIGHTS or data["weights"] == "auto":
         return f"chose {data.get('weights')!r}, not one of the copies it measured ({', '.join(measured)})"
-    if not _number(data.get("target_seconds")) or not isinstance(data.get("machine"), str):
+    if not _number(data.get("target_seconds"), none=False) or not isinstance(data.get("machine"), str):
         return "has no target_seconds or machine"
-    if not _number(data.get("budget")) or not isinstance(data.get("cut_short"), bool):
+    if not _number(data.get("budget"), none=False) or not isinstance(data.get("cut_short"), bool):
         return "has no budget or cut_short"
     return None
 
@@ -155,11 +155,8 @@ def load(key: str) -> Choice | None:
     if problem is None:
         from .choose import Candidate, Choice
 
-        try:
-            return Choice(data["weights"], [Candidate(**c) for c in data["candidates"]], data["target_seconds"],
-                          data["machine"], 0.0, cached=True, budget=data["budget"], cut_short=data["cut_short"])
-        except (KeyError, TypeError, ValueError) as exc:  # (choice_problem checks what these need)
-            problem = f"does not make a choice ({type(exc).__name__}: {exc})"
+        return Choice(data["weights"], [Candidate(**c) for c in data["candidates"]], data["target_seconds"],
+                      data["machine"], 0.0, cached=True, budget=data["budget"], cut_short=data["cut_short"])
     warnings.warn(f"specdec: the auto-weights choice file {path} {problem}; measuring the copies again "
                   "and replacing it", stacklevel=2)
     return None

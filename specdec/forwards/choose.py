@@ -318,6 +318,9 @@ class Budget:
     def elapsed(self) -> float:
         return self.clock() - self.started
 
+    def left(self) -> float:
+        return max(0.0, self.seconds - self.elapsed())
+
     def __call__(self) -> bool:
         if self.elapsed() >= self.seconds:
             self.spent = True
@@ -356,7 +359,7 @@ class Progress:
     copy is being built or timed and the budget left; does nothing where not ``shown``."""
 
     def __init__(self, names, steps: int, budget: Budget, shown: bool):
-        self.steps, self.budget, self.index, self.bar = steps, budget, 0, None
+        self.steps, self.budget, self.index, self.bar, self.what = steps, budget, 0, None, ""
         if shown:
             from tqdm import tqdm
 
@@ -374,10 +377,9 @@ class Progress:
         if self.bar is None:
             return
         self.bar.n = done
-        left = max(0.0, self.budget.seconds - self.budget.elapsed())
         if what is not None:
             self.what = what
-        self.bar.set_postfix_str(f"{getattr(self, 'what', '')}, {left:.0f} s of the budget left", refresh=True)
+        self.bar.set_postfix_str(f"{self.what}, {self.budget.left():.0f} s of the budget left", refresh=True)
 
     def close(self) -> None:
         if self.bar is not None:

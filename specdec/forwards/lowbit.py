@@ -257,8 +257,7 @@ class LowPrecisionDraft:
         prompt = None if ctx is None else ctx.tokens[0, : int(ctx.lengths[0])]
         draft = self._copies.get(model, self.weights, prompt, draft_cache=self._timing_cache(),
                                  tokenizer=None if ctx is None else ctx.tokenizer,
-                                 budget=getattr(self, "choice_budget", None),
-                                 progress=getattr(self, "choice_progress", None))
+                                 budget=self.choice_budget, progress=self.choice_progress)
         self._model = draft
         self._setup_seconds = getattr(self, "_setup_seconds", 0.0) + time.perf_counter() - started
         chosen = self._copies.choice(model)
