@@ -169,17 +169,12 @@ class SpecDecoder:
 
     def run(self, prompt: Prompt, call: Resolved, processors, stopping_criteria=(), *, streamer=None,
             generator: torch.Generator | None = None, stream_prompt: bool = True,
-            started: float | None = None, coordinator=None, generator_options: dict | None = None) -> SpecOutput:
+            started: float | None = None, coordinator, generator_options: dict | None = None) -> SpecOutput:
         """One decode run of a validated ``prompt`` with resolved settings ``call`` and ``generate()``'s
         ``processors`` (a ``LogitsProcessorList``): the loop both ``generate`` and
         ``model.generate(custom_generate=specdec.generate)`` run. ``coordinator``: the call's, from
-        :meth:`calling` (where the caller checked arguments inside it); a call of its own if None.
+        :meth:`calling` (where the caller checked the arguments, inside it).
         ``generator_options``: the generator's per-call options (``CandidateGenerator.for_call``)."""
-        if coordinator is None:
-            with self.calling() as coordinator:
-                return self.run(prompt, call, processors, stopping_criteria, streamer=streamer, generator=generator,
-                                stream_prompt=stream_prompt, started=started, coordinator=coordinator,
-                                generator_options=generator_options)
         started = time.perf_counter() if started is None else started
         call.sampling.validate()
         if call.stop_strings and self.tokenizer is None:

@@ -181,8 +181,7 @@ class DecodeRun:
         """Plan, propose, admit, forward, verify, commit, observe; return whether any row is still decoding."""
         started, target, compiled_before = time.perf_counter(), self.target, compile_seconds()
         # every row stopped, some unpadded and short of the last one's stop (specdec/stopping.py): up to it
-        budget = self.stopper.length() or self.settings.max_new_tokens
-        room = budget - (target.lengths - self.prompt_lengths) - 1  # [B] drafts a row may take
+        room = self.stopper.end() - (target.lengths - self.prompt_lengths) - 1  # [B] drafts a row may take
         room = torch.minimum(room, target.position_room().clamp_min(0))  # and no draft past learned positions
         pending, context = target.pending_width(), target.cached_slots  # context: slots attended besides those fed
         first = target.is_first_iteration
@@ -420,7 +419,10 @@ class DecodeRun:
         position (the processors given the committed tokens and the drafts before it); the logits
         themselves when the call has no processors."""
         if self.processors is None:
-            return logits.float()  # generate()'s scores: the float32 logits (no copy when they are float32)
+            # generate()'s scores are the float32 logits; only what records or shows them needs the copy
+            # (a bfloat16 target's argmax is the same, and sampling upcasts for itself)
+            keep = self.recorder or self.stopper.history is not None
+            return logits.float() if keep else logits
         target = self.target
         pos = self.processors.positions(target.tokens, committed, self.prompt_lengths, self.row_ids, draft_ids,
                                         offered + 1)

@@ -66,6 +66,7 @@ class Stopper:
         self.prompt_ids, self.pad, self.outputs = prompt_ids, int(pad), outputs
         self.rows = torch.arange(batch, device=device)  # [B] each batch row's row of the prompt as given
         self.stops = torch.full((batch,), -1, dtype=torch.long, device=device)  # [B0] new tokens at each row's stop
+        self._length: int | None = None  # :meth:`length`, set once the last row stops
         self.history: list[torch.Tensor] | None = [] if keep_scores and self.criteria else None  # [B0, V] a step
 
     def ended(self, draft_ids: torch.Tensor) -> torch.Tensor:
@@ -91,8 +92,6 @@ class Stopper:
         to and including the row's first stop, all ``counts[b]`` without one; stopped [B] bool).
         A row that stopped in an earlier block (and goes on, unpadded) is not checked again.
         """
-        if self.prompt_ids is None:  # used on its own: the batch is the rows as they are
-            self.begin(tokens[:, :0], 0, [None] * tokens.shape[0], False)
         width = block.shape[1]
         cols = torch.arange(width, device=block.device)[None, :]  # [1, n]
         generated = committed - prompt_lengths  # [B] new tokens before the block
@@ -187,19 +186,25 @@ class Stopper:
         stop. With padding a stopped row keeps its tokens up to the stop and leaves; without, it
         goes on until every row has stopped, and leaves once it holds :meth:`length` tokens (or
         its budget's worth: :meth:`length` is never more)."""
-        rows = self.rows
-        first = stopped & (self.stops[rows] < 0)
-        self.stops[rows[first]] = (generated + keep)[first]
+        if bool(stopped.any()):  # most steps stop no row: nothing to record, and no device sync
+            rows = self.rows
+            first = stopped & (self.stops[rows] < 0)
+            self.stops[rows[first]] = (generated + keep)[first]
+            if bool((self.stops >= 0).all()):
+                self._length = int(self.stops.max())
         if self.pads_finished:
             return keep, stopped
-        end = self.length()  # generate()'s steps once every row has stopped, else at most the budget
-        end = self.max_new_tokens if end is None else end
+        end = self.end()
         commit = torch.minimum(counts, (end - generated).clamp_min(0))  # past its stop too: generate() pads none
         return commit, generated + commit >= end
 
+    def end(self) -> int:
+        """The new tokens no row goes past: :meth:`length` once every row has stopped, else the budget."""
+        return self.max_new_tokens if self._length is None else self._length
+
     def length(self) -> int | None:
         """The new tokens ``generate()`` returns per row (its steps) once every row has stopped, else None."""
-        return int(self.stops.max()) if bool((self.stops >= 0).all()) else None
+        return self._length
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (indices into the batch) of the rows still decoding."""

@@ -255,11 +255,11 @@ def _on_grid(counts: tuple[int, ...], values: list[float]) -> list[float]:
 
 
 def _time_widths(model, kv, cache_kwarg: str, context: torch.Tensor, reps: int, counts: tuple[int, ...],
-                 budget: float = float("inf"), clock=time.perf_counter) -> list[float]:
+                 budget: float) -> list[float]:
     """Median seconds of a forward of each of ``counts`` tokens after ``context [L]`` is cached in
     ``kv``. Every round times each count in turn, so a change of the machine's load skews no count
     alone; the median drops a round slowed by another process. No round starts once ``budget``
-    seconds (by ``clock``) have passed since the first forward: the rounds timed so far decide."""
+    seconds have passed since the first forward: the rounds timed so far decide."""
 
     def forward(ids: torch.Tensor, first_slot: int) -> None:
         device = ids.device
@@ -273,14 +273,14 @@ def _time_widths(model, kv, cache_kwarg: str, context: torch.Tensor, reps: int, 
                    needs_mask=False, direct=True)
 
     length = context.numel()
-    began = clock()
+    began = time.perf_counter()
     forward(context[None, :], 0)
     forward(context[:1][None, :], length)  # warms up the step path
     kv.crop(length + 1, length)
     timed: dict[int, list[float]] = {count: [] for count in counts}
     for done in range(reps):
-        if done and clock() - began > budget:
-            say(f"specdec: timing forwards for the draft-length policy took {clock() - began:.0f} s "
+        if done and time.perf_counter() - began > budget:
+            say(f"specdec: timing forwards for the draft-length policy took {time.perf_counter() - began:.0f} s "
                 f"(over its {budget:.0f} s budget): {done} of {reps} rounds kept")
             break
         for count in counts:
