@@ -191,7 +191,7 @@ class DecodeRun:
             lambda: self._draft(asked, room), room, self.drafting.max_drafts, target)  # [B] each
         k = int(offered.max())
         draft_ids = proposal.token_ids[:, :k].to(target.device)  # [B, k]
-        parents = proposal.parents[:, :k].to(target.device) if proposal.parents is not None else None  # [B, k]
+        parents = proposal.parents[:, :k].to(target.device) if proposal.is_tree else None  # [B, k]
         committed = target.lengths.clone()  # [B]
         logits = self._forward(draft_ids, offered, committed, parents)  # [B, k+1, V]
         forwarded = time.perf_counter()
@@ -258,7 +258,7 @@ class DecodeRun:
         proposal = self.session.propose(self.ctx, asked)
         drafted = time.perf_counter()
         made, candidates, offered = self._admit(proposal, asked)
-        if proposal.parents is not None:
+        if proposal.is_tree:
             proposal, offered = self._tree_or_chain(proposal, offered)
         if self.processors is not None and self.processors.grammar is not None:
             proposal, offered = self._constrain(proposal, offered, room)
@@ -270,7 +270,7 @@ class DecodeRun:
         target = self.target
         check_proposal(proposal, self.plugin, target.batch_size, self.vocab, self.settings.sampling.do_sample,
                        len(self.drafting.priors))
-        tree = proposal.parents is not None
+        tree = proposal.is_tree
         if tree:
             self._check_tree(proposal)
         ids = proposal.token_ids.to(target.device)  # [B, K]

@@ -232,19 +232,18 @@ def _engine_share_section(meta: dict, overall: list[Summary]) -> list[str]:
     method's speedup split in two: that loop's over the reference (the engine's share: the same
     tokens, one per forward) and the method's over that loop (speculation's share)."""
     engines = {m["name"]: m.get("engine", "auto") for m in meta["config"]["methods"]}
-    by = {s.method: s for s in overall}
     loops = {engines[s.method]: s for s in overall if s.generator == "none" and s.speedup}
     if not loops:
         return []
     body = []
     for s in overall:
-        loop = loops.get(engines.get(s.method, "auto"))
+        loop = loops.get(engines[s.method])
         if s.reference or s.speedup is None or loop is None or s.kind.reference:
             continue
         body.append([f"`{s.method}`", f"`{engines[s.method]}`", _f(s.speedup, ".2f", "x"),
                      f"{loop.speedup:.2f}x (`{loop.method}`)",
                      _f(s.speedup / loop.speedup if s.method != loop.method else None, ".2f", "x")])
-    ref = next((m for m in by if by[m].reference), "the reference")
+    ref = next((s.method for s in overall if s.reference), "the reference")
     return ["", "## The engine's share and speculation's", "",
             f"Speedup over `{ref}` = the loop's with no drafts on the same engine (the engine's share: one "
             "token a forward, the same tokens) x the method's over that loop (speculation's share).", ""] + \

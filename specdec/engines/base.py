@@ -48,10 +48,6 @@ class Layout:
     lengths: torch.Tensor | None = None
 
     @classmethod
-    def causal(cls) -> "Layout":
-        return cls()
-
-    @classmethod
     def tree(cls, parents: torch.Tensor, start: torch.Tensor | None = None,
              lengths: torch.Tensor | None = None) -> "Layout":
         """A tree layout, checked: refuses a malformed ``parents`` with a ValueError."""
