@@ -25,14 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .names import did_you_mean
-
-#: ``--dtype``'s choices: the keys of ``specdec.models.DTYPES``, named here so that building the
-#: parser imports no torch (tests/test_defects_47_hygiene.py checks that the two agree)
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
-#: ``--engine``'s choices: ``specdec.engines.ENGINE_CHOICES``, named here for the same reason
-#: (tests/test_engine_option.py checks that the two agree)
-ENGINE_NAMES = ("auto", "cpu", "eager")
+from .names import DTYPE_NAMES, ENTRY_POINT_GROUP, did_you_mean
+from .names import ENGINE_CHOICES as ENGINE_NAMES  # torch-free, so building the parser imports no torch
 
 
 class UsageError(ValueError):
@@ -353,9 +347,6 @@ def cmd_list(args) -> int:
     return 0
 
 
-#: the registry's entry-point group (``specdec.registry.ENTRY_POINT_GROUP``; the registry imports
-#: torch): tests/test_defects_47_hygiene.py checks that the two agree
-ENTRY_POINT_GROUP = "specdec.candidate_generators"
 
 
 def generator_summaries() -> dict[str, str]:

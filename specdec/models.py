@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from .names import ModelNotAvailableError, did_you_mean
+from .names import DTYPE_NAMES, ModelNotAvailableError, did_you_mean
 from .tiny import TINY_ARCHS, byte_tokenizer, check_tiny_arch, tiny_config, tiny_random  # noqa: F401  (re-exported)
 from .weight_cache import cache_folder, load_cached, weight_cache_root, write_weight_cache
 
@@ -89,7 +89,7 @@ def load_model(name: str, *, dtype: torch.dtype = torch.float32, device: str | t
 
 # -- devices and dtypes, by name (configs and command lines) ---------------------------------------
 #: the weight dtypes a run can ask for by name
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES: dict[str, torch.dtype] = dict(zip(DTYPE_NAMES, (torch.float32, torch.bfloat16, torch.float16)))
 #: how a device is asked for: ``cpu``, ``cuda``, ``cuda:N``, or ``auto`` (CUDA when there is one, else the CPU)
 DEVICE_NAMES = "cpu, cuda, cuda:N, auto"
 _DEVICE = re.compile(r"cpu|cuda|cuda:\d+|auto")

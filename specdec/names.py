@@ -13,6 +13,14 @@ import difflib
 from collections.abc import Iterable
 
 
+# names a command line must know without importing torch: defined here once, used by the modules that own them
+#: the entry-point group third-party candidate generators register under (``specdec.registry``)
+ENTRY_POINT_GROUP = "specdec.candidate_generators"
+#: the dtypes a model loads in, by name (``specdec.models.DTYPES`` maps them to torch's)
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+#: the engines a decoder's forwards run on (``specdec.engines``)
+ENGINE_CHOICES = ("auto", "cpu", "eager")
+
 class ModelNotAvailableError(RuntimeError):
     """A model name ``load_model`` cannot load: unknown, misspelt, or its package not installed."""
 

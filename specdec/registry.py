@@ -28,9 +28,7 @@ from importlib.metadata import entry_points
 import torch
 
 from .generators import CandidateGenerator, NoDraft
-from .names import did_you_mean
-
-ENTRY_POINT_GROUP = "specdec.candidate_generators"
+from .names import ENTRY_POINT_GROUP, did_you_mean  # the group is named torch-free, for the command line
 
 _REGISTRY: dict[str, type] = {}
 _entry_points_loaded = False

@@ -29,6 +29,7 @@ per model by probes and timings); "eager" runs none of them for that decoder alo
 
 from __future__ import annotations
 
+from ..names import ENGINE_CHOICES
 from .base import CAUSAL, Engine, EngineOutput, Layout, LayoutNotSupported
 from .cpu import decisions as _cpu_decisions
 from .eager import EagerEngine
@@ -46,10 +47,10 @@ def make_engine(name: str, model) -> Engine:
     return ENGINES[name](model)
 
 
-#: what ``engine=`` takes: "auto" (the CPU engine's forwards where their probes and timings choose
-#: them, the model's own elsewhere), "cpu" (the same, named: a model on a CPU only), "eager" (the
-#: model's own forward and nothing else)
-ENGINE_CHOICES = ("auto", "cpu", "eager")
+#: ENGINE_CHOICES, what ``engine=`` takes (named in specdec.names, torch-free, for the command
+#: line): "auto" (the CPU engine's forwards where their probes and timings choose them, the
+#: model's own elsewhere), "cpu" (the same, named: a model on a CPU only), "eager" (the model's
+#: own forward and nothing else)
 
 
 def resolve_engine_name(name) -> str:
