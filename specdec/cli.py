@@ -1,4 +1,4 @@
-"""Command line: ``specdec generate | demo | list | bench``.
+"""Command line: ``specdec generate | demo | list | bench | train-head`` (``train_cli.py``).
 
 Modules are imported where a command needs them: this one, and building its parser, import
 neither torch nor transformers (``specdec --help`` answers at once on a busy machine, where those
@@ -27,6 +27,7 @@ from typing import Any
 
 from .names import DTYPE_NAMES, ENTRY_POINT_GROUP, did_you_mean
 from .names import ENGINE_CHOICES as ENGINE_NAMES  # torch-free, so building the parser imports no torch
+from .train_cli import add_parser as add_train_parser
 
 
 class UsageError(ValueError):
@@ -454,6 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
     _demo_parser(sub)
     sub.add_parser("list", help="list candidate generators and packaged models").set_defaults(func=cmd_list)
     sub.add_parser("bench", help="run a YAML benchmark config: specdec bench CONFIG.yaml | specdec bench report DIR")
+    add_train_parser(sub, _positive_int, _positive_float, _threads)
     return parser
 
 

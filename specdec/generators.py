@@ -155,15 +155,34 @@ class DraftingInfo:
     * ``stepwise``: ``propose`` drafts one token at a time, asks ``ctx.keep_drafting`` after each
       and returns each draft's probability in ``Proposal.confidence``: wherever drafting pays it
       is asked for all a row may take, and its own probabilities end each block.
+    * ``hidden_layers``: the target's hidden states the generator reads (``output_hidden_states``
+      indices: 0 the embeddings, i the output of layer i): every target forward returns them
+      (through the eager engine), and each step's record carries those of the tokens it
+      committed (:class:`TargetHidden`, ``feedback.hidden``). Empty: none (the default). Read
+      after ``setup``, so a generator may learn them there (from the head it loads).
     """
 
     priors: tuple[float, ...] | float = (0.5,)
     max_drafts: int | None = DEFAULT_MAX_DRAFTS
     stepwise: bool = False
+    hidden_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         priors = self.priors
         object.__setattr__(self, "priors", tuple(priors) if isinstance(priors, (tuple, list)) else (priors,))
+
+
+@dataclass
+class TargetHidden:
+    """The target's hidden states of the tokens one step committed that its forward fed (the
+    step's pending tokens, all of the prompt at the prefill, and the accepted drafts; not the
+    target's own new token, which no forward has fed yet): ``states[layer] [B, M, H]``, column
+    j of row b holding token ``start[b] + j``, valid for ``j < count[b]``. A token fed again (a
+    row re-feeding after its batch's cache was realigned) is reported again: index by position."""
+
+    states: dict[int, torch.Tensor]
+    start: torch.Tensor  # [B] long
+    count: torch.Tensor  # [B] long
 
 
 @dataclass
@@ -199,6 +218,9 @@ class StepRecord(Feedback):
     #: whether the step verified a token tree: ``offered`` then counts its nodes, ``accepted`` the
     #: depth of the accepted path (docs/trees.md)
     tree: bool = False
+    #: the hidden states a generator declared (``DraftingInfo.hidden_layers``) of the tokens this
+    #: step committed; None when it declared none
+    hidden: TargetHidden | None = None
 
     def drafter_view(self) -> "StepRecord":
         """The step as the generator's drafts saw it: the grammar's drafts after them left out (free,

@@ -48,7 +48,7 @@ from .forwards.packed import PackedLinears
 from .device import synchronize
 from .distributed import Solo
 from .engines import Layout, LayoutNotSupported, engine_report, make_engine
-from .generators import CandidateGenerator, DecodeContext, Proposal, StepRecord, declared_drafting
+from .generators import CandidateGenerator, DecodeContext, Proposal, StepRecord, TargetHidden, declared_drafting
 from .grammar import no_allowed_token, with_grammar_drafts
 from .kv import CacheSettings, static_problem
 from .metrics import AcceptanceStats
@@ -59,7 +59,7 @@ from .policy import DraftPolicy
 from .request import CallSettings, Prompt
 from .state import ModelState, cache_problem
 from .stopping import StreamFeed
-from .validation import check_proposal
+from .validation import check_hidden_layers, check_proposal
 from .verify import (TreeVerdict, Verdict, greedy_verify, leaf_chains, speculative_sample, tree_greedy_verify,
                      tree_point_mass_sample)
 
@@ -99,6 +99,10 @@ class DecodeRun:
                                  self._draft_scores if self.processors is not None else None)
         # validates and attaches assistants: still before any forward (every rank agrees it went well)
         self.ranks.together(lambda: self.session.setup(self.ctx))
+        hidden_layers = self.session.drafting().hidden_layers  # a generator may learn them in setup (a head's)
+        if hidden_layers:  # the target's forwards return them, through the eager engine
+            self.target.hidden_layers = check_hidden_layers(hidden_layers, target, self.plugin)
+            self.target.hidden_engine = make_engine("eager", target)
         self.vocab = vocab_size(target)
         self.stats = AcceptanceStats()
         if self.policy is not None:  # drafting is priced by the assistants just attached
@@ -220,7 +224,8 @@ class DecodeRun:
             first=first, catching_up=catching_up, waiting=first and bool(self.borrowers),
             compiling=compile_seconds() - compiled_before, started=started, drafting=drafted - started,
             forward=forwarded - drafted, verifying=time.perf_counter() - drafted,
-            grammar_drafts=proposal.grammar_drafts, tree=parents is not None)
+            grammar_drafts=proposal.grammar_drafts, tree=parents is not None,
+            hidden=TargetHidden(*target.committed_hidden(committed + verdict.accepted)) if target.hidden_layers else None)
         self._observe(record, block, committed)
         if bool(finished.any()):
             self._retire(finished)

@@ -120,6 +120,13 @@ class ModelState:
         self._cache_kwarg = cache_argument(model)
         self._mirrored: tuple[torch.Tensor, int] | None = None  # see mirror()
         self.refeed_limit = self.REFEED_LIMIT  # ends at most this far apart re-feed; farther ones shift
+        #: hidden states every forward returns (``output_hidden_states`` indices; set by the run for a
+        #: generator that reads them), through ``hidden_engine`` (an eager engine, specdec.engines)
+        self.hidden_layers: tuple[int, ...] = ()
+        self.hidden_engine = None
+        #: after a forward with ``hidden_layers``: ({layer: [B, F, H]} of its fed columns, [B] the token
+        #: index of column 0 of each row, negative where a row's first columns are padding)
+        self.hidden: tuple[dict[int, torch.Tensor], torch.Tensor] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -292,6 +299,8 @@ class ModelState:
         layout = runner = None
         if tree is not None:
             layout, runner, width = self._tree_forward(tree, first_needed + 1, width)
+        elif self.hidden_layers:
+            runner = self._engine_runner(self.hidden_engine, Layout())
         index, real, ids, positions = self._chunk(first_slot, width, layout)
         keep = width - int(first_needed.min())
         kwargs: dict[str, Any] = {
@@ -317,6 +326,8 @@ class ModelState:
         self.is_first_iteration = False
         self.prefill_inputs = PrefillInputs()
         self.cached_slots = first_slot + width
+        if self.hidden_layers:
+            self.hidden = (self._fed_hidden, index[:, 0].clone())
         self._realign(ends)
 
         count = int((self.lengths - start).max())
@@ -331,17 +342,38 @@ class ModelState:
         parents, nodes, engine = tree
         width = max(width, int((node0 + parents.shape[1]).max()))
         layout = Layout.tree(parents.to(self.device), start=node0, lengths=nodes.to(self.device))
+        return layout, self._engine_runner(engine, layout), width
+
+    def _engine_runner(self, engine, layout: Layout):
+        """A forward's runner through ``engine`` with ``layout``; it keeps the hidden states of
+        :attr:`hidden_layers` in ``_fed_hidden``."""
         cache_key = self._cache_kwarg
         plain = {"input_ids", "position_ids", cache_key, "use_cache", "attention_mask", "logits_to_keep"}
 
         def runner(model, kwargs: dict) -> torch.Tensor:
             out = engine.forward(kwargs["input_ids"], kwargs["position_ids"], layout=layout, cache=kwargs[cache_key],
-                                 attention_mask=kwargs.get("attention_mask"),
+                                 attention_mask=kwargs.get("attention_mask"), hidden_layers=self.hidden_layers,
                                  logits_to_keep=kwargs.get("logits_to_keep"),
                                  model_inputs={k: v for k, v in kwargs.items() if k not in plain})
+            self._fed_hidden = out.hidden
             return out.logits
 
-        return layout, runner, width
+        return runner
+
+    def committed_hidden(self, end: torch.Tensor):
+        """After a forward with :attr:`hidden_layers` and its commit: the hidden states of the
+        tokens it fed that are committed, up to token ``end[b]`` (exclusive) -> ``(states {layer:
+        [B, M, H]}, start [B], count [B])``, column j of row b holding token ``start[b] + j``."""
+        states, first = self.hidden
+        start = first.clamp(min=0)  # [B] a row's first fed token (its pending one; 0 at a prefill)
+        count = (torch.minimum(end.to(self.device), self.lengths) - start).clamp(min=0)  # [B]
+        width = max(int(count.max()), 1)
+        cols = (start - first)[:, None] + torch.arange(width, device=self.device)[None, :]  # [B, M]
+        out = {}
+        for layer, h in states.items():
+            cols_h = cols.clamp(max=h.shape[1] - 1)[..., None].expand(-1, -1, h.shape[-1])
+            out[layer] = h.gather(1, cols_h)  # [B, M, H]
+        return out, start, count
 
     def keep_path(self, start: torch.Tensor, path: torch.Tensor, accepted: torch.Tensor) -> None:
         """After a tree forward (tokens ``start[b] ..`` of row b were its nodes): move the cached
@@ -365,6 +397,17 @@ class ModelState:
         take = (along >= 0) & (along < accepted.to(self.device)[:, None])
         nodes = path.to(self.device).gather(1, along.clamp(0, path.shape[1] - 1))
         self.kv.gather_slots(first, torch.where(take, base[:, None] + nodes, cols))
+        if self.hidden is not None:  # the accepted nodes' hidden states in chain order too
+            self._hidden_path(start.to(self.device), path[:, :count].to(self.device), depth < accepted.to(self.device)[:, None])
+
+    def _hidden_path(self, start: torch.Tensor, path: torch.Tensor, take: torch.Tensor) -> None:
+        """Token ``start[b] + j`` takes the hidden states of node ``path[b, j]`` where ``take[b, j]``."""
+        states, first = self.hidden
+        dest = (start - first)[:, None] + torch.arange(path.shape[1], device=self.device)[None, :]  # [B, A]
+        source = (start - first)[:, None] + path  # [B, A]
+        rows = torch.arange(self.batch_size, device=self.device)[:, None].expand_as(dest)
+        for h in states.values():
+            h[rows[take], dest[take]] = h[rows[take], source[take]].clone()
 
     def _chunk(self, first_slot: int, width: int, layout: Layout | None = None) -> tuple[torch.Tensor, ...]:
         """The columns the next forward feeds, ``width`` of them padded to a compiled width F ->

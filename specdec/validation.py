@@ -173,6 +173,17 @@ def check_generation_config(config: GenerationConfig) -> None:
 
 
 # -- proposals ------------------------------------------------------------------------------------
+def check_hidden_layers(layers, model, plugin: str) -> tuple[int, ...]:
+    """A generator's ``DraftingInfo.hidden_layers``, checked against ``model`` before any forward:
+    each an ``output_hidden_states`` index (0 .. num_hidden_layers); a ValueError naming the plugin."""
+    count = model.config.get_text_config().num_hidden_layers + 1
+    for layer in layers:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < count:
+            raise ValueError(f"candidate generator {plugin!r} reads hidden state {layer!r} of {type(model).__name__}, "
+                             f"which has {count} (0: the embeddings, then each of its {count - 1} layers)")
+    return tuple(dict.fromkeys(int(layer) for layer in layers))
+
+
 def check_proposal(proposal, plugin: str, batch: int, vocab: int, do_sample: bool, n_sources: int = 1) -> None:
     """A plugin's proposal must be a well-formed :class:`Proposal` of target ids; name the plugin if not."""
     where = f"candidate generator {plugin!r}"

@@ -232,14 +232,17 @@ def declared_entry_points(root: Path) -> dict[str, str]:
 
 
 def plugin_problems(root: Path, package: str, declared: dict[str, str]) -> list[str]:
-    """What is wrong with each module of ``package`` (imported) that should be a plugin."""
+    """What is wrong with each plugin of ``package`` (imported): a module directly in it, or a
+    subpackage (its modules are the plugin's own; the generator is exported by the subpackage)."""
     problems = []
     for name, path in modules_of(root, package).items():
-        if path.name == "__init__.py":
-            continue
+        depth = len(path.relative_to(root / package).parts)
+        if path.name == "__init__.py" and depth == 1 or path.name != "__init__.py" and depth > 1:
+            continue  # the package itself, or a module inside a subpackage plugin
         module = importlib.import_module(name)
         generators = [cls for _, cls in inspect.getmembers(module, inspect.isclass)
-                      if issubclass(cls, CandidateGenerator) and cls.__module__ == name]
+                      if issubclass(cls, CandidateGenerator) and (cls.__module__ == name or depth > 1
+                                                                  and cls.__module__.startswith(name + "."))]
         registered = [cls for cls in generators if cls.name and _registered(cls)]
         if not registered:
             problems.append(f"{path.relative_to(root)}: defines no registered CandidateGenerator "

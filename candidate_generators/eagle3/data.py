@@ -1,0 +1,153 @@
+"""Training data for a head: prompts, and the target's own answers to them (self-distillation).
+
+A head learns to predict what *its target* writes, so the answers come from the target itself,
+generated greedily in batches (sorted by prompt length, left-padded), and written one JSON line
+per answer to ``answers.jsonl`` as each batch finishes: a rerun skips the prompts already
+answered. Hidden states are never stored here; training takes them from the target on the fly.
+
+Prompts (:func:`held_out_prompts`): the Spec-Bench questions that no benchmark config evaluates on
+(first turns, then each second turn after the target's own first answer), and summaries and
+questions over the standard library's module documentation (text every Python install carries).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+from specdec.prompts import encode_chat, left_pad
+
+#: the standard library's documentation, as prompts: what is asked of each module's text
+DOC_TASKS = ("Summarize the following documentation in a few sentences.\n\n{doc}",
+             "Read this documentation and explain, with a short example, what the module is for.\n\n{doc}")
+
+
+def evaluated_question_ids(config_dirs: list[Path]) -> set[int]:
+    """The Spec-Bench question ids any benchmark config in ``config_dirs`` selects."""
+    from specdec.bench.config import load_config
+    from specdec.bench.questions import load_selected_questions
+
+    ids: set[int] = set()
+    for folder in config_dirs:
+        for path in sorted(Path(folder).glob("*.yaml")):
+            try:
+                config = load_config(path)
+                ids |= {q.question_id for q in load_selected_questions(config, path.parent)}
+            except Exception:  # a config of another dataset (agent, extraction): not Spec-Bench's ids
+                continue
+    return ids
+
+
+def held_out_prompts(questions: list[dict], excluded: set[int]) -> list[dict]:
+    """Spec-Bench rows not in ``excluded`` -> prompt records ``{"key", "turns": [...]}`` (every turn;
+    a later turn is asked after the target's answer to the one before)."""
+    return [{"key": f"spec_bench:{row['question_id']}", "turns": list(row["turns"])}
+            for row in questions if int(row["question_id"]) not in excluded]
+
+
+def documentation_prompts(limit: int = 200, max_chars: int = 1600) -> list[dict]:
+    """Prompts over the standard library's module docstrings (those of 400 characters or more),
+    alternating :data:`DOC_TASKS`, sorted by module name, at most ``limit``."""
+    out = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in sorted(sys.stdlib_module_names):
+            if name.startswith("_") or name in ("antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo"):
+                continue
+            try:
+                doc = inspect.getdoc(importlib.import_module(name)) or ""
+            except Exception:
+                continue
+            if len(doc) >= 400:
+                task = DOC_TASKS[len(out) % len(DOC_TASKS)]
+                out.append({"key": f"doc:{name}", "turns": [task.format(doc=doc[:max_chars])]})
+            if len(out) >= limit:
+                break
+    return out
+
+
+def read_answers(path: Path) -> list[dict]:
+    """The answers written so far (a torn last line, from an interrupted run, is dropped)."""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return rows
+
+
+@torch.no_grad()
+def self_distill(model, tokenizer, prompts: list[dict], path: Path, *, answer_tokens: int = 256,
+                 batch_size: int = 16, max_prompt_tokens: int = 1024, progress: bool = True) -> list[dict]:
+    """Answer every turn of every prompt with ``model`` (greedy, ``answer_tokens`` at most),
+    appending ``{"key", "turn", "ids": prompt + answer, "prompt_length"}`` lines to ``path``;
+    turns already answered there are skipped. -> every answer in ``path``."""
+    from tqdm import tqdm
+
+    done = read_answers(path)
+    answered = {(r["key"], r["turn"]): r for r in done}
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    turns = max((len(p["turns"]) for p in prompts), default=0)
+    total = sum(len(p["turns"]) for p in prompts)
+    bar = tqdm(total=total, initial=len(answered), desc="answers", unit="answer", disable=not progress)
+    with path.open("a") as out:
+        for turn in range(turns):
+            todo = []
+            for p in prompts:
+                if turn >= len(p["turns"]) or (p["key"], turn) in answered:
+                    continue
+                if turn and (p["key"], turn - 1) not in answered:
+                    continue  # its earlier answer is missing (a prompt too long): the turn cannot be asked
+                messages = _messages(p, turn, answered, tokenizer)
+                ids = encode_chat(tokenizer, messages)[0]
+                if ids.numel() <= max_prompt_tokens:
+                    todo.append((p["key"], ids))
+                else:
+                    bar.update(1)
+            todo.sort(key=lambda item: item[1].numel())
+            for start in range(0, len(todo), batch_size):
+                chunk = todo[start: start + batch_size]
+                ids, mask = left_pad([ids for _, ids in chunk], pad)
+                out_ids = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=answer_tokens,
+                                         do_sample=False, pad_token_id=pad)
+                for row, (key, prompt) in enumerate(chunk):
+                    answer = out_ids[row, ids.shape[1]:]
+                    answer = answer[: _answer_end(answer, tokenizer)]
+                    record = {"key": key, "turn": turn, "prompt_length": prompt.numel(),
+                              "ids": prompt.tolist() + answer.tolist()}
+                    out.write(json.dumps(record) + "\n")
+                    answered[(key, turn)] = record
+                out.flush()
+                bar.update(len(chunk))
+    bar.close()
+    return read_answers(path)
+
+
+def _messages(prompt: dict, turn: int, answered: dict, tokenizer) -> list[dict]:
+    messages = []
+    for t in range(turn + 1):
+        messages.append({"role": "user", "content": prompt["turns"][t]})
+        if t < turn:
+            record = answered[(prompt["key"], t)]
+            text = tokenizer.decode(record["ids"][record["prompt_length"]:], skip_special_tokens=True)
+            messages.append({"role": "assistant", "content": text})
+    return messages
+
+
+def _answer_end(answer: torch.Tensor, tokenizer) -> int:
+    """Length of ``answer`` up to and including its first end-of-sequence token."""
+    eos = tokenizer.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos]) - {None}
+    for i, token in enumerate(answer.tolist()):
+        if token in eos:
+            return i + 1
+    return answer.numel()

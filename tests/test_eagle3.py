@@ -1,0 +1,184 @@
+"""The ``eagle3`` generator: exact with random and trained heads, lossless under sampling, and
+``train-head`` end to end (resumed from its checkpoint), on tiny random targets.
+
+The trained head here is trained by the project's own training-time-test loss on the target's
+greedy continuations of random prompts, for a few hundred steps (about a second): enough that
+its drafts are accepted often, so the accepting paths of the loop are exercised, not only the
+rejecting ones."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import assert_batch_is_exact, left_pad, reference
+from test_sampling_lossless import (N, PROMPT, TINY_VOCAB, assert_same_distribution, exact_three_token_joint,
+                                    joint_counts, tiny_vocab_llama)
+
+from candidate_generators.eagle3 import Eagle3Head, HeadConfig
+from candidate_generators.eagle3.train import TrainSettings, target_features, train_head, ttt_loss
+from specdec import SpecDecoder
+from specdec.sampling import SamplingParams
+from specdec.tiny import tiny_random
+
+
+def train_prompts(vocab: int, seed: int = 0) -> torch.Tensor:
+    """[16, 6] the random prompts a test head is trained on (its drafts are accepted after them)."""
+    return torch.randint(0, vocab, (16, 6), generator=torch.Generator().manual_seed(seed))
+
+
+def trained_head(target, vocab: int, steps: int = 200, seed: int = 0) -> Eagle3Head:
+    """A head for ``target`` trained on its own greedy continuations of :func:`train_prompts`."""
+    prompts = train_prompts(vocab, seed)
+    sequences = target.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=40,
+                                do_sample=False)
+    valid = torch.ones_like(sequences, dtype=torch.bool)
+    answer = valid.clone()
+    answer[:, :6] = False
+    config = HeadConfig.for_target(target.config, draft_vocab_size=vocab)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        head = Eagle3Head(config)
+    head.set_vocab(torch.arange(vocab))
+    aux, top_ids, top_probs = target_features(target, sequences, valid, config.aux_layers, torch.arange(vocab))
+    table = target.get_input_embeddings()
+    optimizer = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    for _ in range(steps):
+        loss, _, _ = ttt_loss(head, lambda ids: table(ids).detach(), aux.float(), sequences, valid, answer,
+                              top_ids.long(), top_probs, 3)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return head.eval()
+
+
+@pytest.fixture(scope="module")
+def llama():
+    target, tokenizer = tiny_random("llama", seed=3)
+    return target.eval(), tokenizer
+
+
+@pytest.fixture(scope="module")
+def heads(llama):
+    target, _ = llama
+    vocab = target.config.vocab_size
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        random = Eagle3Head(HeadConfig.for_target(target.config, draft_vocab_size=vocab // 2))
+    random.set_vocab(torch.arange(0, vocab, 2))
+    return {"random": random.eval(), "trained": trained_head(target, vocab)}
+
+
+def prompts(vocab: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, vocab, (n,), generator=g) for n in (9, 5)]
+
+
+@pytest.mark.parametrize("kind", ["random", "trained"])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_greedy_is_the_target_own_output(llama, heads, kind, cache):
+    target, _ = llama
+    decoder = SpecDecoder(target, "eagle3", head=heads[kind], cache_implementation=cache, schedule="fixed",
+                          num_tokens=3)
+    for row in [*prompts(target.config.vocab_size), train_prompts(target.config.vocab_size)[0]]:
+        out = decoder.generate(row[None], max_new_tokens=30)
+        assert torch.equal(out.sequences, reference(target, row[None], 30))
+    assert_batch_is_exact(decoder, target)
+    if kind == "trained":  # on a prompt it was trained after, the head's drafts are accepted
+        assert out.stats.mean_accepted_length > 1.5, out.stats.summary()
+
+
+def test_left_padded_batch_with_processors(llama, heads):
+    target, _ = llama
+    rows = prompts(target.config.vocab_size)
+    ids, mask = left_pad(rows, pad_id=0)
+    decoder = SpecDecoder(target, "eagle3", head=heads["trained"])
+    out = decoder.generate(ids, mask, max_new_tokens=20, repetition_penalty=1.3)
+    for b, row in enumerate(rows):
+        want = reference(target, row[None], 20, repetition_penalty=1.3)[0, row.numel():]
+        assert torch.equal(out.sequences[b, ids.shape[1]: ids.shape[1] + want.numel()], want), b
+
+
+def test_sampling_is_the_target_distribution():
+    target = tiny_vocab_llama(0)
+    head = trained_head(target, TINY_VOCAB, steps=150)
+    params = SamplingParams(True, 0.8, top_k=6)
+    decoder = SpecDecoder(target, "eagle3", head=head, num_tokens=3, schedule="fixed")
+    out = decoder.generate(PROMPT.repeat(N, 1), max_new_tokens=3, do_sample=True, temperature=params.temperature,
+                           top_k=params.top_k, generator=torch.Generator().manual_seed(0))
+    stats = out.stats
+    assert stats.drafted_tokens >= N and 0 < stats.accepted_tokens < stats.drafted_tokens
+    assert_same_distribution(joint_counts(out.sequences[:, PROMPT.shape[1]:], TINY_VOCAB),
+                             exact_three_token_joint(target, PROMPT, params))
+
+
+def test_a_head_that_does_not_fit_is_refused_before_any_forward(llama):
+    target, _ = llama
+    other = tiny_random("llama", seed=3, hidden_size=48)[0] if False else None  # noqa: F841
+    config = HeadConfig.for_target(target.config, draft_vocab_size=16)
+    wrong = Eagle3Head(HeadConfig(**{**config.to_dict(), "target_hidden_size": config.target_hidden_size * 2}))
+    calls = []
+    hook = target.register_forward_pre_hook(lambda *args: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match="hidden"):
+            SpecDecoder(target, "eagle3", head=wrong).generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4)
+    finally:
+        hook.remove()
+    assert not calls
+
+
+def test_train_head_writes_a_head_that_drafts_and_resumes(llama, tmp_path):
+    target, tokenizer = llama
+    records = [{"key": f"p{i}", "turns": [text]} for i, text in enumerate(["hello there", "write a poem", "count"])]
+    settings = TrainSettings(steps=3, draft_vocab_size=64, answer_tokens=12, batch_tokens=64, warmup=1,
+                             checkpoint_seconds=0.0)
+    folder = train_head(target, tokenizer, tmp_path, settings, prompts=records, progress=False)
+    log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3]
+    answers = (tmp_path / "answers.jsonl").read_text().splitlines()
+    assert len(answers) == 3
+    # a rerun with a higher limit resumes at step 4 and reuses the answers
+    train_head(target, tokenizer, tmp_path, TrainSettings(**{**settings.__dict__, "steps": 5}), prompts=records,
+               progress=False)
+    log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3, 4, 5]
+    assert (tmp_path / "answers.jsonl").read_text().splitlines() == answers
+    decoder = SpecDecoder(target, "eagle3", head=folder)
+    row = prompts(target.config.vocab_size)[0][None]
+    assert torch.equal(decoder.generate(row, max_new_tokens=16).sequences, reference(target, row, 16))
+
+
+def test_hidden_states_reach_the_generator_as_the_model_computes_them(llama):
+    """What ``feedback.hidden`` carries is ``output_hidden_states`` of the committed sequence."""
+    from specdec.generators import CandidateGenerator, DraftingInfo, Proposal
+
+    target, _ = llama
+    seen = []
+
+    class Recorder(CandidateGenerator):
+        name = "recorder"
+
+        def drafting(self):
+            return DraftingInfo(max_drafts=None, hidden_layers=(1, 2))
+
+        def propose(self, ctx, max_drafts):
+            # drafts that are sometimes right: the target's own continuation shifted by one
+            return Proposal.from_rows([[7, 8, 9]] * ctx.batch_size)
+
+        def observe(self, ctx, feedback):
+            seen.append(feedback.hidden)
+
+    row = prompts(target.config.vocab_size)[0][None]
+    out = SpecDecoder(target, Recorder()).generate(row, max_new_tokens=12)
+    with torch.no_grad():
+        full = target(out.sequences, output_hidden_states=True).hidden_states
+    covered = set()
+    for hidden in seen:
+        for j in range(int(hidden.count[0])):
+            position = int(hidden.start[0]) + j
+            covered.add(position)
+            for layer in (1, 2):
+                torch.testing.assert_close(hidden.states[layer][0, j], full[layer][0, position], atol=1e-5, rtol=1e-5)
+    # every committed token but the newest was fed, and reported
+    assert covered == set(range(out.sequences.shape[1] - 1))
