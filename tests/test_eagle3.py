@@ -89,6 +89,24 @@ def test_greedy_is_the_target_own_output(llama, heads, kind, cache):
         assert out.stats.mean_accepted_length > 1.5, out.stats.summary()
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_trees_are_exact_and_accept_deeper(llama, heads, cache):
+    """``tree=True`` drafts a dynamic tree from the head: greedy output is still the target's, and on
+    a prompt the head was trained after, its trees are accepted beyond their first level."""
+    target, _ = llama
+    row = train_prompts(target.config.vocab_size)[1][None]
+    depth = {}
+    for tree in (False, True):
+        decoder = SpecDecoder(target, "eagle3", head=heads["trained"], tree=tree, schedule="fixed", num_tokens=6,
+                              cache_implementation=cache)
+        out = decoder.generate(row, max_new_tokens=30)
+        assert torch.equal(out.sequences, reference(target, row, 30))
+        depth[tree] = out.stats.mean_accepted_length
+        assert_batch_is_exact(decoder, target)
+    assert out.stats.tree_steps > 0
+    assert depth[True] > 1.3 and depth[False] > 1.3, depth
+
+
 def test_left_padded_batch_with_processors(llama, heads):
     target, _ = llama
     rows = prompts(target.config.vocab_size)
@@ -100,11 +118,19 @@ def test_left_padded_batch_with_processors(llama, heads):
         assert torch.equal(out.sequences[b, ids.shape[1]: ids.shape[1] + want.numel()], want), b
 
 
-def test_sampling_is_the_target_distribution():
+@pytest.fixture(scope="module")
+def tiny_vocab():
     target = tiny_vocab_llama(0)
-    head = trained_head(target, TINY_VOCAB, steps=150)
+    return target, trained_head(target, TINY_VOCAB, steps=150)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_sampling_is_the_target_distribution(tiny_vocab, tree):
+    """Chains carry the head's probabilities (speculative sampling); trees are point masses (the
+    target sampled, descending where a child holds its token). Either way: the target's law."""
+    target, head = tiny_vocab
     params = SamplingParams(True, 0.8, top_k=6)
-    decoder = SpecDecoder(target, "eagle3", head=head, num_tokens=3, schedule="fixed")
+    decoder = SpecDecoder(target, "eagle3", head=head, num_tokens=3, schedule="fixed", tree=tree, tree_width=2)
     out = decoder.generate(PROMPT.repeat(N, 1), max_new_tokens=3, do_sample=True, temperature=params.temperature,
                            top_k=params.top_k, generator=torch.Generator().manual_seed(0))
     stats = out.stats

@@ -34,8 +34,9 @@ from torch.nn import functional as F
 from specdec.generators import CandidateGenerator, DecodeContext, DraftingInfo, DraftLengthSchedule, Feedback, Proposal
 from specdec.registry import register_candidate_generator
 from specdec.sampling import sample
+from specdec.validation import check_flag
 
-from .head import Eagle3Head, HeadCache, step
+from .head import Eagle3Head, HeadCache, attend, step
 
 #: the acceptance the policy assumes of a head's drafts until it has measured some
 HEAD_PRIOR = 0.6
@@ -63,13 +64,18 @@ def shipped_head(target) -> Path | None:
 @register_candidate_generator("eagle3")
 class Eagle3Generator(CandidateGenerator):
     def __init__(self, *, head: str | Path | Eagle3Head | None = None, num_tokens: int = 5, schedule: str = "auto",
-                 max_tokens: int = 10):
+                 max_tokens: int = 10, tree: bool = False, tree_width: int = 4, tree_depth: int = 6):
         if head is not None and not isinstance(head, (str, Path, Eagle3Head)):
             raise TypeError(f"eagle3: head must be a folder or an Eagle3Head, got {type(head).__name__}")
         if isinstance(head, (str, Path)) and not Path(head).is_dir():
             raise FileNotFoundError(f"eagle3: head folder {str(head)!r} does not exist")
+        check_flag(tree, "eagle3: tree")
+        for name, value in (("tree_width", tree_width), ("tree_depth", tree_depth)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"eagle3: {name} must be a positive int, got {value!r}")
         self.head_source = head
         self.schedule = DraftLengthSchedule(num_tokens, schedule, max_tokens)
+        self.tree, self.tree_width, self.tree_depth = tree, tree_width, tree_depth
         self._loaded: dict = {}  # the decoder's head, per target, shared by its sessions
 
     def session(self) -> "Eagle3Generator":
@@ -137,6 +143,8 @@ class Eagle3Generator(CandidateGenerator):
         if k == 0:
             return Proposal.empty(ctx.batch_size, max_drafts.device)
         last = self._catch_up(ctx, lengths)  # [B, H]: the head's output at position lengths - 2
+        if self.tree:
+            return self._draft_tree(ctx, last, limit, lengths)
         position = lengths - 1  # [B] where the next pair goes
         ids, probs, confidence = [], [], []
         for i in range(k):
@@ -157,6 +165,47 @@ class Eagle3Generator(CandidateGenerator):
             position = position + 1
         return Proposal(torch.stack(ids, dim=1), limit.clamp(max=len(ids)),
                         torch.stack(probs, dim=1) if probs else None, confidence=torch.cat(confidence, dim=1))
+
+    def _draft_tree(self, ctx: DecodeContext, root: torch.Tensor, limit: torch.Tensor,
+                    lengths: torch.Tensor) -> Proposal:
+        """A dynamic tree (EAGLE-2's expansion): the root's ``tree_width`` likeliest tokens, then at
+        each depth the ``tree_width`` likeliest continuations (by the product of the head's
+        probabilities along the path) of the frontier's nodes, up to ``tree_depth``; the row's
+        ``limit[b]`` likeliest nodes of all those made, with their ancestors, are proposed as point
+        masses (the verifier samples the target and descends where a child matches: lossless
+        whatever the tree). A node's head step attends to the committed pairs and its own ancestors."""
+        batch, width = root.shape[0], self.tree_width
+        device = root.device
+        keys, values = [], []  # per depth: [B, g, w, d] entries of the frontier's pairs
+        tokens, parents, scores = [], [], []  # per depth: [B, w] token, global parent id (-1: root), log-prob
+        log_p = torch.log_softmax(self.drafted_logits(ctx, root, []), dim=-1)  # [B, V]
+        score, token = log_p.topk(width, dim=-1)  # [B, w]
+        tokens.append(token), parents.append(torch.full_like(token, -1)), scores.append(score)
+        feature = root[:, None].expand(-1, width, -1)  # [B, w, H]: each frontier node's pair feature
+        ancestors = torch.eye(width, dtype=torch.bool, device=device)[None].repeat(batch, 1, 1)  # [B, w, n]
+        committed = torch.arange(self.cache.capacity, device=device)[None, None, :] <= (lengths - 2)[:, None, None]
+        for depth in range(1, min(self.tree_depth, int(limit.max()))):
+            first = depth * width - width  # global id of the frontier's first node
+            positions = (lengths - 2 + depth)[:, None].expand(-1, width)  # [B, w]
+            q, k, v = self.head.project(feature, self.embed(token), positions)
+            keys.append(k), values.append(v)
+            seen = torch.cat([committed.expand(-1, width, -1), ancestors], dim=-1)  # [B, w, S + n]
+            out = attend(q, torch.cat([self.cache.keys, *keys], dim=2), torch.cat([self.cache.values, *values], dim=2),
+                         seen)
+            hidden = self.head.finish(out, feature)  # [B, w, H]
+            logits = self.head.logits(hidden).float()  # [B, w, Vd]: ranking only, no processors needed
+            child_p, child = torch.log_softmax(logits, dim=-1).topk(width, dim=-1)  # [B, w, w]
+            total = (score[:, :, None] + child_p).flatten(1)  # [B, w*w]
+            score, pick = total.topk(width, dim=-1)  # [B, w]
+            parent_local = pick // width  # [B, w] which frontier node
+            token = self.head.target_ids(child.flatten(1).gather(1, pick))
+            tokens.append(token), parents.append(first + parent_local), scores.append(score)
+            feature = hidden.gather(1, parent_local[..., None].expand(-1, -1, hidden.shape[-1]))
+            # the new frontier sees its parent's ancestors, its parent, and itself
+            new = ancestors.gather(1, parent_local[..., None].expand(-1, -1, ancestors.shape[-1]))  # [B, w, n]
+            ancestors = torch.cat([new, torch.eye(width, dtype=torch.bool, device=device)[None].repeat(batch, 1, 1)],
+                                  dim=-1)
+        return _best_subtree(torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(scores, 1), limit)
 
     def _catch_up(self, ctx: DecodeContext, lengths: torch.Tensor) -> torch.Tensor:
         """Feed the head the pairs ``fed[b] .. lengths[b] - 2`` (features known, next token
@@ -215,3 +264,26 @@ class Eagle3Generator(CandidateGenerator):
 
     def report(self) -> dict:
         return {"head_parameters": sum(p.numel() for p in self.head.parameters())}
+
+
+def _best_subtree(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, limit: torch.Tensor) -> Proposal:
+    """Nodes made (``tokens, parents, scores [B, n]``, global ids in creation order, parents first)
+    -> the proposal of each row's ``limit[b]`` best-scored nodes closed under ancestors (the first
+    ``limit[b]`` in creation order of that closure), parents re-indexed within the row."""
+    batch, n = tokens.shape
+    rank = scores.argsort(dim=1, descending=True).argsort(dim=1)  # [B, n] 0 = best
+    keep = rank < limit[:, None]
+    for i in range(n - 1, -1, -1):  # children come after parents: one backward pass closes the set
+        p = parents[:, i]
+        has = keep[:, i] & (p >= 0)
+        keep[has.nonzero()[:, 0], p[has]] = True
+    order = torch.arange(n, device=tokens.device)[None, :].expand(batch, -1)
+    position = torch.where(keep, order, n).sort(dim=1).values  # [B, n] kept ids first, in creation order
+    count = torch.minimum(keep.sum(1), limit)
+    width = int(count.max())
+    local = torch.full((batch, n + 1), -1, dtype=torch.long, device=tokens.device)  # global id -> local index
+    local.scatter_(1, position[:, :width], torch.arange(width, device=tokens.device)[None, :].expand(batch, -1))
+    chosen = position[:, :width].clamp(max=n - 1)  # [B, k] (past a row's count: filler)
+    chosen_parents = parents.gather(1, chosen)
+    new_parents = torch.where(chosen_parents >= 0, local.gather(1, chosen_parents.clamp(min=0)), -1)
+    return Proposal(tokens.gather(1, chosen), count, parents=new_parents)
