@@ -17,6 +17,9 @@ def add_parser(sub, positive_int, positive_float, threads) -> None:
     t.add_argument("--steps", type=positive_int, default=None, help="stop after N optimizer steps (in all runs)")
     t.add_argument("--minutes", type=positive_float, default=None,
                    help="stop after M minutes of training (in all runs together)")
+    t.add_argument("--prompts", default=None, metavar="FILE",
+                   help="JSON lines, each {\"turns\": [...]} or {\"prompt\": ...}, to train on (default: the "
+                        "Spec-Bench questions no benchmark config evaluates, and the standard library's docs)")
     t.add_argument("--generator", default="eagle3", help="the generator whose head is trained (default eagle3)")
     t.add_argument("--draft-vocab", type=positive_int, default=None, help="draft vocabulary size (default 8192)")
     t.add_argument("--depth", type=positive_int, default=None, help="training-time-test steps (default 4)")
@@ -46,9 +49,38 @@ def cmd_train_head(args) -> int:
     check_model_name(args.target)
     settings = generator.train_settings(**{field: getattr(args, flag) for flag, field in FLAGS.items()
                                            if getattr(args, flag) is not None})
+    prompts = read_prompts(args.prompts) if args.prompts is not None else None
     configure_threads(args.threads)
     target, tokenizer = load_model(args.target)
     target.eval()
-    folder = generator.train(target, tokenizer, args.out, settings, target_name=args.target)
+    folder = generator.train(target, tokenizer, args.out, settings, prompts=prompts, target_name=args.target)
     print(folder)
     return 0
+
+
+def read_prompts(path) -> list[dict]:
+    """``--prompts FILE``: JSON lines of ``{"turns": [...]}`` or ``{"prompt": "..."}`` -> prompt records
+    ``{"key", "turns"}``; a line that is neither is refused with its number."""
+    import json
+    from pathlib import Path
+
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"--prompts: no such file: {path}")
+    records = []
+    for number, line in enumerate(file.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--prompts {path}, line {number}: not JSON ({error.msg})") from None
+        turns = row.get("turns", [row["prompt"]] if isinstance(row, dict) and "prompt" in row else None) \
+            if isinstance(row, dict) else None
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
+            raise ValueError(f"--prompts {path}, line {number}: expected {{\"turns\": [text, ...]}} or "
+                             f"{{\"prompt\": text}}")
+        records.append({"key": str(row.get("key", f"line:{number}")), "turns": turns})
+    if not records:
+        raise ValueError(f"--prompts {path}: no prompts")
+    return records

@@ -208,3 +208,20 @@ def test_hidden_states_reach_the_generator_as_the_model_computes_them(llama):
                 torch.testing.assert_close(hidden.states[layer][0, j], full[layer][0, position], atol=1e-5, rtol=1e-5)
     # every committed token but the newest was fed, and reported
     assert covered == set(range(out.sequences.shape[1] - 1))
+
+
+def test_the_command_trains_on_a_prompt_file_and_refuses_bad_input(tmp_path, capsys):
+    from specdec.cli import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n{"turns": ["one", "two"]}\n')
+    out = tmp_path / "run"
+    assert main(["train-head", "--target", "tiny-random:llama", "--out", str(out), "--steps", "2",
+                 "--prompts", str(prompts), "--answer-tokens", "6", "--draft-vocab", "32", "--threads", "1"]) == 0
+    assert (out / "head" / "config.json").is_file()
+    assert len((out / "answers.jsonl").read_text().splitlines()) == 3  # the second turn after the first answer
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"turns": []}\n')
+    assert main(["train-head", "--out", str(out), "--steps", "1", "--prompts", str(bad)]) == 2
+    assert "line 1" in capsys.readouterr().err
+    assert main(["train-head", "--out", str(out)]) == 2  # no limit

@@ -257,10 +257,10 @@ class Eagle3Generator(CandidateGenerator):
         return TrainSettings(**options)
 
     @staticmethod
-    def train(target, tokenizer, out, settings, *, target_name: str = "") -> Path:
+    def train(target, tokenizer, out, settings, *, prompts=None, target_name: str = "") -> Path:
         from .train import train_head
 
-        return train_head(target, tokenizer, out, settings, target_name=target_name)
+        return train_head(target, tokenizer, out, settings, prompts=prompts, target_name=target_name)
 
     def report(self) -> dict:
         return {"head_parameters": sum(p.numel() for p in self.head.parameters())}
