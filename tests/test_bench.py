@@ -924,3 +924,14 @@ def _assert_partial_report(done: subprocess.CompletedProcess, out: Path) -> None
 @pytest.mark.parametrize("signals", [[signal.SIGTERM], [signal.SIGINT, signal.SIGINT]], ids=["sigterm", "sigint-twice"])
 def test_interrupted_run_writes_a_partial_report(tmp_path, signals):
     _assert_partial_report(*_interrupted_run(tmp_path, signals))
+
+
+def test_report_shows_tree_size_and_accepted_depth(tmp_path):
+    a = AcceptanceStats(steps=4, drafted_tokens=12, accepted_tokens=5, committed_tokens=9, accepted_at_position=[3, 2],
+                        total_seconds=0.5, tree_steps=2, tree_nodes=10, tree_depth=3)
+    b = AcceptanceStats(steps=2, drafted_tokens=6, accepted_tokens=2, committed_tokens=4, accepted_at_position=[2],
+                        total_seconds=0.2, tree_steps=1, tree_nodes=6, tree_depth=2)
+    out = _synthetic_run(tmp_path, [a.as_dict(), b.as_dict(), AcceptanceStats(steps=1).as_dict()])
+    write_report(out, log=None)
+    section = (out / "report.md").read_text().split("## Token trees", 1)[1].split("\n## ", 1)[0]
+    assert "| `auto` | 3 of 6 | 5.33 | 1.67 |" in section  # single rows only (as every section but batches)

@@ -293,6 +293,20 @@ def _structured_section(meta: dict, rows: list[dict]) -> list[str]:
     return out + _table(["method", "valid outputs", "forced", "grammar drafts", "other drafts accepted"], body)
 
 
+def _tree_section(meta: dict, rows: list[dict]) -> list[str]:
+    """Per method that verified token trees (docs/trees.md): how many of its steps did, their mean
+    node count and mean accepted depth (drafts accepted on the path the target took)."""
+    stats = {name: st for name, st in method_stats(meta, rows).items() if st.tree_steps}
+    if not stats:
+        return []
+    out = ["", "## Token trees", "", "*Tree steps*: steps whose drafts were a tree, verified in one forward; "
+           "*nodes*: drafts per tree step; *accepted depth*: drafts accepted per tree step (the path the target "
+           "took).", ""]
+    body = [[f"`{name}`", f"{st.tree_steps} of {st.steps}", f"{st.tree_nodes / st.tree_steps:.2f}",
+             f"{st.tree_depth / st.tree_steps:.2f}"] for name, st in stats.items()]
+    return out + _table(["method", "tree steps", "nodes", "accepted depth"], body)
+
+
 def _warmup_section(meta: dict) -> list[str]:
     """Seconds each compiled method spent compiling before the timed runs, per session."""
     sessions = [s.get("warmup_seconds") or {} for s in meta.get("sessions", [])]
@@ -440,7 +454,7 @@ def render_markdown(meta: dict, rows: list[dict], all_summaries: list[Summary], 
     subtasks = [g for g in SUBTASKS if any(s.subtask == g for s in all_summaries)]
     single = [r for r in rows if not is_batched(r)]
     out = (_header(meta, rows) + _subtask_tables(meta, all_summaries, subtasks) + _structured_section(meta, single)
-           + _warmup_section(meta)
+           + _tree_section(meta, single) + _warmup_section(meta)
            + _choices_section(meta, rows) + _draft_lengths_section(meta, rows, all_summaries, figures)
            + _batch_section(meta, rows)
            + _pairs_section(meta, single, all_summaries, subtasks)
