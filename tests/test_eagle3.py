@@ -141,7 +141,6 @@ def test_sampling_is_the_target_distribution(tiny_vocab, tree):
 
 def test_a_head_that_does_not_fit_is_refused_before_any_forward(llama):
     target, _ = llama
-    other = tiny_random("llama", seed=3, hidden_size=48)[0] if False else None  # noqa: F841
     config = HeadConfig.for_target(target.config, draft_vocab_size=16)
     wrong = Eagle3Head(HeadConfig(**{**config.to_dict(), "target_hidden_size": config.target_hidden_size * 2}))
     calls = []

@@ -29,9 +29,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from torch.nn import functional as F
 
 from specdec.generators import CandidateGenerator, DecodeContext, DraftingInfo, DraftLengthSchedule, Feedback, Proposal
+from specdec.modelinfo import tensor_bytes
 from specdec.registry import register_candidate_generator
 from specdec.sampling import sample
 from specdec.validation import check_flag
@@ -263,7 +263,9 @@ class Eagle3Generator(CandidateGenerator):
         return train_head(target, tokenizer, out, settings, prompts=prompts, target_name=target_name)
 
     def report(self) -> dict:
-        return {"head_parameters": sum(p.numel() for p in self.head.parameters())}
+        """The head's size and this call's memory for it (its cache and features), in bytes."""
+        held = (self.cache.keys, self.cache.values, self.features)
+        return {"head_bytes": tensor_bytes(self.head), "call_bytes": sum(t.numel() * t.element_size() for t in held)}
 
 
 def _best_subtree(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, limit: torch.Tensor) -> Proposal:
