@@ -157,7 +157,7 @@ class DraftingInfo:
       is asked for all a row may take, and its own probabilities end each block.
     * ``hidden_layers``: the target's hidden states the generator reads (``output_hidden_states``
       indices: 0 the embeddings, i the output of layer i): every target forward returns them
-      (through the eager engine), and each step's record carries those of the tokens it
+      (on its fast path where it has one), and each step's record carries those of the tokens it
       committed (:class:`TargetHidden`, ``feedback.hidden``). Empty: none (the default). Read
       after ``setup``, so a generator may learn them there (from the head it loads).
     """

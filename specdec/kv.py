@@ -18,9 +18,10 @@ With ``compile`` the static backend runs ``torch.compile`` d forwards. Widths ar
 their logits dropped), the mask always spans the whole cache, and caches are reused across calls
 from a pool bounded in bytes (``specdec.cache_pool``), so each (width, batch, cache length)
 compiles once per process. A first forward (the prefill) and any forward wider than the widest bucket run eagerly, as in
-``transformers``. Compiled forwards bypass ``nn.Module`` hooks. The first compiled forward of
-each width is checked against an eager one: a model whose compiled graph disagrees (seen with
-torchao's int8-activation layers under inductor on CPU) runs eagerly from then on, with a warning.
+``transformers``, and so does one that asks for hidden states (a compiled graph returns logits
+only). Compiled forwards bypass ``nn.Module`` hooks. The first compiled forward of each width
+is checked against an eager one: a model whose compiled graph disagrees (seen with torchao's
+int8-activation layers under inductor on CPU) runs eagerly from then on, with a warning.
 Which compiled function a model gets, and that check, live in :mod:`specdec.compiled`; this
 module keeps the caches and decides when to call it.
 
@@ -138,18 +139,20 @@ class DynamicKV:
         self.cache = new_dynamic_cache(self.layout, reach)
 
     def forward(self, model, kwargs: dict, *, first_slot: int, width: int, first: bool, mask,
-                needs_mask: bool, direct: bool = False, runner=None) -> torch.Tensor:
+                needs_mask: bool, direct: bool = False, runner=None, hidden_layers: tuple[int, ...] = ()):
         """Run the model on ``kwargs`` (ids/positions ``[B, fed]``, fed = :meth:`padded_width`);
         ``mask(slots)`` gives the ``[B, slots]`` attention mask, needed unless every slot holds a
         real token. ``direct`` calls ``model.forward`` (no module hooks); ``runner(model, kwargs)``,
         where given, runs the forward instead (a tree's, through an engine). -> logits of the first
-        ``width`` columns (or fewer, with ``logits_to_keep``)."""
+        ``width`` columns (or fewer, with ``logits_to_keep``); with ``hidden_layers``
+        (``output_hidden_states`` indices; not with a runner, which keeps its own) ``(logits,
+        {index: [B, fed, H]})``, through the same fast paths (``head.model_logits``)."""
         if needs_mask:
             kwargs["attention_mask"] = mask(first_slot + width)
         if runner is not None:
             return runner(model, kwargs)
         return model_logits(model, kwargs, direct=direct, fast_head=self.settings.fast_head,
-                            own=self.settings.own_forward)
+                            own=self.settings.own_forward, hidden_layers=hidden_layers)
 
     def gather_slots(self, first: int, sources: torch.Tensor) -> None:
         """Slot ``first + j`` of row b takes what slot ``sources[b, j]`` holds (``sources [B, W]``):
@@ -217,7 +220,8 @@ class StaticKV:
         self.compiled = compiled_forward(model, settings.options, owned=settings.owned) if compiles else None
 
     def forward(self, model, kwargs: dict, *, first_slot: int, width: int, first: bool, mask,
-                needs_mask: bool, direct: bool = False, runner=None) -> torch.Tensor:
+                needs_mask: bool, direct: bool = False, runner=None, hidden_layers: tuple[int, ...] = ()):
+        """As :meth:`DynamicKV.forward`, on the static cache (compiled where it may be)."""
         fed = kwargs["input_ids"].shape[1]
         held = self.cache
         self._reserve(model, first_slot + fed)
@@ -231,9 +235,10 @@ class StaticKV:
         kwargs["attention_mask"] = mask(self.length)  # always: slots past the rows' ends hold stale entries
         if runner is not None:  # a tree's forward, through an engine: never compiled
             return runner(model, kwargs)
-        if self.compiled is None or first or fed not in self.settings.widths:
+        # a compiled graph returns logits only: a forward that asks for hidden states runs eagerly
+        if self.compiled is None or first or fed not in self.settings.widths or hidden_layers:
             return model_logits(model, kwargs, direct=direct, fast_head=self.settings.fast_head,
-                                own=self.settings.own_forward)
+                                own=self.settings.own_forward, hidden_layers=hidden_layers)
         kwargs.pop("logits_to_keep", None)  # an int argument would compile one graph per value
         if checked(model, (fed, self.length)):
             return run_compiled(self.compiled, model, kwargs, width)  # [B, width, V]

@@ -100,9 +100,8 @@ class DecodeRun:
         # validates and attaches assistants: still before any forward (every rank agrees it went well)
         self.ranks.together(lambda: self.session.setup(self.ctx))
         hidden_layers = self.session.drafting().hidden_layers  # a generator may learn them in setup (a head's)
-        if hidden_layers:  # the target's forwards return them, through the eager engine
+        if hidden_layers:  # every target forward returns them (specdec.forwards on a CPU, a tree's engine)
             self.target.hidden_layers = check_hidden_layers(hidden_layers, target, self.plugin)
-            self.target.hidden_engine = make_engine("eager", target)
         self.vocab = vocab_size(target)
         self.stats = AcceptanceStats()
         if self.policy is not None:  # drafting is priced by the assistants just attached

@@ -121,9 +121,9 @@ class ModelState:
         self._mirrored: tuple[torch.Tensor, int] | None = None  # see mirror()
         self.refeed_limit = self.REFEED_LIMIT  # ends at most this far apart re-feed; farther ones shift
         #: hidden states every forward returns (``output_hidden_states`` indices; set by the run for a
-        #: generator that reads them), through ``hidden_engine`` (an eager engine, specdec.engines)
+        #: generator that reads them): a causal forward asks its cache backend's forward for them (the
+        #: fast paths keep them, ``forwards.head.model_logits``), a tree forward its engine
         self.hidden_layers: tuple[int, ...] = ()
-        self.hidden_engine = None
         #: after a forward with ``hidden_layers``: ({layer: [B, F, H]} of its fed columns, [B] the token
         #: index of column 0 of each row, negative where a row's first columns are padding)
         self.hidden: tuple[dict[int, torch.Tensor], torch.Tensor] | None = None
@@ -299,8 +299,8 @@ class ModelState:
         layout = runner = None
         if tree is not None:
             layout, runner, width = self._tree_forward(tree, first_needed + 1, width)
-        elif self.hidden_layers:
-            runner = self._engine_runner(self.hidden_engine, Layout())
+        # a causal forward keeps the hidden states through the backend's forward (a tree's runner keeps them itself)
+        hidden_layers = self.hidden_layers if runner is None else ()
         index, real, ids, positions = self._chunk(first_slot, width, layout)
         keep = width - int(first_needed.min())
         kwargs: dict[str, Any] = {
@@ -320,7 +320,9 @@ class ModelState:
         needs_mask = (self.batch_size > 1 or bool((self.offsets > 0).any()) or not bool(real[:, :width].all())
                       or runner is not None)
         logits = self.kv.forward(self.model, kwargs, first_slot=first_slot, width=width, first=first,
-                                 mask=mask, needs_mask=needs_mask, runner=runner)
+                                 mask=mask, needs_mask=needs_mask, runner=runner, hidden_layers=hidden_layers)
+        if hidden_layers:
+            logits, self._fed_hidden = logits  # {layer: [B, F, H]} of the fed columns
         # [B, keep, V]: the last `keep` of the `width` columns (all of them if the model ignores logits_to_keep)
         keep = logits.shape[1]
         self.is_first_iteration = False
@@ -414,7 +416,9 @@ class ModelState:
         (index [B, F]: each row's token index there, real [B, F], ids [B, F], positions [B, F] or
         [3, B, F] for mRoPE). A tree ``layout`` feeds ``width`` columns exactly (its forward is never
         compiled), each at the position of its column in its own chain (``Layout.chain_columns``)."""
-        fed = width if layout is not None else self.kv.padded_width(width, self.is_first_iteration)
+        # a tree's forward, and one that keeps hidden states, is never compiled: nothing to pad to
+        unpadded = layout is not None or self.hidden_layers
+        fed = width if unpadded else self.kv.padded_width(width, self.is_first_iteration)
         chunk_slots = first_slot + torch.arange(fed, device=self.device)[None, :]  # [1, F]
         index = chunk_slots - self.offsets[:, None]  # [B, F] token index at each chunk slot
         real = (index >= 0) & (index < self.lengths[:, None])

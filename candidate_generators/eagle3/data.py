@@ -72,6 +72,37 @@ def documentation_prompts(limit: int = 200, max_chars: int = 1600) -> list[dict]
     return out
 
 
+def documentation_text(tokenizer, tokens: int, chunk: int = 512) -> list[dict]:
+    """The standard library's documentation (each module's docstring and its public members'),
+    tokenized into records of ``chunk`` tokens, ``tokens`` in all: text the target reads with no
+    answer of its own (``prompt_length`` 0: every position is trained on)."""
+    ids: list[int] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in sorted(sys.stdlib_module_names):
+            if len(ids) >= tokens:
+                break
+            if name.startswith("_") or name in ("antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo"):
+                continue
+            try:
+                module = importlib.import_module(name)
+            except Exception:
+                continue
+            parts = [inspect.getdoc(module) or ""]
+            for member in sorted(getattr(module, "__all__", None) or dir(module)):
+                if member.startswith("_"):
+                    continue
+                doc = inspect.getdoc(getattr(module, member, None)) or ""
+                if len(doc) >= 200 and doc not in parts:
+                    parts.append(f"{name}.{member}\n\n{doc}")
+            text = "\n\n".join(p for p in parts if p)
+            if text:
+                ids += tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = ids[:tokens]
+    return [{"key": f"doc_text:{i}", "turn": 0, "prompt_length": 0, "ids": ids[i: i + chunk]}
+            for i in range(0, len(ids) - 1, chunk)]
+
+
 def read_answers(path: Path) -> list[dict]:
     """The answers written so far (a torn last line, from an interrupted run, is dropped)."""
     if not path.is_file():

@@ -2,7 +2,9 @@
 
 The pipeline, each part resumable from ``out``:
 
-1. prompts -> the target's own greedy answers (``data.py``, ``out/answers.jsonl``);
+1. prompts -> the target's own greedy answers (``data.py``, ``out/answers.jsonl``), and the
+   standard library's documentation as plain text (``doc_text_tokens``; the target's
+   distribution at every position of it is a label as good as any);
 2. the draft vocabulary: the ``draft_vocab_size`` most frequent ids in the answers (the prompts'
    ids too when the answers hold fewer distinct ids), ``d2t``/``t2d`` of the head;
 3. training, step by step: a batch of answered sequences goes through the target once (no
@@ -35,7 +37,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from .data import documentation_prompts, evaluated_question_ids, held_out_prompts, self_distill
+from .data import documentation_prompts, documentation_text, evaluated_question_ids, held_out_prompts, self_distill
 from .head import Eagle3Head, HeadConfig
 
 #: the target's most likely draft-vocabulary tokens kept per position as the soft label
@@ -59,6 +61,7 @@ class TrainSettings:
     checkpoint_seconds: float = 120.0
     seed: int = 0
     doc_prompts: int = 200
+    doc_text_tokens: int = 200_000  # the standard library's documentation read as text (data.documentation_text)
 
     def __post_init__(self):
         if self.steps is None and self.minutes is None:
@@ -165,6 +168,8 @@ def train_head(target, tokenizer, out: str | Path, settings: TrainSettings, *, h
                            batch_size=settings.generate_batch, max_prompt_tokens=settings.max_prompt_tokens,
                            progress=progress)
     records = [r for r in records if len(r["ids"]) - r["prompt_length"] >= 2]
+    if settings.doc_text_tokens:
+        records += documentation_text(tokenizer, settings.doc_text_tokens)
     if not records:
         raise ValueError("train-head: no answers to train on (every prompt was too long or answered nothing)")
     vocab = target.config.get_text_config().vocab_size

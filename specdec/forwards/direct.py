@@ -20,8 +20,16 @@ whose direct steps timed faster than its own on that probe (medians of 5, taking
 step that decides counts as one-time work (reported apart, pricing nothing). It serves a forward
 (:meth:`DirectForward.serves`) on a :class:`specdec.growing.GrowingLayer` cache (specdec's dynamic
 cache) of at most ``packed.MAX_ROWS`` rows (tokens x batch rows; their products through the
-weights packed for MKL where ``packed.py`` packs them for the forward), asking for logits only, with no module hooks but specdec's own timers; anything
-else runs the model's own forward.
+weights packed for MKL where ``packed.py`` packs them for the forward), asking for logits (and
+hidden states, below), with no module hooks but specdec's own timers; anything else runs the
+model's own forward.
+
+Hidden states. A forward may ask for some of ``output_hidden_states`` (``hidden_layers``: index 0
+the embeddings, index i < layers the residual stream before layer i, index ``layers`` the last
+layer's output after the final norm, as ``transformers`` 5.25's ``LlamaModel`` with
+``capture_outputs`` returns them): the stack keeps a reference to each asked state as it passes
+(no copy, nothing kept when none is asked), for every fed column whatever ``logits_to_keep`` says.
+They are the model's own up to the rounding its logits differ by.
 
 The model is only read: its weights are used in place, nothing is stacked or copied.
 """
@@ -32,7 +40,7 @@ import statistics
 import threading
 import time
 import weakref
-from typing import List, Optional
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -73,16 +81,25 @@ def decoder_layers(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, m
                    keys: List[torch.Tensor], values: List[torch.Tensor], start: int,
                    parts: List[List[torch.Tensor]], packed: List[List[torch.Tensor]],
                    biases: List[List[Optional[torch.Tensor]]], eps: List[float],
-                   heads: int, kv_heads: int, dim: int, scaling: float) -> torch.Tensor:
+                   heads: int, kv_heads: int, dim: int, scaling: float,
+                   capture: List[int]) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """``hidden [B, T, H]`` through every decoder layer, writing layer i's keys and values for
     slots ``start:start+T`` into the buffers ``keys[i]`` / ``values[i]`` [B, kv_heads, slots, dim]
     and attending over the slots up to there (``mask [B, 1, T, end]`` boolean, or None: all of
     them). ``parts[i]``: the two norms' scales, then the weights of q, k, v, o, gate, up, down;
     ``packed[i]``: those seven weights packed for MKL, or empty tensors (plain products);
-    ``biases[i]``: those seven layers' biases; ``cos``/``sin`` [B, 1, T, dim]."""
+    ``biases[i]``: those seven layers' biases; ``cos``/``sin`` [B, 1, T, dim].
+
+    -> (the last layer's output [B, T, H], before the final norm; the residual stream before
+    each layer i in ``capture`` [B, T, H], in ascending order: i = 0 the input ``hidden`` itself,
+    i = len(parts) the last layer's output, i.e. ``output_hidden_states`` index i without the
+    final norm). ``capture`` empty keeps nothing and costs one list lookup a layer."""
     batch, width = hidden.shape[0], hidden.shape[1]
     end = start + width
+    captured: List[torch.Tensor] = []
     for i in range(len(parts)):
+        if i in capture:
+            captured.append(hidden)
         p, w, b = parts[i], packed[i], biases[i]
         x = rms_norm(hidden, p[0], eps[2 * i])
         query = _linear(x, p[2], w[0], b[0]).view(batch, width, heads, dim).transpose(1, 2)
@@ -99,7 +116,9 @@ def decoder_layers(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, m
         x = rms_norm(hidden, p[1], eps[2 * i + 1])
         gated = torch.nn.functional.silu(_linear(x, p[6], w[4], b[4])) * _linear(x, p[7], w[5], b[5])
         hidden = hidden + _linear(gated, p[8], w[6], b[6])
-    return hidden
+    if len(parts) in capture:
+        captured.append(hidden)
+    return hidden, captured
 
 
 def scripted_layers():
@@ -265,11 +284,15 @@ class DirectForward:
             return None
         return None if _hooked(model, direct) else self.tensors()
 
-    def __call__(self, kwargs: dict, head, packed: bool = False, tensors: tuple | None = None) -> torch.Tensor:
+    def __call__(self, kwargs: dict, head, packed: bool = False, tensors: tuple | None = None,
+                 hidden_layers: Sequence[int] = ()):
         """The logits of ``kwargs``' forward (served: :meth:`serves`); ``head`` maps the final
         hidden states [B, T, H] to logits; ``packed``: the products go through the model's weights
         packed for MKL (``packed.packed_linears`` said so for this forward); ``tensors``: what
-        :meth:`plan` returned for it (read again where not given)."""
+        :meth:`plan` returned for it (read again where not given). With ``hidden_layers``
+        (``output_hidden_states`` indices, 0 .. layers): ``(logits, {index: [B, T, H]})``, every fed
+        column (``logits_to_keep`` cuts the logits only), as the model's own forward gives them
+        (:func:`hidden_states`)."""
         ids, positions, cache = kwargs["input_ids"], kwargs["position_ids"], _cache(kwargs)
         batch, width = ids.shape
         layers = cache.layers
@@ -284,16 +307,28 @@ class DirectForward:
         if packed:
             state = PackedLinears.of(self.model())
             weights = [[state.packed_weight(linear) for linear in mine] for mine in linears]
+        count = len(layers)
+        capture = sorted({_layer_index(i, count) for i in hidden_layers})
+        embedded = hidden
         with torch.jit.optimized_execution(False), torch.inference_mode():  # see lean.LeanForward._forward
-            hidden = self.layers(hidden, cos[:, None], sin[:, None], _mask(kwargs.get("attention_mask"), width, start, end),
-                                 [k for k, _ in buffers], [v for _, v in buffers], start, parts, weights,
-                                 biases, self.eps, self.heads, self.kv_heads, self.head_dim, self.scaling)
+            hidden, captured = self.layers(hidden, cos[:, None], sin[:, None],
+                                           _mask(kwargs.get("attention_mask"), width, start, end),
+                                           [k for k, _ in buffers], [v for _, v in buffers], start, parts, weights,
+                                           biases, self.eps, self.heads, self.kv_heads, self.head_dim, self.scaling,
+                                           capture)
         for layer in layers:
             layer.filled(end)
         keep = kwargs.get("logits_to_keep", 0)
+        if not hidden_layers:
+            if isinstance(keep, int) and keep > 0:
+                hidden = hidden[:, -keep:]
+            return head(self.decoder.norm(hidden))
+        norms_last = _norms_last(self.model())
+        states = hidden_states(dict(zip(capture, captured)), embedded, self.decoder.norm, count, norms_last)
+        final = states[count] if count in states and norms_last else self.decoder.norm(hidden)  # [B, T, H]
         if isinstance(keep, int) and keep > 0:
-            hidden = hidden[:, -keep:]
-        return head(self.decoder.norm(hidden))
+            final = final[:, -keep:]
+        return head(final), {i: states[_layer_index(i, count)] for i in hidden_layers}
 
     # -- deciding -----------------------------------------------------------------------------
     def _probe(self, model, steps: int = 5) -> tuple[list, list, list, list]:
@@ -337,6 +372,38 @@ class DirectForward:
 
     def _matches(self, model) -> bool:
         return self._verdict(model)[0]
+
+
+def hidden_states(captured: dict, embedded: torch.Tensor, norm, count: int, norms_last: bool) -> dict:
+    """:func:`decoder_layers`' ``captured`` states ({index: [B, T, H]}) as ``output_hidden_states``
+    gives them: index ``count`` (the last layer's output) through the final ``norm`` where
+    ``norms_last`` (``transformers``' ``capture_outputs`` replaces the last hidden state by the
+    decoder's ``last_hidden_state``, the normed one, unless ``config.tie_last_hidden_states`` is
+    False: transformers/utils/output_capturing.py), and ordinary tensors, not the inference
+    tensors the stack made (a caller may change them in place; the embeddings are one already)."""
+    states = {}
+    for index, state in captured.items():
+        if index == count and norms_last:
+            state = norm(state)  # outside inference mode: an ordinary tensor
+        elif state is not embedded and state.is_inference():
+            state = state.clone()
+        states[index] = state
+    return states
+
+
+def _norms_last(model) -> bool:
+    """Whether ``model``'s last ``output_hidden_states`` entry is after the final norm (see
+    :func:`hidden_states`)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return getattr(config, "tie_last_hidden_states", None) is not False
+
+
+def _layer_index(index: int, count: int) -> int:
+    """An ``output_hidden_states`` index (negative ones from the end, as a tuple indexes) in 0 .. count."""
+    if isinstance(index, bool) or not isinstance(index, int) or not -(count + 1) <= index <= count:
+        raise ValueError(f"hidden_layers: {index!r} is not a hidden state of a {count}-layer decoder "
+                         f"(0 .. {count}: the embeddings, then each layer's output)")
+    return index % (count + 1)
 
 
 def _cache(kwargs: dict):

@@ -35,6 +35,7 @@ import statistics
 import threading
 import time
 import weakref
+from typing import Sequence
 
 import torch
 
@@ -190,7 +191,7 @@ def _observed(model: torch.nn.Module, run):
 
 
 def model_logits(model, kwargs: dict, *, direct: bool = False, fast_head: bool = True,
-                 own: bool = False) -> torch.Tensor:
+                 own: bool = False, hidden_layers: Sequence[int] = ()):
     """``model(**kwargs).logits`` (``model.forward`` if ``direct``: no module hooks), with the output
     layer as :class:`FastHead` where ``fast_head`` and the model qualifies, grouped-query
     attention without copies of the cache on a CPU (``attention.grouped_attention``), a
@@ -198,17 +199,24 @@ def model_logits(model, kwargs: dict, *, direct: bool = False, fast_head: bool =
     the output layer's among them: no fast head then), and otherwise the decoder's layers as one
     scripted function where the model qualifies (``direct.DirectForward``). ``own`` (the
     caller's ``engine="eager"``) runs the model's forward and none of these: nothing is decided,
-    counted or packed for the model by such a call."""
+    counted or packed for the model by such a call.
+
+    ``hidden_layers`` (``output_hidden_states`` indices) -> ``(logits, {index: [B, T, H]})`` from
+    whichever of these runs, the states of every fed column as the model's own
+    ``output_hidden_states`` gives them; empty (the default): the logits alone, as ever."""
     kwargs = with_current_cache_keyword(model, kwargs)
     if own:
-        return (model.forward if direct else model)(**kwargs).logits
+        call = model.forward if direct else model
+        if hidden_layers:
+            return _kept(call(**{**kwargs, "output_hidden_states": True}), hidden_layers)
+        return call(**kwargs).logits
     fed = kwargs.get("input_ids")
     fed = kwargs.get("inputs_embeds") if fed is None else fed
     device = model.device if fed is None else fed.device
     rows = 0 if fed is None else fed.shape[0] * fed.shape[1]
     width = fed.shape[1] if fed is not None and fed.dim() >= 2 else None
     with grouped_attention(model, device, width), packed_linears(model, rows, device) as packed:
-        return _logits(model, kwargs, direct, fast_head and not packed, packed)
+        return _logits(model, kwargs, direct, fast_head and not packed, packed, tuple(hidden_layers))
 
 
 def with_current_cache_keyword(model, kwargs: dict) -> dict:
@@ -239,23 +247,43 @@ def _function_declares_cache(function) -> bool:
     return "cache" in inspect.signature(function).parameters
 
 
-def _logits(model, kwargs: dict, direct: bool, fast_head: bool, packed: bool) -> torch.Tensor:
+def _logits(model, kwargs: dict, direct: bool, fast_head: bool, packed: bool, hidden_layers: tuple = ()):
+    """:func:`model_logits` once the contexts are entered: logits, or (logits, hidden states)
+    where ``hidden_layers`` asks for some."""
     call = model.forward if direct else model
     head = FastHead.of(model) if fast_head else None
     forward = DirectForward.of(model) if kwargs.get("input_ids") is not None else None
     tensors = forward.plan(model, kwargs, direct) if forward is not None else None
     if tensors is not None:
         run = lambda: forward(kwargs, head if head is not None else model.get_output_embeddings(), packed,  # noqa: E731
-                              tensors)
+                              tensors, hidden_layers)
         return run() if direct else _observed(model, run)
     layer = head.layer if head is not None else None
     ids = kwargs.get("input_ids")
     if (head is None or ids is None or ids.numel() > MAX_TOKENS or layer._forward_hooks or layer._forward_pre_hooks
             or not (direct or _observers_only(model))):
+        if hidden_layers:
+            return _kept(call(**{**kwargs, "output_hidden_states": True}), hidden_layers)
         return call(**kwargs).logits
     keep = kwargs.get("logits_to_keep", 0)
     out = call(**{**kwargs, "logits_to_keep": _NO_LOGITS, "output_hidden_states": True})
     hidden = out.hidden_states[-1]
     if isinstance(keep, int) and keep > 0:
         hidden = hidden[:, -keep:]
+    if hidden_layers:
+        return head(hidden), _hidden(out, hidden_layers)
     return head(hidden)
+
+
+def _kept(out, hidden_layers: tuple) -> tuple[torch.Tensor, dict]:
+    """(logits, the asked hidden states) of a model output computed with ``output_hidden_states``."""
+    return out.logits, _hidden(out, hidden_layers)
+
+
+def _hidden(out, hidden_layers: tuple) -> dict:
+    """{index: [B, T, H]} of ``out.hidden_states`` (the model's own output_hidden_states)."""
+    states = out.hidden_states
+    if not states:
+        raise ValueError("hidden states were asked of a forward that returned none (its model ignores "
+                         "output_hidden_states)")
+    return {i: states[i] for i in hidden_layers}
