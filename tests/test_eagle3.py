@@ -224,3 +224,21 @@ def test_the_command_trains_on_a_prompt_file_and_refuses_bad_input(tmp_path, cap
     assert main(["train-head", "--out", str(out), "--steps", "1", "--prompts", str(bad)]) == 2
     assert "line 1" in capsys.readouterr().err
     assert main(["train-head", "--out", str(out)]) == 2  # no limit
+
+
+def test_a_generator_asking_for_a_hidden_state_the_target_lacks_is_refused(llama):
+    from specdec.generators import CandidateGenerator, DraftingInfo, Proposal
+
+    target, _ = llama
+
+    class Deep(CandidateGenerator):
+        name = "deep"
+
+        def drafting(self):
+            return DraftingInfo(hidden_layers=(target.config.num_hidden_layers + 1,))
+
+        def propose(self, ctx, max_drafts):
+            return Proposal.empty(ctx.batch_size)
+
+    with pytest.raises(ValueError, match=r"'deep' reads hidden state \d+ of LlamaForCausalLM, which has \d+"):
+        SpecDecoder(target, Deep()).generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2)
