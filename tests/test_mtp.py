@@ -50,12 +50,7 @@ def deepseek(mtp_layers: int, layers: int = 2, vocab: int = VOCAB, seed: int = 0
         n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
         v_head_dim=8, qk_nope_head_dim=8, num_nextn_predict_layers=mtp_layers, max_position_embeddings=128,
         bos_token_id=None, eos_token_id=None, pad_token_id=0)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = DeepseekV3ForCausalLM(config).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
+    return built(DeepseekV3ForCausalLM, config, seed)
 
 
 def glm(mtp_layers: int, seed: int = 0) -> Glm4MoeForCausalLM:
@@ -65,9 +60,14 @@ def glm(mtp_layers: int, seed: int = 0) -> Glm4MoeForCausalLM:
         num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, partial_rotary_factor=0.5,
         num_nextn_predict_layers=mtp_layers, max_position_embeddings=128, bos_token_id=None, eos_token_id=None,
         pad_token_id=0)
+    return built(Glm4MoeForCausalLM, config, seed)
+
+
+def built(model_class, config, seed: int):
+    """``model_class(config)`` seeded, with no end of sequence (every row makes max_new_tokens)."""
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = Glm4MoeForCausalLM(config).eval()
+        model = model_class(config).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
