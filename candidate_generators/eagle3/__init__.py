@@ -1,5 +1,7 @@
-"""EAGLE-3 draft heads: the head (``head.py``), its published layouts (``layouts.py``), drafting
-(``generator.py``) and training (``train.py``). See docs/eagle3.md."""
+"""``eagle3``: a trained head drafts from the target's own hidden states (EAGLE-3; docs/eagle3.md).
+
+The head (``head.py``), its published layouts (``layouts.py``), drafting (``generator.py``), the
+training data (``data.py``) and training (``train.py``, ``specdec train-head``)."""
 
 from .generator import Eagle3Generator
 from .head import Eagle3Head, HeadConfig
