@@ -37,6 +37,7 @@ SHOWN = (
     ("self_draft_smollm2", "hybrid_w8a8", "`self_draft`, w8a8 copy compiled + lookup"),
     ("structured_smollm2", "pl", "`prompt_lookup`, defaults, each output in its JSON schema"),
     ("engine_share_smollm2", "pl_auto", "`prompt_lookup`, defaults"),
+    ("eagle3_smollm2", "eagle3", "`eagle3`, the shipped head, chains"),
 )
 
 
