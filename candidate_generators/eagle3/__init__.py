@@ -1,6 +1,6 @@
-"""``eagle3``: a trained head drafts from the target's own hidden states (EAGLE-3; docs/eagle3.md).
+"""``eagle3``: a trained head drafts from the hidden states of the target's own verifying forward.
 
-The head (``head.py``), its published layouts (``layouts.py``), drafting (``generator.py``), the
+EAGLE-3 (docs/eagle3.md). The head (``head.py``), its published layouts (``layouts.py``), drafting (``generator.py``), the
 training data (``data.py``) and training (``train.py``, ``specdec train-head``)."""
 
 from .generator import Eagle3Generator
