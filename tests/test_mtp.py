@@ -84,7 +84,10 @@ def init_experts(mtp: MtpModel, seed: int = 1) -> MtpModel:
 
 
 def built_mtp(target, seed: int = 1) -> MtpModel:
-    return init_experts(MtpModel(target, target.config.num_mtp_layers), seed)
+    with torch.random.fork_rng():  # its generic init draws from the global generator: the same layers in any order
+        torch.manual_seed(seed)
+        mtp = MtpModel(target, target.config.num_mtp_layers)
+    return init_experts(mtp, seed)
 
 
 def last(target) -> int:
@@ -169,7 +172,7 @@ def test_greedy_is_the_target_own_output(make, layers):
     mtp = built_mtp(target)
     outs = assert_exact(decoder(target, mtp), target)
     stats = outs[0].stats
-    assert stats.drafted_tokens >= layers * (NEW - 3)  # every step but the prefill and the last two drafted a full block
+    assert stats.drafted_tokens >= layers * (stats.steps - 3)  # every step but the prefill and the last two: a full block
     assert stats.generator["mtp_layers"] == layers
     # under the core's draft-length policy (schedule "auto"), which may verify fewer than a block
     assert_exact(SpecDecoder(target, "mtp", mtp=mtp), target)
