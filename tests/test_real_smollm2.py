@@ -59,20 +59,18 @@ def test_draft_model_is_token_identical(smollm2, smollm2_prompts, references):
 
 
 @pytest.mark.real_model
-def test_the_shipped_eagle3_head_is_found_token_identical_and_accepted(smollm2, smollm2_prompts, references):
+def test_the_shipped_eagle3_head_is_found_and_token_identical(smollm2, smollm2_prompts, references):
     """``SpecDecoder(target, "eagle3")`` finds the head shipped for SmolLM2-135M (no ``head=``) and its
     drafts, chains and trees, are verified and keep the output the target's. (How often they are
     accepted is the bench's to say: benchmarks/results/eagle3_smollm2.)"""
     target, tokenizer = smollm2
     for tree in (False, True):
         decoder = SpecDecoder(target, "eagle3", tokenizer=tokenizer, tree=tree, schedule="fixed", num_tokens=3)
-        drafted = 0
-        for prompt, ref in zip(smollm2_prompts, references):
-            out = decoder.generate(prompt, max_new_tokens=NEW_TOKENS)
-            assert torch.equal(out.sequences, ref), tokenizer.decode(out.sequences[0, prompt.shape[1]:])
-            drafted += out.stats.drafted_tokens
-            assert out.stats.generator["head_bytes"] > 30e6  # the 9.8 M-parameter head, in the target's float32
-        assert drafted >= len(smollm2_prompts) * (NEW_TOKENS // 4), (tree, drafted)
+        prompt, ref = smollm2_prompts[int(tree)], references[int(tree)]  # one prompt each: the suite's time
+        out = decoder.generate(prompt, max_new_tokens=NEW_TOKENS)
+        assert torch.equal(out.sequences, ref), tokenizer.decode(out.sequences[0, prompt.shape[1]:])
+        assert out.stats.drafted_tokens >= NEW_TOKENS // 4, (tree, out.stats.drafted_tokens)
+        assert out.stats.generator["head_bytes"] > 30e6  # the 9.8 M-parameter head, in the target's float32
 
 
 @pytest.mark.real_model
