@@ -99,9 +99,7 @@ class DecodeRun:
                                  self._draft_scores if self.processors is not None else None)
         # validates and attaches assistants: still before any forward (every rank agrees it went well)
         self.ranks.together(lambda: self.session.setup(self.ctx))
-        hidden_layers = self.session.drafting().hidden_layers  # a generator may learn them in setup (a head's)
-        if hidden_layers:  # every target forward returns them (specdec.forwards on a CPU, a tree's engine)
-            self.target.hidden_layers = check_hidden_layers(hidden_layers, target, self.plugin)
+        self.target.hidden_layers = self._hidden_layers(target)
         self.vocab = vocab_size(target)
         self.stats = AcceptanceStats()
         if self.policy is not None:  # drafting is priced by the assistants just attached
@@ -122,6 +120,13 @@ class DecodeRun:
         self.recorder = ScoreRecorder(prompt.rows.shape[0], settings.output_scores, settings.output_logits)
         self._tree_engine = None  # the eager engine that runs tree forwards, made at the first tree
         self._tree_refusal: str | None = None  # why this call verifies trees as chains (None: it does not)
+
+    def _hidden_layers(self, target) -> tuple[int, ...]:
+        """The target's hidden states the generator reads, checked, read after its ``setup`` (a
+        generator may learn them there, from the head it loads): every target forward returns them
+        (specdec.forwards on a CPU, a tree's engine)."""
+        layers = self.session.drafting().hidden_layers
+        return check_hidden_layers(layers, target, self.plugin) if layers else ()
 
     @property
     def assistants(self) -> list[ModelState]:

@@ -118,6 +118,7 @@ class Eagle3Generator(CandidateGenerator):
         self.embed = ctx.target.get_input_embeddings()
         self.vocab = ctx.target_vocab_size
         batch, device = ctx.batch_size, ctx.tokens.device
+        self.to_target = self.head.target_ids(torch.arange(self.head.config.draft_vocab_size, device=device))
         self.cache = HeadCache(self.head, batch, ctx.tokens.shape[1] + 64, self.head.fc.weight.dtype, device)
         self.features = torch.zeros(batch, ctx.tokens.shape[1] + 64, self.head.config.hidden_size,
                                     dtype=self.head.fc.weight.dtype, device=device)  # [B, L, H] by position
@@ -130,8 +131,7 @@ class Eagle3Generator(CandidateGenerator):
         (tokens outside the draft vocabulary at -inf), processed as the call's processors say."""
         draft_logits = self.head.logits(hidden).float()  # [B, Vd]
         logits = draft_logits.new_full((draft_logits.shape[0], self.vocab), float("-inf"))
-        index = self.head.target_ids(torch.arange(draft_logits.shape[1], device=logits.device))
-        logits[:, index] = draft_logits
+        logits[:, self.to_target] = draft_logits
         return ctx.scores(logits, torch.stack(drafts, dim=1) if drafts else None)
 
     @torch.no_grad()

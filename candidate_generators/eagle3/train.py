@@ -162,30 +162,11 @@ def train_head(target, tokenizer, out: str | Path, settings: TrainSettings, *, h
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(settings.seed)
-    if prompts is None:
-        prompts = default_prompts(settings.doc_prompts)
-    records = self_distill(target, tokenizer, prompts, out / "answers.jsonl", answer_tokens=settings.answer_tokens,
-                           batch_size=settings.generate_batch, max_prompt_tokens=settings.max_prompt_tokens,
-                           progress=progress)
-    records = [r for r in records if len(r["ids"]) - r["prompt_length"] >= 2]
-    if settings.doc_text_tokens:
-        records += documentation_text(tokenizer, settings.doc_text_tokens)
-    if not records:
-        raise ValueError("train-head: no answers to train on (every prompt was too long or answered nothing)")
-    vocab = target.config.get_text_config().vocab_size
+    records = _training_records(target, tokenizer, out, settings, prompts, progress)
     checkpoint_path = out / "checkpoint.pt"
     state = torch.load(checkpoint_path, weights_only=False) if checkpoint_path.is_file() else None
-    if state is not None:
-        config = HeadConfig(**state["config"])
-    else:
-        size = min(settings.draft_vocab_size, vocab)
-        config = head_config or HeadConfig.for_target(target.config, size)
-    head = Eagle3Head(config)
-    if state is not None:
-        head.load_state_dict(state["head"])
-    else:
-        head.set_vocab(draft_vocabulary(records, config.draft_vocab_size, vocab))
-        _init_from_target(head, target)
+    head = _head(target, records, settings, head_config, state)
+    config = head.config
     draft_ids = head.target_ids(torch.arange(config.draft_vocab_size))
     table = target.get_input_embeddings()
     embed = lambda tokens: table(tokens).detach()  # noqa: E731  (the target's, frozen)
@@ -198,15 +179,9 @@ def train_head(target, tokenizer, out: str | Path, settings: TrainSettings, *, h
     batches = _batches(records, settings)
     if order is None or len(order) != len(batches):
         order, cursor = _shuffled(len(batches), settings.seed, step), 0
-    features: dict[int, tuple] = {}
-    held = 0
+    features = _Features(settings.feature_bytes)
     started, saved = time.perf_counter() - spent, time.perf_counter()
-    total = settings.steps
-    bar = tqdm(total=total, initial=step, desc="train-head", unit="step", disable=not progress)
-
-    def done() -> bool:
-        over_time = settings.minutes is not None and time.perf_counter() - started >= settings.minutes * 60
-        return over_time or (settings.steps is not None and step >= settings.steps)
+    bar = tqdm(total=settings.steps, initial=step, desc="train-head", unit="step", disable=not progress)
 
     def checkpoint() -> None:
         torch.save({"config": config.to_dict(), "head": head.state_dict(), "optimizer": optimizer.state_dict(),
@@ -215,21 +190,13 @@ def train_head(target, tokenizer, out: str | Path, settings: TrainSettings, *, h
         checkpoint_path.with_suffix(".tmp").replace(checkpoint_path)
 
     head.train()
-    while not done():
+    while (fraction := _progress(settings, step, time.perf_counter() - started)) < 1.0:
         if cursor >= len(order):
             order, cursor = _shuffled(len(batches), settings.seed, step), 0
         index = order[cursor]
         ids, valid, answer = batches[index]
-        if index not in features:
-            computed = target_features(target, ids, valid, config.aux_layers, draft_ids)
-            size = sum(x.numel() * x.element_size() for x in computed)
-            if held + size <= settings.feature_bytes:
-                features[index], held = computed, held + size
-        else:
-            computed = features[index]
-        aux, top_ids, top_probs = computed
-        fraction = max(step / settings.steps if settings.steps else 0.0,
-                       (time.perf_counter() - started) / (settings.minutes * 60) if settings.minutes else 0.0)
+        aux, top_ids, top_probs = features.get(index, lambda: target_features(target, ids, valid, config.aux_layers,
+                                                                              draft_ids))
         for group in optimizer.param_groups:
             group["lr"] = _learning_rate(settings, step, fraction)
         loss, accuracy, _ = ttt_loss(head, embed, aux.float(), ids, valid, answer, top_ids.long(), top_probs,
@@ -238,10 +205,10 @@ def train_head(target, tokenizer, out: str | Path, settings: TrainSettings, *, h
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         optimizer.step()
-        step, cursor = step + 1, cursor + 1
+        step, cursor, loss = step + 1, cursor + 1, float(loss.detach())
         bar.update(1)
-        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc="/".join(f"{float(a):.2f}" for a in accuracy))
-        _log(out, step, float(loss.detach()), accuracy, time.perf_counter() - started)
+        bar.set_postfix(loss=f"{loss:.3f}", acc="/".join(f"{float(a):.2f}" for a in accuracy))
+        _log(out, step, loss, accuracy, time.perf_counter() - started)
         if time.perf_counter() - saved >= settings.checkpoint_seconds:
             checkpoint()
             saved = time.perf_counter()
@@ -253,6 +220,60 @@ def train_head(target, tokenizer, out: str | Path, settings: TrainSettings, *, h
     folder = out / "head"
     save_head(head.to(torch.bfloat16), folder, layout="specforge")
     return folder
+
+
+def _training_records(target, tokenizer, out: Path, settings: TrainSettings, prompts: list[dict] | None,
+                      progress: bool) -> list[dict]:
+    """The sequences to train on: the target's answers (generated, or read back from ``out``) and
+    the documentation text; a ValueError when there are none."""
+    if prompts is None:
+        prompts = default_prompts(settings.doc_prompts)
+    records = self_distill(target, tokenizer, prompts, out / "answers.jsonl", answer_tokens=settings.answer_tokens,
+                           batch_size=settings.generate_batch, max_prompt_tokens=settings.max_prompt_tokens,
+                           progress=progress)
+    records = [r for r in records if len(r["ids"]) - r["prompt_length"] >= 2]
+    if settings.doc_text_tokens:
+        records += documentation_text(tokenizer, settings.doc_text_tokens)
+    if not records:
+        raise ValueError("train-head: no answers to train on (every prompt was too long or answered nothing)")
+    return records
+
+
+def _head(target, records: list[dict], settings: TrainSettings, head_config: HeadConfig | None,
+          state: dict | None) -> Eagle3Head:
+    """The head a checkpoint holds, or a new one: shaped like the target's layers, its draft
+    vocabulary from ``records``, its output layer and final norm the target's."""
+    if state is not None:
+        head = Eagle3Head(HeadConfig(**state["config"]))
+        head.load_state_dict(state["head"])
+        return head
+    vocab = target.config.get_text_config().vocab_size
+    head = Eagle3Head(head_config or HeadConfig.for_target(target.config, min(settings.draft_vocab_size, vocab)))
+    head.set_vocab(draft_vocabulary(records, head.config.draft_vocab_size, vocab))
+    _init_from_target(head, target)
+    return head
+
+
+class _Features:
+    """The target's features of each batch (by index), kept while they fit in ``limit`` bytes."""
+
+    def __init__(self, limit: int):
+        self.limit, self.held, self.kept = limit, 0, {}
+
+    def get(self, index: int, compute):
+        if index in self.kept:
+            return self.kept[index]
+        computed = compute()
+        size = sum(x.numel() * x.element_size() for x in computed)
+        if self.held + size <= self.limit:
+            self.kept[index], self.held = computed, self.held + size
+        return computed
+
+
+def _progress(settings: TrainSettings, step: int, seconds: float) -> float:
+    """How far through its limits the run is: 1.0 (or more) once ``steps`` or ``minutes`` is reached."""
+    return max(step / settings.steps if settings.steps else 0.0,
+               seconds / (settings.minutes * 60) if settings.minutes else 0.0)
 
 
 def default_prompts(doc_prompts: int = 200) -> list[dict]:
