@@ -51,7 +51,7 @@ from .cache_pool import POOL, new_static_cache  # noqa: F401  (new_static_cache:
 from .compiled import (agrees, check_compile_options, checked, compiled_forward, compiling, miscompiled,
                        run_compiled)
 from .distributed import new_dynamic_cache, stage_layout
-from .engines import resolve_engine_name
+from .engines import llama_cpp_kv, resolve_engine_name
 from .forwards.head import model_logits
 
 #: forward widths the compiled path pads to by default (each compiles once per batch size and
@@ -95,6 +95,9 @@ class CacheSettings:
         if not isinstance(fast_head, bool):
             raise TypeError(f"fast_head must be True or False, got {fast_head!r}")
         resolve_engine_name(engine)
+        if engine == "llama_cpp" and (implementation != "dynamic" or compile is not False):
+            raise ValueError("engine='llama_cpp' keeps its own keys and values: it takes neither "
+                             "cache_implementation='static' nor compile")
         if compile is not False and implementation != "static":
             raise ValueError("compile=True needs cache_implementation='static' (a dynamic cache changes shape "
                              "every step, so compiled forwards would recompile)")
@@ -117,7 +120,7 @@ class CacheSettings:
     def key(self) -> tuple:
         """What a forward's cost depends on besides the model, device and dtype ("auto" and "cpu"
         run the same forwards)."""
-        return (self.implementation, self.compile, self.fast_head, self.own_forward)
+        return (self.implementation, self.compile, self.fast_head, self.own_forward, self.engine == "llama_cpp")
 
 
 def static_problem(model, prefill_inputs: bool) -> str | None:
@@ -414,9 +417,14 @@ def _shift_rows(cache, shifts: torch.Tensor) -> None:
 
 
 def make_kv(model, batch: int, capacity: int, settings: CacheSettings | None, reach: int | None = None):
-    """A cache backend for ``batch`` rows: a static one starts with room for ``capacity`` slots and
-    grows up to ``reach`` (see the module doc); a dynamic one holds what it is given."""
+    """A cache backend for ``batch`` rows: llama.cpp's for a model a GGUF file serves under
+    ``engine="llama_cpp"`` (``specdec.engines.llama_cpp``); a static one starts with room for
+    ``capacity`` slots and grows up to ``reach`` (see the module doc); a dynamic one holds what it is given."""
     settings = settings or CacheSettings()
+    if settings.engine == "llama_cpp":  # a model with a GGUF file; any other runs as "auto" does
+        kv = llama_cpp_kv(model, batch, capacity, settings, reach or 0)
+        if kv is not None:
+            return kv
     if settings.static:
         return StaticKV(model, batch, capacity, settings, reach)
     return DynamicKV(model, batch, capacity, settings, reach or 0)

@@ -81,6 +81,7 @@ def load_model(name: str, *, dtype: torch.dtype = torch.float32, device: str | t
         model, tokenizer = tiny_random(name.split(":", 1)[1], seed=seed, dtype=dtype)
     elif name in PACKAGED_MODELS:
         model, tokenizer = _load_packaged(name, dtype)
+        model.specdec_packaged_gguf = os.path.join(*packaged_location(name))  # engine="llama_cpp" serves it from there
     else:
         with _quiet_transformers():
             model, tokenizer = _load_folder(name, dtype)

@@ -19,7 +19,7 @@ ENTRY_POINT_GROUP = "specdec.candidate_generators"
 #: the dtypes a model loads in, by name (``specdec.models.DTYPES`` maps them to torch's)
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 #: the engines a decoder's forwards run on (``specdec.engines``)
-ENGINE_CHOICES = ("auto", "cpu", "eager")
+ENGINE_CHOICES = ("auto", "cpu", "eager", "llama_cpp")
 
 class ModelNotAvailableError(RuntimeError):
     """A model name ``load_model`` cannot load: unknown, misspelt, or its package not installed."""

@@ -126,6 +126,9 @@ class DecodeRun:
         generator may learn them there, from the head it loads): every target forward returns them
         (specdec.forwards on a CPU, a tree's engine)."""
         layers = self.session.drafting().hidden_layers
+        if layers and not getattr(target.kv, "returns_hidden", True):
+            raise ValueError(f"{self.plugin} reads the target's hidden states, which engine='llama_cpp' does not return "
+                             "(use engine='auto')")
         return check_hidden_layers(layers, target, self.plugin) if layers else ()
 
     @property
@@ -364,6 +367,8 @@ class DecodeRun:
             return "a grammar constrains the call"
         if not isinstance(self.ranks, Solo):
             return "a distributed call"
+        if not getattr(self.target.kv, "trees", True):
+            return "engine='llama_cpp' verifies chains"
         if self._tree_engine is None:
             self._tree_engine = make_engine("eager", self.target.model)
         try:

@@ -32,10 +32,13 @@ EXAMPLE_MODULES = {"bigram_drafter": "docs/plugins.md"}
 
 def pip_installs(shell: str) -> set[tuple[str, bool]]:
     """(requirement as written, whether ``--no-deps``) of every ``pip install`` in ``shell`` text
-    (commands split at ``&&``, ``;`` and line ends; pip upgrading itself left out)."""
+    (commands split at ``&&``, ``;`` and line ends; pip upgrading itself left out; environment
+    settings before the command, ``CMAKE_ARGS=... pip install``, skipped)."""
     found = set()
     for command in re.split(r"&&|;|\n", shell):
         words = shlex.split(command, comments=True)
+        while words and re.fullmatch(r"[A-Z_]+=.*", words[0]):
+            words = words[1:]
         if words[:2] != ["pip", "install"]:
             continue
         found |= {(word, "--no-deps" in words) for word in words[2:] if not word.startswith("-") and word != "pip"}

@@ -41,7 +41,9 @@ from ..registry import UnknownGeneratorError, available_generators, fit_options,
 BASELINE = "baseline"
 HF_ASSISTED = "hf_assisted"
 HF_PROMPT_LOOKUP = "hf_prompt_lookup"
-REFERENCE_METHODS = (BASELINE, HF_ASSISTED, HF_PROMPT_LOOKUP)
+#: the peer on a CPU: llama.cpp (through llama-cpp-python) decoding a GGUF file of the target's weights
+LLAMA_CPP = "llama_cpp"
+REFERENCE_METHODS = (BASELINE, HF_ASSISTED, HF_PROMPT_LOOKUP, LLAMA_CPP)
 #: a SpecDecoder method that drafts nothing: plain decoding through SpecDecoder's own loop (as ``--draft none``)
 NO_DRAFT = "none"
 
@@ -76,10 +78,24 @@ class HFAssistedOptions(_Strict):
                                         "stops drafting below this probability (transformers' default 0.4; 0 = never)")
 
 
+class LlamaCppOptions(_Strict):
+    """``llama_cpp``: llama-cpp-python's ``Llama.generate``, greedy, on the target's packaged GGUF file
+    re-written by llama.cpp's quantizer with weights of type ``weights`` (docs/benchmarks.md)."""
+
+    weights: Literal["F32", "BF16", "F16", "Q8_0", "Q4_1"] = Field(
+        "F32", description="the GGUF file's weight type: F32 holds the weights the fp32 target decodes")
+    lookup: int = Field(0, ge=0, description="tokens llama-cpp-python's prompt-lookup decoding drafts a step "
+                                             "(LlamaPromptLookupDecoding num_pred_tokens); 0: plain decoding")
+    max_ngram: int = Field(2, ge=1, description="LlamaPromptLookupDecoding max_ngram_size")
+    kv_type: Literal["f32", "f16"] = Field("f32", description="the KV cache's type: f32 as specdec's llama_cpp "
+                                                              "engine keeps it; f16 is llama.cpp's default")
+
+
 REFERENCE_OPTIONS: dict[str, type[_Strict]] = {
-    BASELINE: BaselineOptions, HF_ASSISTED: HFAssistedOptions, HF_PROMPT_LOOKUP: HFPromptLookupOptions}
+    BASELINE: BaselineOptions, HF_ASSISTED: HFAssistedOptions, HF_PROMPT_LOOKUP: HFPromptLookupOptions,
+    LLAMA_CPP: LlamaCppOptions}
 #: reference methods that need a draft model
-REFERENCE_NEEDS_DRAFT = {BASELINE: False, HF_ASSISTED: True, HF_PROMPT_LOOKUP: False}
+REFERENCE_NEEDS_DRAFT = {BASELINE: False, HF_ASSISTED: True, HF_PROMPT_LOOKUP: False, LLAMA_CPP: False}
 
 
 @dataclass(frozen=True)
@@ -98,6 +114,7 @@ REFERENCE_KINDS: dict[str, MethodKind] = {
     BASELINE: MethodKind(baseline=True, reference=True),
     HF_ASSISTED: MethodKind(reference=True, batched=False),
     HF_PROMPT_LOOKUP: MethodKind(reference=True, batched=False, compared_with="prompt_lookup"),
+    LLAMA_CPP: MethodKind(reference=True, batched=False),
 }
 
 
@@ -299,12 +316,12 @@ class MethodConfig(_Strict):
             problem = generator_option_problem(cls, self.options, needs_draft)
             if problem:
                 raise ValueError(problem if problem.startswith("options.") else f"options: {problem}")
+        runs = "llama.cpp" if self.generator == LLAMA_CPP else "transformers' own generate"
         if self.generator in REFERENCE_METHODS and not self.fast_head:
-            raise ValueError(f"fast_head: {self.generator!r} runs transformers' own generate, whose output layer "
-                             "is the model's; remove 'fast_head'")
+            raise ValueError(f"fast_head: {self.generator!r} runs {runs}, whose output layer is its own; "
+                             "remove 'fast_head'")
         if self.generator in REFERENCE_METHODS and self.engine != "auto":
-            raise ValueError(f"engine: {self.generator!r} runs transformers' own generate, whose forwards are the "
-                             "model's; remove 'engine'")
+            raise ValueError(f"engine: {self.generator!r} runs {runs}, whose forwards are its own; remove 'engine'")
         if needs_draft and self.draft is None:
             raise ValueError(f"draft: method {self.generator!r} needs a draft model (a load_model name)")
         if not needs_draft and self.draft is not None:
@@ -316,6 +333,8 @@ class MethodConfig(_Strict):
 
     def _cache_problem(self) -> str | None:
         """Why ``cache_implementation`` or ``compile`` cannot work for this method (``field: why``), or None."""
+        if self.generator == LLAMA_CPP and (self.cache_implementation != "dynamic" or self.compiles):
+            return f"cache_implementation: {self.generator!r} runs llama.cpp, which keeps its own cache; remove it"
         if self.cache_implementation == "static" and self.is_reference and not self.kind.baseline:
             return (f"cache_implementation: {self.generator!r} takes the dynamic cache only: transformers' assisted "
                     "generation writes drafted tokens past the end of a static cache (IndexError near max_new_tokens, "
@@ -449,6 +468,15 @@ class BenchConfig(_Strict):
         if self.reference is not None and self.reference not in baselines:
             raise ValueError(f"reference: {self.reference!r} is not a method with generator 'baseline'; "
                              f"allowed: {', '.join(baselines)}")
+        return self
+
+    @model_validator(mode="after")
+    def _llama_cpp_greedy(self) -> "BenchConfig":
+        gen = self.generation
+        if any(m.generator == LLAMA_CPP for m in self.methods) and (
+                gen.do_sample or gen.processor_settings() or gen.grammar is not None):
+            raise ValueError(f"methods: {LLAMA_CPP!r} decodes greedily with no logits processors or grammar; "
+                             "this config's generation sets some")
         return self
 
     @model_validator(mode="after")

@@ -22,7 +22,7 @@ from ..metrics import AcceptanceStats
 from ..modelinfo import pad_token_id
 from ..models import load_model
 from ..prompts import encode_chat, left_pad
-from .config import (HF_ASSISTED, HF_PROMPT_LOOKUP, REFERENCE_OPTIONS, BenchConfig, ConfigError, GenerationSettings,
+from .config import (HF_ASSISTED, HF_PROMPT_LOOKUP, LLAMA_CPP, REFERENCE_OPTIONS, BenchConfig, ConfigError, GenerationSettings,
                      MethodConfig, generator_class)
 
 WARMUP_PROMPT = "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox"
@@ -160,6 +160,11 @@ def _hf_extra(method: MethodConfig, target, tokenizer, draft) -> Callable[[], di
 
 
 def _reference_runner(method: MethodConfig, target, tokenizer, draft, gen: GenerationSettings) -> MethodRunner:
+    if method.generator == LLAMA_CPP:
+        from .peer import llama_cpp_runner
+
+        return MethodRunner(method, llama_cpp_runner(REFERENCE_OPTIONS[LLAMA_CPP].model_validate(method.options),
+                                                     target, gen))
     cache = hf_cache_kwargs(method.cache_implementation, method.compile)
     run = _hf_runner(target, gen, _hf_extra(method, target, tokenizer, draft), cache)
     run_batch = _hf_batch_runner(target, gen, cache) if method.kind.baseline else None

@@ -17,7 +17,7 @@ from typing import Callable
 
 from ..metrics import AcceptanceStats
 from ..prompts import SUBTASKS
-from .config import PROCESSOR_SETTINGS, MethodKind, method_kind, reference_name
+from .config import LLAMA_CPP, PROCESSOR_SETTINGS, MethodKind, method_kind, reference_name
 from .plots import plot_acceptance, plot_forward_cost, plot_speedup
 from .provenance import Fingerprints, RowCheck, check_rows
 from .results import (OVERALL, ACCEPTANCE_PNG, FORWARD_COST_PNG, REPORT_FILE, RESULTS_FILE, RUN_FILE, SPEEDUP_PNG,
@@ -209,6 +209,7 @@ def _subtask_tables(meta: dict, all_summaries: list[Summary], subtasks: list[str
     out += _table(["method"] + METRIC_HEADER, [[f"`{s.method}`"] + _metric_cells(s) for s in overall])
     out += _identical_section(meta, overall)
     out += _engine_share_section(meta, overall)
+    out += _peer_section(meta, all_summaries, subtasks)
     out += ["", "## Speedup over baseline by subtask", ""]
     out += _table(["method"] + subtasks + [OVERALL],
                   [[f"`{m['name']}`"] + [_f(by[(m["name"], g)].speedup, ".2f", "x") if (m["name"], g) in by else NA
@@ -248,6 +249,36 @@ def _engine_share_section(meta: dict, overall: list[Summary]) -> list[str]:
             f"Speedup over `{ref}` = the loop's with no drafts on the same engine (the engine's share: one "
             "token a forward, the same tokens) x the method's over that loop (speculation's share).", ""] + \
         _table(["method", "engine", "speedup", "loop, no drafts, same engine", "speculation alone"], body)
+
+
+def _peer_section(meta: dict, all_summaries: list[Summary], subtasks: list[str]) -> list[str]:
+    """Where the run has llama.cpp's plain decoding (``llama_cpp`` methods with no lookup), every
+    method's tokens/s over that of llama.cpp's F32 and Q4_1 plain rows, overall and by subtask."""
+    plain = {}
+    for m in meta["config"]["methods"]:
+        options = m.get("options") or {}
+        if m["generator"] == LLAMA_CPP and not options.get("lookup"):
+            plain.setdefault(options.get("weights", "F32"), m["name"])
+    peers = [(w, plain[w]) for w in ("F32", "Q4_1") if w in plain]
+    if not peers:
+        return []
+    by = {(s.method, s.subtask): s for s in all_summaries}
+    out = ["", "## Beside llama.cpp", "",
+           "Tokens/s over llama.cpp's plain decoding of the F32 file (the weights the fp32 target decodes) and of "
+           "the Q4_1 file, overall and by subtask (above 1.00x: faster than llama.cpp).", ""]
+    groups = [OVERALL] + subtasks
+    for weights, peer in peers:
+        body = []
+        for m in meta["config"]["methods"]:
+            cells = []
+            for g in groups:
+                a, b = by.get((m["name"], g)), by.get((peer, g))
+                ok = a is not None and b is not None and b.tokens_per_second
+                cells.append(_f(a.tokens_per_second / b.tokens_per_second if ok else None, ".2f", "x"))
+            body.append([f"`{m['name']}`"] + cells)
+        out += [f"Over `{peer}` (llama.cpp {weights}, plain):", ""]
+        out += _table(["method"] + groups, body) + [""]
+    return out[:-1]
 
 
 def _identical_section(meta: dict, overall: list[Summary]) -> list[str]:

@@ -18,7 +18,10 @@ The protocol, for a batch of B rows feeding T columns each after the S slots the
 * :class:`LayoutNotSupported`: an engine cannot run a layout on a model; it names the model and
   why. The caller runs a chain instead, never different logits.
 
-Engines: ``"eager"``, the model's own ``forward`` and nothing else (:func:`make_engine`).
+Engines: ``"eager"``, the model's own ``forward`` and nothing else (:func:`make_engine`);
+``"llama_cpp"``, llama.cpp on a GGUF file of the model's weights, which holds its own keys and
+values and so takes the place of ``ModelState``'s cache backend (:mod:`.llama_cpp`; a model is
+given its file by :func:`attach_gguf`, or :func:`export_gguf` writes one).
 
 Choosing one (``SpecDecoder(..., engine=...)``, docs/engines.md, "Choosing an engine"):
 :data:`ENGINE_CHOICES` are the names ``engine=`` takes, checked by :func:`resolve_engine_name`
@@ -29,10 +32,15 @@ per model by probes and timings); "eager" runs none of them for that decoder alo
 
 from __future__ import annotations
 
+import os
+
 from ..names import ENGINE_CHOICES
 from .base import CAUSAL, Engine, EngineOutput, Layout, LayoutNotSupported
 from .cpu import decisions as _cpu_decisions
 from .eager import EagerEngine
+from .llama_cpp import attach_gguf, export_gguf, gguf_for, gguf_source, missing_gguf, requantize
+from .llama_cpp import library as llama_cpp_library  # its contexts and checks, for tests and diagnostics
+from .llama_cpp.library import INSTALL_HINT as LLAMA_CPP_INSTALL
 
 #: engine name -> its class (constructed with the model it serves)
 ENGINES = {EagerEngine.name: EagerEngine}
@@ -70,9 +78,22 @@ def check_engine(name: str, model) -> None:
     """Refuse an engine that cannot serve ``model`` (before any forward): "cpu" needs it on a CPU."""
     param = next(model.parameters(), None)
     device = param.device.type if param is not None else "cpu"
-    if name == "cpu" and device != "cpu":
-        raise ValueError(f"engine='cpu' runs models on a CPU; {type(model).__name__} is on {device} "
+    if name in ("cpu", "llama_cpp") and device != "cpu":
+        raise ValueError(f"engine={name!r} runs models on a CPU; {type(model).__name__} is on {device} "
                          "(use engine='auto' or 'eager')")
+    if name == "llama_cpp":
+        from .llama_cpp import gguf_for, missing_gguf
+
+        if gguf_for(model) is None:
+            raise ValueError(missing_gguf(model))
+
+
+def llama_cpp_kv(model, batch: int, capacity: int, settings, reach: int = 0):
+    """llama.cpp's cache backend for ``model`` (``engine="llama_cpp"``), or None where no GGUF file serves it."""
+    from .llama_cpp import LlamaCppKV, gguf_for
+
+    path = gguf_for(model)
+    return None if path is None else LlamaCppKV(model, path, batch, capacity, settings, reach)
 
 
 def engine_report(model, name: str, fast_head: bool = True) -> str:
@@ -81,6 +102,14 @@ def engine_report(model, name: str, fast_head: bool = True) -> str:
     nothing is probed or timed here)."""
     if name == "eager":
         return "eager: the model's own forward"
+    if name == "llama_cpp":
+        from .llama_cpp import gguf_for
+        from .llama_cpp.library import version
+
+        path = gguf_for(model)
+        if path is not None:
+            return f"llama_cpp: {os.path.basename(path)} (llama-cpp-python {version()})"
+        return "cpu (llama_cpp: no GGUF file for this model)"
     param = next(model.parameters(), None)
     if param is not None and param.device.type != "cpu":
         return f"eager ({name}: the CPU engine serves models on a CPU; this one is on {param.device.type})"
@@ -90,5 +119,5 @@ def engine_report(model, name: str, fast_head: bool = True) -> str:
     return f"cpu{' (auto)' if name == 'auto' else ''}: {said}"
 
 
-__all__ = ["CAUSAL", "ENGINES", "EagerEngine", "Engine", "EngineOutput", "Layout", "LayoutNotSupported",
-           "ENGINE_CHOICES", "check_engine", "engine_report", "make_engine", "resolve_engine_name"]
+__all__ = ["CAUSAL", "ENGINES", "EagerEngine", "LLAMA_CPP_INSTALL", "attach_gguf", "export_gguf", "gguf_for", "gguf_source", "missing_gguf", "requantize", "Engine", "EngineOutput", "Layout", "LayoutNotSupported",
+           "ENGINE_CHOICES", "check_engine", "engine_report", "llama_cpp_kv", "llama_cpp_library", "make_engine", "resolve_engine_name"]

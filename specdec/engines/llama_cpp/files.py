@@ -1,0 +1,164 @@
+"""GGUF files for the llama.cpp engine: which file serves a model, made once and cached.
+
+* A packaged model (``load_model("smollm2-135m")``) is de-quantized by ``transformers`` from its
+  packaged GGUF file; llama.cpp's own quantizer re-writes that file as F32 (``allow_requantize``),
+  which holds the same de-quantized weights, or as BF16, Q8_0 or Q4_1 for the bench's peer rows.
+* Any other model is served from a file the user names with :func:`attach_gguf` (converted with
+  llama.cpp's ``convert_hf_to_gguf.py``, say), or, for a Llama-architecture model, one
+  :func:`export_gguf` writes (F32, no tokenizer: specdec feeds token ids).
+
+Files are cached under ``$SPECDEC_CACHE/gguf`` (default ``~/.cache/specdec/gguf``), keyed by the
+source file's path, size and time and the type asked; each is written to a temporary name and
+renamed, so an interrupted conversion leaves nothing half-written behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import tempfile
+
+import numpy as np
+import torch
+
+from .library import bindings
+
+#: weight types a packaged model's file can be re-quantized to (llama.cpp's file-type names)
+QUANTS = ("F32", "BF16", "F16", "Q8_0", "Q4_1")
+_FTYPE = {"F32": "LLAMA_FTYPE_ALL_F32", "BF16": "LLAMA_FTYPE_MOSTLY_BF16", "F16": "LLAMA_FTYPE_MOSTLY_F16",
+          "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1"}
+#: the attribute :func:`attach_gguf` and ``load_model`` set on a model
+ATTACHED, PACKAGED = "specdec_gguf", "specdec_packaged_gguf"
+
+
+def cache_root() -> str:
+    root = os.environ.get("SPECDEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specdec")
+    return os.path.join(root, "gguf")
+
+
+def check_quant(quant: str) -> str:
+    if quant not in QUANTS:
+        raise ValueError(f"unknown GGUF weight type {quant!r}; known: {', '.join(QUANTS)}")
+    return quant
+
+
+def requantize(source: str, quant: str, folder: str | None = None) -> str:
+    """``source`` re-written by llama.cpp's quantizer with weights of type ``quant`` (cached)."""
+    check_quant(quant)
+    stat = os.stat(source)
+    key = hashlib.sha256(f"{os.path.abspath(source)}|{stat.st_size}|{stat.st_mtime_ns}|{quant}".encode()).hexdigest()
+    folder = folder or cache_root()
+    stem = os.path.splitext(os.path.basename(source))[0]
+    path = os.path.join(folder, f"{stem}-{key[:12]}.{quant}.gguf")
+    if os.path.isfile(path):
+        return path
+    os.makedirs(folder, exist_ok=True)
+    lib = bindings()
+    params = lib.llama_model_quantize_default_params()
+    params.ftype = getattr(lib, _FTYPE[quant])
+    params.allow_requantize = True
+    params.nthread = max(torch.get_num_threads(), 1)
+    handle, partial = tempfile.mkstemp(dir=folder, suffix=".partial")
+    os.close(handle)
+    try:
+        status = lib.llama_model_quantize(source.encode(), partial.encode(), ctypes.byref(params))
+        if status != 0:
+            raise RuntimeError(f"llama.cpp could not re-quantize {source} to {quant} (status {status})")
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+    return path
+
+
+def attach_gguf(model, path: str):
+    """Serve ``model`` from GGUF file ``path`` when a decoder runs it with ``engine="llama_cpp"``.
+    The file must hold the same weights for the same vocabulary (checked: its logits width);
+    specdec's output is then identical to llama.cpp's own plain decoding of that file. Returns ``model``."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no GGUF file at {path}")
+    setattr(model, ATTACHED, os.path.abspath(path))
+    return model
+
+
+def gguf_source(model) -> str | None:
+    """The GGUF file ``model`` was attached to or loaded from, or None."""
+    return getattr(model, ATTACHED, None) or getattr(model, PACKAGED, None)
+
+
+def gguf_for(model, quant: str = "F32") -> str | None:
+    """The GGUF file that serves ``model``: the one attached, else its packaged file re-quantized to
+    ``quant``; None where it has neither."""
+    attached = getattr(model, ATTACHED, None)
+    if attached is not None:
+        return attached
+    packaged = getattr(model, PACKAGED, None)
+    return requantize(packaged, quant) if packaged is not None else None
+
+
+def missing_gguf(model) -> str:
+    """What to do for a model no GGUF file serves (the error's text)."""
+    return (f"engine='llama_cpp' runs a model from a GGUF file of its weights; {type(model).__name__} has none: "
+            "load a packaged model (load_model('smollm2-135m')), or name a file with "
+            "specdec.engines.attach_gguf(model, path) (llama.cpp's convert_hf_to_gguf.py writes one; "
+            "specdec.engines.export_gguf writes one for a Llama-architecture model)")
+
+
+# -- writing a Llama-architecture model ------------------------------------------------------------
+def export_gguf(model, path: str) -> str:
+    """Write ``model`` (a ``transformers`` Llama-architecture causal LM) as an F32 GGUF file at
+    ``path`` that llama.cpp's ``llama`` architecture reads, with no tokenizer (a vocabulary of
+    placeholder tokens: specdec feeds ids). The query and key projections are re-ordered for
+    llama.cpp's rotary layout, as its own converter does. Returns ``path``."""
+    import gguf
+
+    config = model.config.get_text_config()
+    if config.model_type not in ("llama", "mistral") or getattr(config, "attention_bias", False) \
+            or getattr(config, "mlp_bias", False) or (getattr(config, "rope_scaling", None) or {}).get("rope_type", "default") != "default":
+        raise ValueError(f"export_gguf writes plain Llama-architecture models; {type(model).__name__} "
+                         f"({config.model_type}) needs llama.cpp's convert_hf_to_gguf.py")
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    state = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
+    vocab = state["model.embed_tokens.weight"].shape[0]
+    rope = getattr(config, "rope_parameters", None) or {}
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(vocab)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_tokenizer_model("none")
+
+    def rotary(w: np.ndarray, n: int) -> np.ndarray:  # rotate-half pairs -> interleaved pairs
+        return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
+    writer.add_tensor("output_norm.weight", state["model.norm.weight"])
+    if not getattr(config, "tie_word_embeddings", False):
+        writer.add_tensor("output.weight", state["lm_head.weight"])
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", state[p + "input_layernorm.weight"])
+        writer.add_tensor(f"blk.{i}.attn_q.weight", rotary(state[p + "self_attn.q_proj.weight"], heads))
+        writer.add_tensor(f"blk.{i}.attn_k.weight", rotary(state[p + "self_attn.k_proj.weight"], kv_heads))
+        writer.add_tensor(f"blk.{i}.attn_v.weight", state[p + "self_attn.v_proj.weight"])
+        writer.add_tensor(f"blk.{i}.attn_output.weight", state[p + "self_attn.o_proj.weight"])
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", state[p + "post_attention_layernorm.weight"])
+        writer.add_tensor(f"blk.{i}.ffn_gate.weight", state[p + "mlp.gate_proj.weight"])
+        writer.add_tensor(f"blk.{i}.ffn_up.weight", state[p + "mlp.up_proj.weight"])
+        writer.add_tensor(f"blk.{i}.ffn_down.weight", state[p + "mlp.down_proj.weight"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
