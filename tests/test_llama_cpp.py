@@ -163,6 +163,32 @@ def test_the_bench_method_is_greedy_only():
     assert issubclass(ConfigError, ValueError)
 
 
+def test_sampling_on_llama_cpp_is_the_target_distribution(tmp_path):
+    """2,000 rows of 2 new tokens over an 8-token vocabulary, the second drafted by prompt lookup and
+    accepted or resampled against llama.cpp's logits: distributed as the target's."""
+    from helpers import chi_square_pooled
+    from test_sampling_lossless import ALPHA, PROMPT, TINY_VOCAB, exact_three_token_joint, joint_counts, tiny_vocab_llama
+
+    from specdec.sampling import SamplingParams
+
+    target = tiny_vocab_llama(0)
+    attach_gguf(target, export_gguf(target, str(tmp_path / "vocab8.gguf")))
+    params = SamplingParams(True, 0.8, top_k=6)
+    decoder = SpecDecoder(target, "prompt_lookup", engine="llama_cpp")
+    pairs, accepted, drafted = [], 0, 0
+    for i in range(8):  # 250 rows a call: llama.cpp holds at most 256 sequences
+        out = decoder.generate(PROMPT.repeat(250, 1), max_new_tokens=2, do_sample=True, temperature=0.8, top_k=6,
+                               generator=torch.Generator().manual_seed(i))
+        pairs.append(out.sequences[:, PROMPT.shape[1]:PROMPT.shape[1] + 2])
+        accepted, drafted = accepted + out.stats.accepted_tokens, drafted + out.stats.drafted_tokens
+    assert 0 < accepted < drafted  # drafts were both accepted and rejected
+    expected = exact_three_token_joint(target, PROMPT, params).sum(-1)  # [V, V] the first two tokens
+    p_value, _ = chi_square_pooled(joint_counts(torch.cat(pairs), TINY_VOCAB), expected)
+    assert p_value > ALPHA, f"chi-square p = {p_value:.2e}"
+    with pytest.raises(ValueError, match="at most 256 rows"):
+        decoder.generate(PROMPT.repeat(257, 1), max_new_tokens=2, do_sample=False)
+
+
 @pytest.mark.real_model
 def test_smollm2_on_llama_cpp_equals_llama_cpp_plain(smollm2, smollm2_prompts):
     from specdec.engines import gguf_for

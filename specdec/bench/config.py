@@ -82,7 +82,7 @@ class LlamaCppOptions(_Strict):
     """``llama_cpp``: llama-cpp-python's ``Llama.generate``, greedy, on the target's packaged GGUF file
     re-written by llama.cpp's quantizer with weights of type ``weights`` (docs/benchmarks.md)."""
 
-    weights: Literal["F32", "BF16", "F16", "Q8_0", "Q4_1"] = Field(
+    weights: Literal["F32", "BF16", "F16", "Q8_0", "Q4_0", "Q4_1"] = Field(
         "F32", description="the GGUF file's weight type: F32 holds the weights the fp32 target decodes")
     lookup: int = Field(0, ge=0, description="tokens llama-cpp-python's prompt-lookup decoding drafts a step "
                                              "(LlamaPromptLookupDecoding num_pred_tokens); 0: plain decoding")

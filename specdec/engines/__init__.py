@@ -38,7 +38,7 @@ from ..names import ENGINE_CHOICES
 from .base import CAUSAL, Engine, EngineOutput, Layout, LayoutNotSupported
 from .cpu import decisions as _cpu_decisions
 from .eager import EagerEngine
-from .llama_cpp import attach_gguf, export_gguf, gguf_for, gguf_source, missing_gguf, requantize
+from .llama_cpp import attach_gguf, export_gguf, gguf_for, gguf_source, gguf_twin, missing_gguf, requantize
 from .llama_cpp import library as llama_cpp_library  # its contexts and checks, for tests and diagnostics
 from .llama_cpp.library import INSTALL_HINT as LLAMA_CPP_INSTALL
 
@@ -119,5 +119,5 @@ def engine_report(model, name: str, fast_head: bool = True) -> str:
     return f"cpu{' (auto)' if name == 'auto' else ''}: {said}"
 
 
-__all__ = ["CAUSAL", "ENGINES", "EagerEngine", "LLAMA_CPP_INSTALL", "attach_gguf", "export_gguf", "gguf_for", "gguf_source", "missing_gguf", "requantize", "Engine", "EngineOutput", "Layout", "LayoutNotSupported",
+__all__ = ["CAUSAL", "ENGINES", "EagerEngine", "LLAMA_CPP_INSTALL", "attach_gguf", "export_gguf", "gguf_for", "gguf_source", "gguf_twin", "missing_gguf", "requantize", "Engine", "EngineOutput", "Layout", "LayoutNotSupported",
            "ENGINE_CHOICES", "check_engine", "engine_report", "llama_cpp_kv", "llama_cpp_library", "make_engine", "resolve_engine_name"]

@@ -12,7 +12,7 @@ Modules: :mod:`.library` (the bindings, contexts, the batch-invariance check), :
 (which GGUF file serves a model), :mod:`.kv` (the engine as ``ModelState``'s cache backend).
 """
 
-from .files import QUANTS, attach_gguf, export_gguf, gguf_for, gguf_source, missing_gguf, requantize
+from .files import QUANTS, attach_gguf, export_gguf, gguf_for, gguf_source, gguf_twin, missing_gguf, requantize
 from .kv import LlamaCppKV
 
-__all__ = ["LlamaCppKV", "QUANTS", "attach_gguf", "export_gguf", "gguf_for", "gguf_source", "missing_gguf", "requantize"]
+__all__ = ["LlamaCppKV", "QUANTS", "attach_gguf", "export_gguf", "gguf_for", "gguf_source", "gguf_twin", "missing_gguf", "requantize"]

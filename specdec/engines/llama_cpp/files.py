@@ -14,6 +14,7 @@ renamed, so an interrupted conversion leaves nothing half-written behind.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import hashlib
 import os
@@ -25,9 +26,9 @@ import torch
 from .library import bindings
 
 #: weight types a packaged model's file can be re-quantized to (llama.cpp's file-type names)
-QUANTS = ("F32", "BF16", "F16", "Q8_0", "Q4_1")
+QUANTS = ("F32", "BF16", "F16", "Q8_0", "Q4_0", "Q4_1")
 _FTYPE = {"F32": "LLAMA_FTYPE_ALL_F32", "BF16": "LLAMA_FTYPE_MOSTLY_BF16", "F16": "LLAMA_FTYPE_MOSTLY_F16",
-          "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1"}
+          "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "Q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1"}
 #: the attribute :func:`attach_gguf` and ``load_model`` set on a model
 ATTACHED, PACKAGED = "specdec_gguf", "specdec_packaged_gguf"
 
@@ -95,6 +96,19 @@ def gguf_for(model, quant: str = "F32") -> str | None:
         return attached
     packaged = getattr(model, PACKAGED, None)
     return requantize(packaged, quant) if packaged is not None else None
+
+
+def gguf_twin(model, weights: str = "Q8_0"):
+    """A draft for ``engine="llama_cpp"``: ``model`` 's twin (a shallow copy: the same modules and
+    weights in torch, nothing copied) that llama.cpp serves from ``model`` 's GGUF file re-written
+    with ``weights``: ``SpecDecoder(target, gguf_twin(target, "Q4_0"), engine="llama_cpp")`` drafts
+    with the 4-bit file and verifies with the target's own."""
+    source = gguf_source(model)
+    if source is None:
+        raise ValueError(missing_gguf(model))
+    twin = copy.copy(model)
+    setattr(twin, ATTACHED, requantize(source, check_quant(weights)))
+    return twin
 
 
 def missing_gguf(model) -> str:

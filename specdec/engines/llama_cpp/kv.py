@@ -33,6 +33,10 @@ class LlamaCppKV:
 
     def __init__(self, model, path: str, batch: int, capacity: int, settings, reach: int = 0):
         self.settings, self.batch, self.path = settings, batch, path
+        most = library.bindings().llama_max_parallel_sequences()
+        if batch > most:
+            raise ValueError(f"engine='llama_cpp' decodes at most {most} rows at once (llama.cpp's sequences); "
+                             f"this call has {batch}: split the batch")
         threads = max(torch.get_num_threads(), 1)
         library.check_batch_invariant(path, threads, KV_TYPE)
         loaded = library.load(path)
