@@ -76,6 +76,8 @@ class LlamaCppKV:
                     where.append((b, j - first_kept))
         split = None if first else library.QUERY_TILE
         logits = self.ctx.decode(tokens, at, seqs, wanted, split=split)
+        if len(where) == rows * keep:  # every kept column real: the logits are already in (row, column) order
+            return logits.view(rows, keep, self.vocab)
         out = torch.zeros(rows, keep, self.vocab)
         if where:
             index = torch.tensor(where)

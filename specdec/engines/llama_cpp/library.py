@@ -103,7 +103,8 @@ class Context:
         params.n_threads = params.n_threads_batch = threads
         kind = lib.GGML_TYPE_F32 if kv_type == "f32" else lib.GGML_TYPE_F16
         params.type_k = params.type_v = kind
-        params.kv_unified = True
+        # a stream of cells per row: a row's token at position p sits in cell p, as when it decodes alone
+        params.kv_unified = False
         # attention as llama-cpp-python's Llama runs it by default (no flash attention): on the CPU its
         # outputs agreed with transformers' more often than flash attention's, and it is batch-invariant too
         params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
@@ -203,19 +204,21 @@ def give_back(ctx: Context) -> None:
 
 def check_batch_invariant(path: str, threads: int, kv_type: str = "f32") -> None:
     """Refuse a build whose forward of several tokens gives any of them other logits than a forward
-    of that token alone (checked once per file and KV type: a few tokens after a short prefix)."""
+    of that token alone (checked once per file and KV type: 8 tokens after a 60-token prefix)."""
     key = f"{os.path.abspath(path)}|{kv_type}"
     if _invariant.get(key):
         return
-    ctx = context(path, 1, 64, threads, kv_type)
+    ctx = context(path, 1, 128, threads, kv_type)
     try:
         vocab = ctx.model.vocab
-        prefix, probe = [1 % vocab, 7 % vocab, 3 % vocab], [11 % vocab, 5 % vocab, 2 % vocab, 9 % vocab]
-        ctx.decode(prefix, [0, 1, 2], [0] * 3, [False] * 3)
-        wide = ctx.decode(probe, [3, 4, 5, 6], [0] * 4, [True] * 4)
-        ctx.remove(0, 3)
+        # a prefix of 60 tokens, then 8 at once: the attended cells cross a multiple of 64
+        prefix = [(7 * i + 3) % vocab for i in range(60)]
+        probe = [(11 * i + 5) % vocab for i in range(8)]
+        ctx.decode(prefix, list(range(60)), [0] * 60, [False] * 60)
+        wide = ctx.decode(probe, list(range(60, 68)), [0] * 8, [True] * 8)
+        ctx.remove(0, 60)
         for j, token in enumerate(probe):
-            one = ctx.decode([token], [3 + j], [0], [True])[0]
+            one = ctx.decode([token], [60 + j], [0], [True])[0]
             if not torch.equal(one, wide[j]):
                 raise RuntimeError(
                     f"this llama.cpp build is not batch-invariant: a {len(probe)}-token forward gave token {j} logits "
