@@ -31,13 +31,12 @@ SHOWN = (
     ("quick", "pl", "`prompt_lookup`, defaults"),
     ("spec_bench_smollm2", "pl", "`prompt_lookup`, defaults"),
     ("self_draft_eager_smollm2", "self_draft", "`self_draft`, defaults (copy + lookup), no warm-up (eager copy)"),
-    ("self_draft_eager_smollm2", "copy_only", "`self_draft`, the copy alone (`lookup=False`), eager"),
     ("self_draft_eager_smollm2_avx2", "self_draft", "`self_draft`, defaults (copy + lookup), no warm-up (eager copy)"),
-    ("self_draft_eager_smollm2_avx2", "copy_only", "`self_draft`, the copy alone (`lookup=False`), eager"),
-    ("self_draft_smollm2", "hybrid_w8a8", "`self_draft`, w8a8 copy compiled + lookup"),
     ("structured_smollm2", "pl", "`prompt_lookup`, defaults, each output in its JSON schema"),
     ("engine_share_smollm2", "pl_auto", "`prompt_lookup`, defaults"),
     ("eagle3_smollm2", "eagle3", "`eagle3`, the shipped head, chains"),
+    ("llama_cpp_smollm2", "lcpp_f32", "the peer: llama.cpp, F32 file, plain (not specdec)"),
+    ("llama_cpp_smollm2", "pl_lcpp", "`prompt_lookup` on `engine=\"llama_cpp\"` (F32 file)"),
 )
 
 
