@@ -126,7 +126,7 @@ class DecodeRun:
         generator may learn them there, from the head it loads): every target forward returns them
         (specdec.forwards on a CPU, a tree's engine)."""
         layers = self.session.drafting().hidden_layers
-        if layers and not getattr(target.kv, "returns_hidden", True):
+        if layers and not getattr(self.target.kv, "returns_hidden", True):
             raise ValueError(f"{self.plugin} reads the target's hidden states, which engine='llama_cpp' does not return "
                              "(use engine='auto')")
         return check_hidden_layers(layers, target, self.plugin) if layers else ()
@@ -151,6 +151,9 @@ class DecodeRun:
         if problem:
             raise ValueError(f"assistant: {problem}")
         if prefill_from_target:
+            if self.target.kv.cache is None:
+                raise ValueError(f"{self.plugin} mirrors the target's transformers cache into its draft model's; "
+                                 "engine='llama_cpp' keeps the target's keys and values in llama.cpp (use engine='auto')")
             if tokens is not None:
                 raise ValueError("prefill_from_target needs an assistant that shares the target's tokens (no tokens=)")
             if kv_layout(model) != kv_layout(self.ctx.target) or self.spec.user_inputs:

@@ -131,6 +131,16 @@ def test_what_the_engine_refuses_is_said_before_any_forward(tiny):
         SpecDecoder(bare, "prompt_lookup", engine="llama_cpp")
     with pytest.raises(ValueError, match="neither cache_implementation='static' nor compile"):
         SpecDecoder(model, "prompt_lookup", engine="llama_cpp", cache_implementation="static")
+    from specdec.generators import DraftingInfo, NoDraft
+
+    class ReadsHidden(NoDraft):  # what eagle3 and mtp declare
+        name = "reads_hidden"
+
+        def drafting(self):
+            return DraftingInfo(max_drafts=None, hidden_layers=(1,))
+
+    with pytest.raises(ValueError, match="reads the target's hidden states, which engine='llama_cpp' does not return"):
+        SpecDecoder(model, ReadsHidden(), engine="llama_cpp").generate(_ids(REPEAT), max_new_tokens=2)
     with pytest.raises(ValueError, match="export_gguf writes plain Llama-architecture models"):
         export_gguf(load_model("tiny-random:gpt2")[0], "/nonexistent/never-written.gguf")
 
