@@ -23,6 +23,7 @@ import tempfile
 import numpy as np
 import torch
 
+from ...compiled import say
 from .library import bindings
 
 #: weight types a packaged model's file can be re-quantized to (llama.cpp's file-type names)
@@ -55,6 +56,7 @@ def requantize(source: str, quant: str, folder: str | None = None) -> str:
     if os.path.isfile(path):
         return path
     os.makedirs(folder, exist_ok=True)
+    say(f"writing a {quant} GGUF file of {os.path.basename(source)} for llama.cpp (once; cached in {folder}) ...")
     lib = bindings()
     params = lib.llama_model_quantize_default_params()
     params.ftype = getattr(lib, _FTYPE[quant])
