@@ -252,7 +252,8 @@ class BlockProcessors:
     ``seconds`` adds up the time spent processing, for the statistics."""
 
     def __init__(self, processors, prompt_ids: torch.Tensor):
-        processors = [_position_aware(p, prompt_ids.shape[1]) for p in processors]
+        width = prompt_ids.shape[1]
+        processors = [_position_aware(p, width) for p in processors if not inert(p, width)]
         self.steps = [(p, applier(p)) for p in processors]
         self.hard = [(p, a) for p, a in self.steps if type(p) in HARD]
         grammars = [p for p in processors if type(p) is GrammarConstraint]
@@ -320,6 +321,18 @@ def with_user_processor(processors, extra) -> list:
     while at and type(processors[at - 1]) in AFTER_USERS:
         at -= 1
     return [*processors[:at], extra, *processors[at:]]
+
+
+def inert(processor, width: int) -> bool:
+    """Whether ``processor`` changes no score of a call whose prompt is ``width`` columns wide: a
+    minimum length already reached at the first new token (``generate()`` builds one for
+    ``min_new_tokens=0``, and for a ``min_length`` the prompt already has), which ``generate()``
+    applies as the identity at every step. Such a processor is left out of the call."""
+    if type(processor) is lp.MinLengthLogitsProcessor:
+        return processor.min_length <= width
+    if type(processor) is lp.MinNewTokensLengthLogitsProcessor:
+        return processor.prompt_length_to_skip + processor.min_new_tokens <= width
+    return False
 
 
 def _position_aware(processor, width: int):

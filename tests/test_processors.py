@@ -369,3 +369,23 @@ def test_a_benchmark_applies_the_settings_to_every_method_and_reports_them(tmp_p
     assert "`repetition_penalty=1.3`, `no_repeat_ngram_size=2`" in report and "Logits processors" in report
     ours = [r for r in rows if r["method"] == "pl3"]
     assert ours and all(r["stats"]["processor_seconds"] > 0 for r in ours)
+
+
+def test_a_minimum_length_already_reached_is_left_out():
+    """``min_new_tokens=0`` (as the bench spells the neutral setting) makes ``generate()`` build a
+    MinLengthLogitsProcessor that never changes a score: the call leaves it out, and its output is
+    generate()'s; a minimum still ahead is kept and honoured."""
+    from specdec.processors import inert
+
+    assert inert(lp.MinLengthLogitsProcessor(5, [7]), 5) and not inert(lp.MinLengthLogitsProcessor(6, [7]), 5)
+    assert inert(lp.MinNewTokensLengthLogitsProcessor(5, 0, [7]), 5)
+    assert not inert(lp.MinNewTokensLengthLogitsProcessor(5, 1, [7]), 5)
+    assert not BlockProcessors([lp.MinLengthLogitsProcessor(3, [7])], torch.zeros(1, 4, dtype=torch.long))
+    target, tokenizer = tiny_random("llama")
+    ids = tokenizer("the cat sat on the mat", return_tensors="pt").input_ids
+    eos = tokenizer.eos_token_id
+    for minimum in (0, 12):
+        settings = {"max_new_tokens": 16, "do_sample": False, "min_new_tokens": minimum, "eos_token_id": eos}
+        want = target.generate(ids, pad_token_id=tokenizer.pad_token_id, **settings)
+        got = SpecDecoder(target, "prompt_lookup", tokenizer=tokenizer).generate(ids, **settings).sequences
+        assert torch.equal(got, want), minimum
