@@ -38,7 +38,8 @@ from ..names import ENGINE_CHOICES
 from .base import CAUSAL, Engine, EngineOutput, Layout, LayoutNotSupported
 from .cpu import decisions as _cpu_decisions
 from .eager import EagerEngine
-from .llama_cpp import attach_gguf, export_gguf, gguf_for, gguf_source, gguf_twin, missing_gguf, requantize
+from .llama_cpp import (LlamaCppKV, attach_gguf, export_gguf, gguf_for, gguf_source, gguf_twin, missing_gguf,
+                        requantize)
 from .llama_cpp import library as llama_cpp_library  # its contexts and checks, for tests and diagnostics
 from .llama_cpp.library import INSTALL_HINT as LLAMA_CPP_INSTALL
 
@@ -75,23 +76,19 @@ def resolve_engine_name(name) -> str:
 
 
 def check_engine(name: str, model) -> None:
-    """Refuse an engine that cannot serve ``model`` (before any forward): "cpu" needs it on a CPU."""
+    """Refuse an engine that cannot serve ``model`` (before any forward): "cpu" and "llama_cpp" need it
+    on a CPU, "llama_cpp" a GGUF file of its weights."""
     param = next(model.parameters(), None)
     device = param.device.type if param is not None else "cpu"
     if name in ("cpu", "llama_cpp") and device != "cpu":
         raise ValueError(f"engine={name!r} runs models on a CPU; {type(model).__name__} is on {device} "
                          "(use engine='auto' or 'eager')")
-    if name == "llama_cpp":
-        from .llama_cpp import gguf_for, missing_gguf
-
-        if gguf_for(model) is None:
-            raise ValueError(missing_gguf(model))
+    if name == "llama_cpp" and gguf_for(model) is None:
+        raise ValueError(missing_gguf(model))
 
 
 def llama_cpp_kv(model, batch: int, capacity: int, settings, reach: int = 0):
     """llama.cpp's cache backend for ``model`` (``engine="llama_cpp"``), or None where no GGUF file serves it."""
-    from .llama_cpp import LlamaCppKV, gguf_for
-
     path = gguf_for(model)
     return None if path is None else LlamaCppKV(model, path, batch, capacity, settings, reach)
 
@@ -103,12 +100,9 @@ def engine_report(model, name: str, fast_head: bool = True) -> str:
     if name == "eager":
         return "eager: the model's own forward"
     if name == "llama_cpp":
-        from .llama_cpp import gguf_for
-        from .llama_cpp.library import version
-
         path = gguf_for(model)
         if path is not None:
-            return f"llama_cpp: {os.path.basename(path)} (llama-cpp-python {version()})"
+            return f"llama_cpp: {os.path.basename(path)} (llama-cpp-python {llama_cpp_library.version()})"
         return "cpu (llama_cpp: no GGUF file for this model)"
     param = next(model.parameters(), None)
     if param is not None and param.device.type != "cpu":
@@ -119,5 +113,7 @@ def engine_report(model, name: str, fast_head: bool = True) -> str:
     return f"cpu{' (auto)' if name == 'auto' else ''}: {said}"
 
 
-__all__ = ["CAUSAL", "ENGINES", "EagerEngine", "LLAMA_CPP_INSTALL", "attach_gguf", "export_gguf", "gguf_for", "gguf_source", "gguf_twin", "missing_gguf", "requantize", "Engine", "EngineOutput", "Layout", "LayoutNotSupported",
-           "ENGINE_CHOICES", "check_engine", "engine_report", "llama_cpp_kv", "llama_cpp_library", "make_engine", "resolve_engine_name"]
+__all__ = ["CAUSAL", "ENGINES", "EagerEngine", "Engine", "EngineOutput", "Layout", "LayoutNotSupported",
+           "ENGINE_CHOICES", "check_engine", "engine_report", "make_engine", "resolve_engine_name",
+           "LLAMA_CPP_INSTALL", "attach_gguf", "export_gguf", "gguf_for", "gguf_source", "gguf_twin", "llama_cpp_kv",
+           "llama_cpp_library", "missing_gguf", "requantize"]
