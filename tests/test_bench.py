@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -303,6 +304,28 @@ def test_report_rebuilds_from_the_json_lines(full_run, capsys):
     assert all((out / name).exists() for name in ("speedup.png", "acceptance_by_position.png", "forward_cost.png"))
     assert cli.main(["report", str(out / "nothing")]) == 2
     assert "no run.json" in capsys.readouterr().err
+
+
+def test_the_first_calls_are_set_apart_when_asked(full_run, tmp_path):
+    """``first_calls: N`` adds the methods over the rows after the run's first N calls (questions in
+    order, turns in order); the rows themselves do not depend on it."""
+    from specdec.bench.report import first_calls_of
+
+    out, _, _ = full_run
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    meta = json.loads((copy / "run.json").read_text())
+    assert "## After the first" not in (copy / "report.md").read_text()  # 0, the default: no section
+    meta["config"]["first_calls"] = 2
+    (copy / "run.json").write_text(json.dumps(meta))
+    first = first_calls_of(meta)
+    order = [(q["question_id"], t) for q in meta["questions"] for t in range(1, q["turns"] + 1)]
+    assert first == set(order[:2]) and len(first) == 2
+    write_report(copy, log=None)
+    section = (copy / "report.md").read_text().split("## After the first 2 calls", 1)[1].split("\n## ", 1)[0]
+    turns = len(order) - 2
+    for m in meta["config"]["methods"]:
+        assert f"| `{m['name']}` | {turns} |" in section, m["name"]
 
 
 # -- interruption, resume, changed config ------------------------------------------------------

@@ -413,6 +413,10 @@ class BenchConfig(_Strict):
                                                     "measured against; needed only when there are several")
     distributed: DistributedSettings | None = Field(None, description="shard the target across the processes "
                                                      "torchrun starts (tp_size, pp_size, ...); None: one process")
+    first_calls: int = Field(0, ge=0, description="the report also gives every method over the rows after the "
+                                                  "run's first N calls (questions in order, each one's turns in "
+                                                  "order): a method that learns from earlier calls (suffix) apart "
+                                                  "from its cold start; 0: not")
 
     @field_validator("device")
     @classmethod

@@ -281,6 +281,27 @@ def _peer_section(meta: dict, all_summaries: list[Summary], subtasks: list[str])
     return out[:-1]
 
 
+def first_calls_of(meta: dict) -> set[tuple[int, int]]:
+    """The (question_id, turn) of the run's first ``first_calls`` calls: questions in the run's order,
+    each one's turns in order (1-based), as the runner asks them."""
+    order = [(q["question_id"], turn) for q in meta["questions"] for turn in range(1, q["turns"] + 1)]
+    return set(order[: meta["config"].get("first_calls") or 0])
+
+
+def _later_calls_section(meta: dict, rows: list[dict]) -> list[str]:
+    """With ``first_calls: N``: every method over the rows after the run's first N calls."""
+    first = first_calls_of(meta)
+    if not first:
+        return []
+    later = [r for r in rows if (r["question_id"], r["turn"]) not in first]
+    overall = [s for s in summaries(meta, later) if s.subtask == OVERALL]
+    named = ", ".join(f"question {q} turn {t}" for q, t in sorted(first))
+    return (["", f"## After the first {len(first)} calls", "",
+             f"The rows after the run's first {len(first)} calls ({named} left out): a method that learns from "
+             "earlier calls, past its cold start.", ""]
+            + _table(["method"] + METRIC_HEADER, [[f"`{s.method}`"] + _metric_cells(s) for s in overall]))
+
+
 def _identical_section(meta: dict, overall: list[Summary]) -> list[str]:
     """Per method: outputs identical to the reference's, and where the others first differ (greedy only)."""
     compared = [s for s in overall if s.agreement is not None and s.agreement.compared]
@@ -484,7 +505,8 @@ def render_markdown(meta: dict, rows: list[dict], all_summaries: list[Summary], 
     """``rows``: the usable rows (:func:`load_checked_run`); ``left_out``: its notes on the others."""
     subtasks = [g for g in SUBTASKS if any(s.subtask == g for s in all_summaries)]
     single = [r for r in rows if not is_batched(r)]
-    out = (_header(meta, rows) + _subtask_tables(meta, all_summaries, subtasks) + _structured_section(meta, single)
+    out = (_header(meta, rows) + _subtask_tables(meta, all_summaries, subtasks) + _later_calls_section(meta, single)
+           + _structured_section(meta, single)
            + _tree_section(meta, single) + _warmup_section(meta)
            + _choices_section(meta, rows) + _draft_lengths_section(meta, rows, all_summaries, figures)
            + _batch_section(meta, rows)

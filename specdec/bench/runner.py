@@ -66,7 +66,7 @@ def config_hash(config: BenchConfig, questions: list[Question]) -> str:
 
 #: fields added after results were first written: hashed only when set to something other than their
 #: default, so those results still resume
-_LATER_FIELDS = {"config": ("device", "dtype", "reference", "repeats", "distributed"),
+_LATER_FIELDS = {"config": ("device", "dtype", "reference", "repeats", "distributed", "first_calls"),
                  "dataset": ("first_per_category", "max_turns"),
                  "method": ("cache_implementation", "compile", "fast_head", "engine"),
                  "generation": ("min_p", "repetition_penalty", "encoder_repetition_penalty", "no_repeat_ngram_size",
@@ -87,8 +87,8 @@ def _without_later_defaults(dumped: dict) -> dict:
 
 #: config fields a row does not depend on: the methods (each row has its own), which questions are asked and
 #: in what batches (the question part of a fingerprint covers what one row asks), the reference (whose row
-#: is a row of its own), the free text
-_NOT_PER_ROW = ("methods", "dataset", "batch_sizes", "batch_size", "reference", "description")
+#: is a row of its own), the free text, what the report sets apart
+_NOT_PER_ROW = ("methods", "dataset", "batch_sizes", "batch_size", "reference", "description", "first_calls")
 
 
 def row_fingerprints(config: BenchConfig, questions: list[Question]) -> Fingerprints:
