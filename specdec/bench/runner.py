@@ -48,11 +48,13 @@ class ResultsMismatchError(RuntimeError):
 
 # -- what the results depend on ------------------------------------------------------------------
 def config_hash(config: BenchConfig, questions: list[Question]) -> str:
-    """Identifies what the results depend on: the config (its free-text description aside) and the questions.
+    """Identifies what the results depend on: the config (its free-text description and what the report
+    sets apart aside) and the questions.
 
     ``batch_sizes: [1]`` is hashed as the single-size field it replaced (``batch_size: 1``), so results
     written before batch sizes existed still resume."""
-    dumped = _without_later_defaults(config.model_dump(mode="json", exclude={"description", "batch_sizes"}))
+    dumped = _without_later_defaults(config.model_dump(mode="json", exclude={"description", "batch_sizes",
+                                                                             "first_calls"}))
     if config.batch_sizes == [1]:
         dumped["batch_size"] = 1
     else:
@@ -66,7 +68,7 @@ def config_hash(config: BenchConfig, questions: list[Question]) -> str:
 
 #: fields added after results were first written: hashed only when set to something other than their
 #: default, so those results still resume
-_LATER_FIELDS = {"config": ("device", "dtype", "reference", "repeats", "distributed", "first_calls"),
+_LATER_FIELDS = {"config": ("device", "dtype", "reference", "repeats", "distributed"),
                  "dataset": ("first_per_category", "max_turns"),
                  "method": ("cache_implementation", "compile", "fast_head", "engine"),
                  "generation": ("min_p", "repetition_penalty", "encoder_repetition_penalty", "no_repeat_ngram_size",
