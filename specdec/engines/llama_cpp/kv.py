@@ -9,8 +9,8 @@ them), and a rollback is ``llama_memory_seq_rm`` from the first dropped position
 
 A forward feeds every real column (padding columns feed nothing and get zero logits) and asks
 logits of the last ``logits_to_keep`` columns only. After the prefill, decodes feed at most
-:data:`~.library.QUERY_TILE` tokens each, below the query count at which llama.cpp's CPU attention
-changes its summation order, so that each token's logits are the ones a one-token decode gives it.
+:data:`~.library.QUERY_TILE` tokens each (see there). Each token's logits are the ones a one-token
+decode gives it: the library checks that of its build (``library.check_batch_invariant``).
 """
 
 from __future__ import annotations

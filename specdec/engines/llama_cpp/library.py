@@ -25,9 +25,9 @@ import torch
 BUILD_FLAGS = "-DGGML_LLAMAFILE=OFF"
 #: how to install it (from source: PyPI has no wheel; --no-cache-dir keeps pip from reusing a wheel built without the flag)
 INSTALL_HINT = f'CMAKE_ARGS="{BUILD_FLAGS}" pip install --no-cache-dir llama-cpp-python==0.3.36'
-#: the KV cache's element type, by name: F32 keeps the keys and values as transformers' fp32 forward does
-KV_TYPES = ("f32", "f16")
-#: tokens per decode after the prefill: the CPU attention kernel changes its summation order at 64 queries
+#: tokens per decode after the prefill: llama.cpp's CPU flash-attention kernel tiles its queries from 64
+#: on, in another summation order. Flash attention is off here, so nothing depends on it today; the
+#: split keeps that so if it is turned on, and costs nothing at verification widths
 QUERY_TILE = 63
 GGML_LOG_LEVEL_ERROR = 4  # ggml.h's enum ggml_log_level
 
