@@ -135,6 +135,9 @@ class DynamicKV:
     """A ``DynamicCache``; every row's slots ``[0, cached_slots)`` are stored, no more."""
 
     slots = 0  # grows with what it holds
+    #: what a backend serves (the llama_cpp engine's backend serves neither): the hidden states of a
+    #: forward (``hidden_layers``), and tree layouts (``runner``, ``gather_slots``)
+    returns_hidden = trees = True
 
     def __init__(self, model, batch: int, capacity: int, settings: CacheSettings, reach: int = 0):
         self.settings, self.batch, self.reach = settings, batch, reach  # reach: slots the call can use
@@ -210,6 +213,8 @@ class DynamicKV:
 
 class StaticKV:
     """A ``StaticCache`` of full-length ``StaticLayer`` s, written in place (see the module doc)."""
+
+    returns_hidden = trees = True  # as DynamicKV's
 
     def __init__(self, model, batch: int, capacity: int, settings: CacheSettings, reach: int | None = None):
         self.model_ref = weakref.ref(model)

@@ -126,10 +126,15 @@ class DecodeRun:
         generator may learn them there, from the head it loads): every target forward returns them
         (specdec.forwards on a CPU, a tree's engine)."""
         layers = self.session.drafting().hidden_layers
-        if layers and not getattr(self.target.kv, "returns_hidden", True):
-            raise ValueError(f"{self.plugin} reads the target's hidden states, which engine='llama_cpp' does not return "
-                             "(use engine='auto')")
+        if layers and not self.target.kv.returns_hidden:
+            raise ValueError(f"{self.plugin} reads the target's hidden states, which engine={self._engine!r} does not "
+                             "return (use engine='auto')")
         return check_hidden_layers(layers, target, self.plugin) if layers else ()
+
+    @property
+    def _engine(self) -> str:
+        """The engine the target's forwards run on (its cache backend's settings)."""
+        return self.target.kv.settings.engine
 
     @property
     def assistants(self) -> list[ModelState]:
@@ -153,7 +158,7 @@ class DecodeRun:
         if prefill_from_target:
             if self.target.kv.cache is None:
                 raise ValueError(f"{self.plugin} mirrors the target's transformers cache into its draft model's; "
-                                 "engine='llama_cpp' keeps the target's keys and values in llama.cpp (use engine='auto')")
+                                 f"engine={self._engine!r} keeps the target's keys and values itself (use engine='auto')")
             if tokens is not None:
                 raise ValueError("prefill_from_target needs an assistant that shares the target's tokens (no tokens=)")
             if kv_layout(model) != kv_layout(self.ctx.target) or self.spec.user_inputs:
@@ -370,8 +375,8 @@ class DecodeRun:
             return "a grammar constrains the call"
         if not isinstance(self.ranks, Solo):
             return "a distributed call"
-        if not getattr(self.target.kv, "trees", True):
-            return "engine='llama_cpp' verifies chains"
+        if not self.target.kv.trees:
+            return f"engine={self._engine!r} verifies chains"
         if self._tree_engine is None:
             self._tree_engine = make_engine("eager", self.target.model)
         try:

@@ -32,17 +32,17 @@ class LlamaCppKV:
     trees = False  # tree layouts (chains only, until trees go through llama.cpp sequences)
 
     def __init__(self, model, path: str, batch: int, capacity: int, settings, reach: int = 0):
-        self.settings, self.batch, self.path = settings, batch, path
+        self.settings = settings
         most = library.bindings().llama_max_parallel_sequences()
         if batch > most:
             raise ValueError(f"engine='llama_cpp' decodes at most {most} rows at once (llama.cpp's sequences); "
                              f"this call has {batch}: split the batch")
         threads = max(torch.get_num_threads(), 1)
         library.check_batch_invariant(path, threads, KV_TYPE)
-        loaded = library.load(path)
-        if loaded.vocab < model.get_input_embeddings().weight.shape[0]:
-            raise ValueError(f"{path} has {loaded.vocab} tokens, {type(model).__name__} embeds "
-                             f"{model.get_input_embeddings().weight.shape[0]}: not a file of this model")
+        loaded, embedded = library.load(path), model.get_input_embeddings().weight.shape[0]
+        if loaded.vocab < embedded:
+            raise ValueError(f"{path} has {loaded.vocab} tokens, {type(model).__name__} embeds {embedded}: "
+                             "not a file of this model")
         self.vocab = loaded.vocab
         self.ctx = library.context(path, batch, batch * max(capacity, reach, 1), threads, KV_TYPE)
         self.seq = list(range(batch))  # row -> llama.cpp sequence
