@@ -53,12 +53,16 @@ _MARKER_FORMAT = 2  # 2: the size and SHA-256 of every file; 1 (none): unverifia
 Loader = Callable[[Path, torch.dtype], tuple]
 
 
+def cache_home() -> Path:
+    """specdec's cache folder: ``$SPECDEC_CACHE``, or ``~/.cache/specdec``."""
+    return Path(os.environ.get(CACHE_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "specdec"))
+
+
 def weight_cache_root() -> Path | None:
     """Where de-quantized packaged models are cached, or None when ``SPECDEC_NO_WEIGHT_CACHE`` is set."""
     if os.environ.get(NO_WEIGHT_CACHE_ENV, "").strip().lower() not in ("", "0", "false", "no"):
         return None
-    root = os.environ.get(CACHE_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "specdec")
-    return Path(root) / "weights"
+    return cache_home() / "weights"
 
 
 def cache_folder(name: str, source: str, dtype: torch.dtype) -> Path | None:

@@ -17,7 +17,7 @@ from ..engines import LLAMA_CPP_INSTALL, gguf_source, missing_gguf, requantize
 def llama_cpp_runner(options, target, gen):
     """``run(input_ids [1, L], seed, max_new_tokens=None, grammar=None) -> (new ids, None)``."""
     try:
-        from llama_cpp import Llama
+        from llama_cpp import GGML_TYPE_F16, GGML_TYPE_F32, Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
     except ImportError:
         raise ImportError(f"the llama_cpp bench method needs llama-cpp-python: {LLAMA_CPP_INSTALL}") from None
@@ -34,7 +34,7 @@ def llama_cpp_runner(options, target, gen):
         if made.get("n_ctx", 0) < tokens:
             n_ctx = max(2048, 1 << (tokens - 1).bit_length())
             threads = max(torch.get_num_threads(), 1)
-            kind = 0 if options.kv_type == "f32" else 1  # GGML_TYPE_F32, GGML_TYPE_F16
+            kind = GGML_TYPE_F32 if options.kv_type == "f32" else GGML_TYPE_F16
             draft = (LlamaPromptLookupDecoding(max_ngram_size=options.max_ngram, num_pred_tokens=options.lookup)
                      if options.lookup else None)
             made.update(n_ctx=n_ctx, llm=Llama(model_path=path, n_ctx=n_ctx, n_threads=threads,

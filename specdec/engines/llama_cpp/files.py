@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ...compiled import say
+from ...weight_cache import cache_home
 from .library import bindings
 
 #: weight types a packaged model's file can be re-quantized to (llama.cpp's file-type names)
@@ -35,8 +36,7 @@ ATTACHED, PACKAGED = "specdec_gguf", "specdec_packaged_gguf"
 
 
 def cache_root() -> str:
-    root = os.environ.get("SPECDEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specdec")
-    return os.path.join(root, "gguf")
+    return str(cache_home() / "gguf")
 
 
 def check_quant(quant: str) -> str:
