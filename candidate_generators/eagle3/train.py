@@ -172,13 +172,8 @@ def train_head(target, tokenizer, out: str | Path, settings: TrainSettings, *, h
     embed = lambda tokens: table(tokens).detach()  # noqa: E731  (the target's, frozen)
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    step, spent, order, cursor = 0, 0.0, None, 0
-    if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
-        step, spent, order, cursor = state["step"], state["seconds"], state["order"], state["cursor"]
     batches = _batches(records, settings)
-    if order is None or len(order) != len(batches):
-        order, cursor = _shuffled(len(batches), settings.seed, step), 0
+    step, spent, order, cursor = _resume(state, optimizer, len(batches), settings.seed)
     features = _Features(settings.feature_bytes)
     started, saved = time.perf_counter() - spent, time.perf_counter()
     bar = tqdm(total=settings.steps, initial=step, desc="train-head", unit="step", disable=not progress)
@@ -201,11 +196,7 @@ def train_head(target, tokenizer, out: str | Path, settings: TrainSettings, *, h
             group["lr"] = _learning_rate(settings, step, fraction)
         loss, accuracy, _ = ttt_loss(head, embed, aux.float(), ids, valid, answer, top_ids.long(), top_probs,
                                      settings.depth)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 0.5)
-        optimizer.step()
-        step, cursor, loss = step + 1, cursor + 1, float(loss.detach())
+        step, cursor, loss = step + 1, cursor + 1, _update(optimizer, params, loss)
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}", acc="/".join(f"{float(a):.2f}" for a in accuracy))
         _log(out, step, loss, accuracy, time.perf_counter() - started)
@@ -220,6 +211,27 @@ def train_head(target, tokenizer, out: str | Path, settings: TrainSettings, *, h
     folder = out / "head"
     save_head(head.to(torch.bfloat16), folder, layout="specforge")
     return folder
+
+
+def _resume(state: dict | None, optimizer, batches: int, seed: int) -> tuple[int, float, list[int], int]:
+    """(step, seconds spent, batch order, cursor into it) from a checkpoint's ``state`` (its
+    optimizer state loaded), or a fresh start; an order of another batch count is drawn again."""
+    step, spent, order, cursor = 0, 0.0, None, 0
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        step, spent, order, cursor = state["step"], state["seconds"], state["order"], state["cursor"]
+    if order is None or len(order) != batches:
+        order, cursor = _shuffled(batches, seed, step), 0
+    return step, spent, order, cursor
+
+
+def _update(optimizer, params: list, loss: torch.Tensor) -> float:
+    """One optimizer step on ``loss`` (gradients clipped to norm 0.5) -> the loss as a float."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 0.5)
+    optimizer.step()
+    return float(loss.detach())
 
 
 def _training_records(target, tokenizer, out: Path, settings: TrainSettings, prompts: list[dict] | None,

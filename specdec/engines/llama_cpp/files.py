@@ -122,6 +122,14 @@ def missing_gguf(model) -> str:
 
 
 # -- writing a Llama-architecture model ------------------------------------------------------------
+#: each decoder layer's tensors: llama.cpp's name, transformers' (under ``model.layers.{i}.``), and
+#: which head count re-orders its rows for llama.cpp's rotary layout (None: kept as it is)
+_LAYER_TENSORS = (("attn_norm", "input_layernorm", None), ("attn_q", "self_attn.q_proj", "num_attention_heads"),
+                  ("attn_k", "self_attn.k_proj", "num_key_value_heads"), ("attn_v", "self_attn.v_proj", None),
+                  ("attn_output", "self_attn.o_proj", None), ("ffn_norm", "post_attention_layernorm", None),
+                  ("ffn_gate", "mlp.gate_proj", None), ("ffn_up", "mlp.up_proj", None), ("ffn_down", "mlp.down_proj", None))
+
+
 def export_gguf(model, path: str) -> str:
     """Write ``model`` (a ``transformers`` Llama-architecture causal LM) as an F32 GGUF file at
     ``path`` that llama.cpp's ``llama`` architecture reads, with no tokenizer (a vocabulary of
@@ -134,47 +142,48 @@ def export_gguf(model, path: str) -> str:
             or getattr(config, "mlp_bias", False) or (getattr(config, "rope_scaling", None) or {}).get("rope_type", "default") != "default":
         raise ValueError(f"export_gguf writes plain Llama-architecture models; {type(model).__name__} "
                          f"({config.model_type}) needs llama.cpp's convert_hf_to_gguf.py")
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     state = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
-    vocab = state["model.embed_tokens.weight"].shape[0]
-    rope = getattr(config, "rope_parameters", None) or {}
     writer = gguf.GGUFWriter(path, "llama")
+    _write_metadata(writer, config, vocab=state["model.embed_tokens.weight"].shape[0])
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for name, tensor in _llama_tensors(state, config):
+        writer.add_tensor(name, tensor)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _write_metadata(writer, config, vocab: int) -> None:
+    """The ``llama`` architecture's keys for a transformers Llama ``config``, and no tokenizer."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rope = getattr(config, "rope_parameters", None) or {}
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(vocab)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     writer.add_tokenizer_model("none")
 
+
+def _llama_tensors(state: dict, config):
+    """(llama.cpp name, array) of every tensor of ``state`` (a Llama state dict as numpy arrays)."""
     def rotary(w: np.ndarray, n: int) -> np.ndarray:  # rotate-half pairs -> interleaved pairs
         return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
-    writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
-    writer.add_tensor("output_norm.weight", state["model.norm.weight"])
+    yield "token_embd.weight", state["model.embed_tokens.weight"]
+    yield "output_norm.weight", state["model.norm.weight"]
     if not getattr(config, "tie_word_embeddings", False):
-        writer.add_tensor("output.weight", state["lm_head.weight"])
+        yield "output.weight", state["lm_head.weight"]
     for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
-        writer.add_tensor(f"blk.{i}.attn_norm.weight", state[p + "input_layernorm.weight"])
-        writer.add_tensor(f"blk.{i}.attn_q.weight", rotary(state[p + "self_attn.q_proj.weight"], heads))
-        writer.add_tensor(f"blk.{i}.attn_k.weight", rotary(state[p + "self_attn.k_proj.weight"], kv_heads))
-        writer.add_tensor(f"blk.{i}.attn_v.weight", state[p + "self_attn.v_proj.weight"])
-        writer.add_tensor(f"blk.{i}.attn_output.weight", state[p + "self_attn.o_proj.weight"])
-        writer.add_tensor(f"blk.{i}.ffn_norm.weight", state[p + "post_attention_layernorm.weight"])
-        writer.add_tensor(f"blk.{i}.ffn_gate.weight", state[p + "mlp.gate_proj.weight"])
-        writer.add_tensor(f"blk.{i}.ffn_up.weight", state[p + "mlp.up_proj.weight"])
-        writer.add_tensor(f"blk.{i}.ffn_down.weight", state[p + "mlp.down_proj.weight"])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+        for name, source, heads in _LAYER_TENSORS:
+            tensor = state[f"model.layers.{i}.{source}.weight"]
+            yield f"blk.{i}.{name}.weight", tensor if heads is None else rotary(tensor, getattr(config, heads))
