@@ -179,10 +179,8 @@ def train_head(target, tokenizer, out: str | Path, settings: TrainSettings, *, h
     bar = tqdm(total=settings.steps, initial=step, desc="train-head", unit="step", disable=not progress)
 
     def checkpoint() -> None:
-        torch.save({"config": config.to_dict(), "head": head.state_dict(), "optimizer": optimizer.state_dict(),
-                    "step": step, "seconds": time.perf_counter() - started, "order": order, "cursor": cursor,
-                    "settings": asdict(settings), "target": target_name}, checkpoint_path.with_suffix(".tmp"))
-        checkpoint_path.with_suffix(".tmp").replace(checkpoint_path)
+        _save_checkpoint(checkpoint_path, head, optimizer, settings, target_name, step=step,
+                         seconds=time.perf_counter() - started, order=order, cursor=cursor)
 
     head.train()
     while (fraction := _progress(settings, step, time.perf_counter() - started)) < 1.0:
@@ -223,6 +221,15 @@ def _resume(state: dict | None, optimizer, batches: int, seed: int) -> tuple[int
     if order is None or len(order) != batches:
         order, cursor = _shuffled(batches, seed, step), 0
     return step, spent, order, cursor
+
+
+def _save_checkpoint(path: Path, head, optimizer, settings: TrainSettings, target_name: str, **progress) -> None:
+    """Everything a rerun resumes from (the head, the optimizer, ``progress``: step, seconds, order,
+    cursor), written to a temporary file and renamed, so an interrupted save loses nothing."""
+    partial = path.with_suffix(".tmp")
+    torch.save({"config": head.config.to_dict(), "head": head.state_dict(), "optimizer": optimizer.state_dict(),
+                **progress, "settings": asdict(settings), "target": target_name}, partial)
+    partial.replace(path)
 
 
 def _update(optimizer, params: list, loss: torch.Tensor) -> float:
