@@ -43,7 +43,7 @@ NGRAM_PRIOR = {1: (0.4, 0.15), 2: (0.6, 0.25), 3: (0.7, 0.25), 4: (0.9, 0.5)}
 class Match(NamedTuple):
     n: int  # tokens of the suffix matched (0: none)
     contested: bool  # the suffix's earlier occurrences were not all followed by the same token
-    drafts: torch.Tensor  # [<= count] the tokens that followed its latest earlier occurrence
+    drafts: torch.Tensor | list[int]  # [<= count] the tokens that followed its latest earlier occurrence
 
 
 def lookup_match(sequence: torch.Tensor, max_ngram: int, min_ngram: int, count: int) -> Match:
@@ -62,6 +62,61 @@ def lookup_match(sequence: torch.Tensor, max_ngram: int, min_ngram: int, count: 
             start = int(hits[-1]) + n
             return Match(n, bool((following != following[-1]).any()), sequence[start: start + count])
     return Match(0, False, sequence[:0])
+
+
+class NgramIndex:
+    """:func:`lookup_match` kept up to date as rows grow, for a step that must not search each
+    row's whole sequence: per row, the row's tokens as a list and, for every n-gram of
+    ``min_ngram`` to ``max_ngram`` tokens that has a next token, where it last occurred and whether
+    its occurrences disagree on that next token. A step reads only each row's new tokens (and the
+    one before them, which must be what the index holds: a row that changed otherwise is re-read
+    whole) and indexes the windows they complete; a match is then a few dictionary lookups."""
+
+    def __init__(self, max_ngram: int, min_ngram: int):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.rows: list[list[int]] = []  # each row's tokens so far
+        self.tables: list[dict[tuple[int, ...], list]] = []  # n-gram -> [latest start, next token, contested]
+
+    def update(self, tokens: torch.Tensor, lengths: list[int]) -> None:
+        """Rows are ``tokens[b, :lengths[b]]``: index what each gained since the last update."""
+        if len(self.rows) != len(lengths):
+            self.rows, self.tables = [[] for _ in lengths], [{} for _ in lengths]
+        for b, length in enumerate(lengths):
+            row = self.rows[b]
+            known = len(row)
+            new = tokens[b, max(known - 1, 0): length].tolist()
+            if known and (length < known or new[0] != row[-1]):  # not a continuation of what is indexed
+                self.rows[b], self.tables[b] = [], {}
+                new, known, row = tokens[b, :length].tolist(), 0, self.rows[b]
+            elif known:
+                new = new[1:]
+            row.extend(new)
+            table = self.tables[b]
+            for n in range(self.min_ngram, self.max_ngram + 1):
+                for following in range(max(known, n), len(row)):  # windows whose next token is new
+                    key, token = tuple(row[following - n: following]), row[following]
+                    entry = table.get(key)
+                    if entry is None:
+                        table[key] = [following - n, token, False]
+                    else:
+                        entry[0] = following - n
+                        entry[2] = entry[2] or token != entry[1]
+
+    def match(self, b: int, count: int) -> tuple[int, bool, list[int]]:
+        """Row b's :func:`lookup_match`: (n, contested, up to ``count`` following tokens)."""
+        row, table = self.rows[b], self.tables[b]
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if len(row) <= n:
+                continue
+            entry = table.get(tuple(row[len(row) - n:]))
+            if entry is not None:
+                start = entry[0] + n
+                return n, entry[2], row[start: start + count]
+        return 0, False, []
+
+    def select_rows(self, rows: list[int]) -> None:
+        if self.rows:
+            self.rows, self.tables = [self.rows[b] for b in rows], [self.tables[b] for b in rows]
 
 
 def lookup(sequence: torch.Tensor, max_ngram: int, min_ngram: int, count: int) -> torch.Tensor:
@@ -156,9 +211,11 @@ class PromptLookupGenerator(CandidateGenerator):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.tree, self.branches = tree, branches
         self.schedule = DraftLengthSchedule(num_tokens, schedule, max_tokens)
+        self.index = NgramIndex(max_ngram, min_ngram)  # a fresh one each call (setup)
 
     def setup(self, ctx: DecodeContext) -> None:
         self.schedule.reset(ctx.batch_size)
+        self.index = NgramIndex(self.max_ngram, self.min_ngram)
 
     def drafting(self) -> DraftingInfo:
         """Two sources per match length, the longest first, uncontested then contested
@@ -170,8 +227,9 @@ class PromptLookupGenerator(CandidateGenerator):
     def propose(self, ctx: DecodeContext, max_drafts: torch.Tensor) -> Proposal:
         budget = torch.minimum(self.schedule.current, max_drafts.cpu()).tolist()
         tokens, lengths = ctx.tokens, ctx.lengths.tolist()
-        found = [lookup_match(tokens[b, : lengths[b]], self.max_ngram, self.min_ngram, budget[b]) if budget[b] > 0
-                 else Match(0, False, tokens.new_empty(0)) for b in range(len(lengths))]
+        self.index.update(tokens, lengths)
+        found = [Match(*self.index.match(b, budget[b])) if budget[b] > 0 else Match(0, False, [])
+                 for b in range(len(lengths))]
         trees = [self._tree(tokens[b, : lengths[b]], m, budget[b]) for b, m in enumerate(found)] if self.tree else None
         if trees is not None and any(any(parent != i - 1 for i, (_, parent) in enumerate(t)) for t in trees):
             proposal = Proposal.from_tree(trees, tokens.device)
@@ -183,7 +241,7 @@ class PromptLookupGenerator(CandidateGenerator):
 
     def _tree(self, sequence: torch.Tensor, match: Match, budget: int) -> list[tuple[int, int]]:
         """One row's trie of continuations (:func:`continuation_trie`); its chain where there is one."""
-        chain = [(int(t), i - 1) for i, t in enumerate(match.drafts.tolist())]
+        chain = [(int(t), i - 1) for i, t in enumerate(match.drafts)]
         if match.n == 0 or budget < 2 or self.branches == 1:
             return chain
         continuations = other_continuations(sequence, self.max_ngram, self.min_ngram, budget, self.branches)
@@ -194,3 +252,4 @@ class PromptLookupGenerator(CandidateGenerator):
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.schedule.select_rows(rows)
+        self.index.select_rows(rows.tolist())

@@ -134,11 +134,10 @@ class Proposal:
     def from_rows(cls, rows: list[list[int]] | list[torch.Tensor], device: torch.device | str = "cpu") -> "Proposal":
         """Point-mass drafts from per-row lists (or 1-D tensors) of ids, padded with 0."""
         counts = [len(r) for r in rows]
-        token_ids = torch.zeros(len(rows), max(counts, default=0), dtype=torch.long, device=device)
-        for b, r in enumerate(rows):
-            if counts[b]:
-                token_ids[b, : counts[b]] = torch.as_tensor(r, dtype=torch.long, device=device)
-        return cls(token_ids, torch.tensor(counts, dtype=torch.long, device=device))
+        width = max(counts, default=0)
+        padded = [[int(t) for t in r] + [0] * (width - n) for r, n in zip(rows, counts)]
+        token_ids = torch.tensor(padded, dtype=torch.long).reshape(len(rows), width)
+        return cls(token_ids.to(device), torch.tensor(counts, dtype=torch.long).to(device))
 
 
 @dataclass(frozen=True)

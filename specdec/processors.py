@@ -275,7 +275,9 @@ class BlockProcessors:
     def apply(self, scores: torch.Tensor, pos: Positions) -> torch.Tensor:
         """scores [B, J, V] float32 at ``pos`` -> the processed scores, as ``generate()`` computes them."""
         started = time.perf_counter()
-        scores = scores.clone()  # the block's own: appliers may write in place
+        # the block's own, contiguous: appliers may write in place, some through the data itself
+        # (xgrammar's bitmask), which a transposed view (a fast output layer's logits) would defeat
+        scores = scores.clone(memory_format=torch.contiguous_format)
         for processor, apply in self.steps:
             scores = apply(processor, scores, pos)
         self.seconds += time.perf_counter() - started

@@ -201,7 +201,9 @@ class DecodeRun:
         started, target, compiled_before = time.perf_counter(), self.target, compile_seconds()
         # every row stopped, some unpadded and short of the last one's stop (specdec/stopping.py): up to it
         room = self.stopper.end() - (target.lengths - self.prompt_lengths) - 1  # [B] drafts a row may take
-        room = torch.minimum(room, target.position_room().clamp_min(0))  # and no draft past learned positions
+        positions = target.position_room()  # [B] or None
+        if positions is not None:  # and no draft past learned positions
+            room = torch.minimum(room, positions.clamp_min(0))
         pending, context = target.pending_width(), target.cached_slots  # context: slots attended besides those fed
         first = target.is_first_iteration
         asked = self._plan(room, pending, context)  # [B]
@@ -211,7 +213,7 @@ class DecodeRun:
         k = int(offered.max())
         draft_ids = proposal.token_ids[:, :k].to(target.device)  # [B, k]
         parents = proposal.parents[:, :k].to(target.device) if proposal.is_tree else None  # [B, k]
-        committed = target.lengths.clone()  # [B]
+        committed = target.lengths  # [B] (a state's lengths are replaced, never written in place)
         logits = self._forward(draft_ids, offered, committed, parents)  # [B, k+1, V]
         forwarded = time.perf_counter()
         dead = None
@@ -517,7 +519,8 @@ class DecodeRun:
         holds the committed prefix. ``scores`` [B, k+1, V]: what the stopping criteria may see."""
         target = self.target
         block = torch.cat([draft_ids, verdict.next_token[:, None]], dim=1)  # [B, k+1]
-        block.scatter_(1, verdict.accepted[:, None], verdict.next_token[:, None])  # the target's token after the accepted
+        if draft_ids.shape[1]:  # the target's token after the accepted drafts
+            block.scatter_(1, verdict.accepted[:, None], verdict.next_token[:, None])
         counts = verdict.accepted + 1
         keep, stopped = self.stopper.cut(target.tokens, committed, block, counts, self.prompt_lengths, scores)
         kept, finished = self.stopper.settle(committed - self.prompt_lengths, counts, keep, stopped)
@@ -527,7 +530,7 @@ class DecodeRun:
     def _observe(self, record: StepRecord, block: torch.Tensor, committed: torch.Tensor) -> None:
         """Everyone who learns from the step hears it: statistics, streamer, followers, generator, policy."""
         self._count(record)
-        self.feed.tokens(block[0, : int(record.kept[0])])
+        self.feed.tokens(block, record.kept)
         for state in self.followers:
             if state in self.borrowers:
                 if not state.is_first_iteration:  # the first copy waits for drafts (_draft)

@@ -144,11 +144,11 @@ class ModelState:
         reach = width + new + self.margin()
         return min(reach, width + self.HEADROOM + self.margin()), reach
 
-    def position_room(self) -> torch.Tensor:
+    def position_room(self) -> torch.Tensor | None:
         """[B] tokens each row may still feed after its last one before the model's learned positions
-        end (a number beyond any call where positions are unlimited)."""
+        end; None where positions are unlimited."""
         if self.position_limit is None:
-            return torch.full_like(self.lengths, 1 << 62)
+            return None
         return self.position_limit - self.lengths
 
     def grow(self, needed: int) -> None:
@@ -165,21 +165,16 @@ class ModelState:
 
     # -- sequence edits -----------------------------------------------------------------------
     def append(self, ids: torch.Tensor, counts: torch.Tensor | None = None) -> None:
-        """Append ``ids [B, E]`` (the first ``counts[b]`` of each row) to the row sequences."""
+        """Append ``ids [B, E]`` (the first ``counts[b]`` of each row) to the row sequences. A row's
+        columns past its count are written too: what a row holds past its length is never read
+        (rejected drafts lie there after every step)."""
         extra = ids.shape[1]
         if extra == 0:
             return
         self.grow(int(self.lengths.max()) + extra)
-        at = torch.arange(extra, device=self.device)[None, :]  # [1, E]
-        cols = self.lengths[:, None] + at  # [B, E], within the capacity grown above
-        ids = ids.to(device=self.device, dtype=self.tokens.dtype)
-        if counts is None:
-            self.tokens.scatter_(1, cols, ids)
-            self.lengths = self.lengths + extra
-            return
-        keep = at < counts[:, None]  # a row's columns past its count keep what they hold
-        self.tokens.scatter_(1, cols, torch.where(keep, ids, self.tokens.gather(1, cols)))
-        self.lengths = self.lengths + counts
+        cols = self.lengths[:, None] + torch.arange(extra, device=self.device)[None, :]  # [B, E], within capacity
+        self.tokens.scatter_(1, cols, ids.to(device=self.device, dtype=self.tokens.dtype))
+        self.lengths = self.lengths + (extra if counts is None else counts)
 
     def commit(self, start: torch.Tensor, block: torch.Tensor, keep: torch.Tensor, cached: torch.Tensor) -> None:
         """Commit one verified block in one operation.
@@ -294,15 +289,17 @@ class ModelState:
         ends = self.offsets + self.lengths  # [B] slot after each row's last token
         width, first = int(ends.max()) - first_slot, self.is_first_iteration
         first_needed = self.offsets + start - first_slot  # [B] chunk column of the first logits needed
-        if bool((first_needed < 0).any()):
+        lowest, highest = (int(n) for n in torch.aminmax(first_needed))
+        if lowest < 0:
             raise RuntimeError("ModelState.forward asked for logits of a token that is already cached")
         layout = runner = None
         if tree is not None:
             layout, runner, width = self._tree_forward(tree, first_needed + 1, width)
         # a causal forward keeps the hidden states through the backend's forward (a tree's runner keeps them itself)
         hidden_layers = self.hidden_layers if runner is None else ()
-        index, real, ids, positions = self._chunk(first_slot, width, layout)
-        keep = width - int(first_needed.min())
+        padded = bool(self.offsets.any())  # some row starts after slot 0
+        index, real, ids, positions = self._chunk(first_slot, width, layout, padded)
+        keep = width - lowest
         kwargs: dict[str, Any] = {
             "input_ids": ids,
             "position_ids": positions,
@@ -313,12 +310,13 @@ class ModelState:
 
         def mask(slots: int) -> torch.Tensor:  # [B, slots]: each row's own tokens, nothing stale
             at = torch.arange(slots, device=self.device)[None, :]
-            return ((at >= self.offsets[:, None]) & (at < ends[:, None])).long()
+            inside = at < ends[:, None]
+            return (inside & (at >= self.offsets[:, None]) if padded else inside).long()
 
         if first:  # a first forward starts at slot 0 unless it continues a prefix
             kwargs.update(self.prefill_inputs.for_chunk(index[:, :width], real[:, :width]))
-        needs_mask = (self.batch_size > 1 or bool((self.offsets > 0).any()) or not bool(real[:, :width].all())
-                      or runner is not None)
+        # one row with no left padding holds a token in every slot up to its end: no mask to build
+        needs_mask = self.batch_size > 1 or runner is not None or padded
         logits = self.kv.forward(self.model, kwargs, first_slot=first_slot, width=width, first=first,
                                  mask=mask, needs_mask=needs_mask, runner=runner, hidden_layers=hidden_layers)
         if hidden_layers:
@@ -332,6 +330,11 @@ class ModelState:
             self.hidden = (self._fed_hidden, index[:, 0].clone())
         self._realign(ends)
 
+        if lowest == highest:  # every row's first logits at one column: width - lowest columns from there
+            start_column = lowest - (width - keep)
+            # contiguous, as a gather's: a fast output layer's logits are a transposed view, and a
+            # processor may write into the scores through their data (xgrammar's bitmask does)
+            return logits[:, start_column: start_column + width - lowest].contiguous()
         count = int((self.lengths - start).max())
         cols = first_needed[:, None] - (width - keep) + torch.arange(count, device=self.device)[None, :]
         cols = cols.clamp(max=keep - 1)  # [B, M]
@@ -411,28 +414,35 @@ class ModelState:
         for h in states.values():
             h[rows[take], dest[take]] = h[rows[take], source[take]].clone()
 
-    def _chunk(self, first_slot: int, width: int, layout: Layout | None = None) -> tuple[torch.Tensor, ...]:
+    def _chunk(self, first_slot: int, width: int, layout: Layout | None = None,
+               padded: bool = True) -> tuple[torch.Tensor, ...]:
         """The columns the next forward feeds, ``width`` of them padded to a compiled width F ->
         (index [B, F]: each row's token index there, real [B, F], ids [B, F], positions [B, F] or
         [3, B, F] for mRoPE). A tree ``layout`` feeds ``width`` columns exactly (its forward is never
-        compiled), each at the position of its column in its own chain (``Layout.chain_columns``)."""
+        compiled), each at the position of its column in its own chain (``Layout.chain_columns``).
+        ``padded``: whether some row starts after slot 0 (False: no row has left padding)."""
         # a tree's forward, and one that keeps hidden states, is never compiled: nothing to pad to
         unpadded = layout is not None or self.hidden_layers
         fed = width if unpadded else self.kv.padded_width(width, self.is_first_iteration)
         chunk_slots = first_slot + torch.arange(fed, device=self.device)[None, :]  # [1, F]
-        index = chunk_slots - self.offsets[:, None]  # [B, F] token index at each chunk slot
-        real = (index >= 0) & (index < self.lengths[:, None])
-        ids = self.tokens.gather(1, index.clamp(0, self.tokens.shape[1] - 1))
+        if self.batch_size == 1 and not padded and fed == width:  # one row, every column one of its tokens
+            index, ids = chunk_slots, self.tokens[:, first_slot: first_slot + fed]
+            real, bad = torch.ones_like(index, dtype=torch.bool), ids >= self.vocab_limit
+        else:
+            index = chunk_slots - self.offsets[:, None]  # [B, F] token index at each chunk slot
+            real = (index >= 0) & (index < self.lengths[:, None])
+            ids = self.tokens.gather(1, index.clamp(0, self.tokens.shape[1] - 1))
+            bad = ~real | (ids >= self.vocab_limit)
         # ids a smaller (padded) embedding lacks can only come from the target's tokens: the
         # model sees padding there, which can only change what an assistant proposes
-        ids = ids.masked_fill(~real | (ids >= self.vocab_limit), self.pad_token_id)  # [B, F]
+        ids = ids.masked_fill(bad, self.pad_token_id)  # [B, F]
         at = index
         if layout is not None:  # a node at its root's position plus its depth
             columns = torch.arange(fed, device=self.device)[None, :]
             at = index + layout.chain_columns(fed, self.batch_size, self.device) - columns
         if self.position_limit is not None:  # learned positions: refuse a token past them, keep padding inside
             self._check_positions()
-            at = index.clamp(max=self.position_limit - 1)  # only padded columns move (real ones are below)
+            at = at.clamp(max=self.position_limit - 1)  # only padded columns move (real ones are below)
         return index, real, ids, self.positions(at)
 
     def _check_positions(self) -> None:
@@ -450,7 +460,7 @@ class ModelState:
     # -- cache maintenance --------------------------------------------------------------------
     def _realign(self, valid_ends: torch.Tensor) -> None:
         """Restore the invariant given each row's valid slot end ``valid_ends [B]``."""
-        lo, hi = int(valid_ends.min()), int(valid_ends.max())
+        lo, hi = (int(n) for n in torch.aminmax(valid_ends))
         if hi - lo <= self.refeed_limit:
             target = lo  # rows past `lo` re-feed at most refeed_limit tokens
         else:
@@ -460,7 +470,8 @@ class ModelState:
             self.offsets = self.offsets + shifts
         self.kv.crop(self.cached_slots, target)
         self.cached_slots = target
-        self._trim_left()
+        if target != lo:  # rows moved: padding common to every row may have appeared
+            self._trim_left()
 
     def _trim_left(self) -> None:
         common = int(self.offsets.min()) if self.batch_size else 0

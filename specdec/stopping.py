@@ -64,6 +64,7 @@ class Stopper:
         processed scores of every step, as in ``generate()``, else None."""
         batch, device = prompt_ids.shape[0], prompt_ids.device
         self.prompt_ids, self.pad, self.outputs = prompt_ids, int(pad), outputs
+        self.eos = self.eos.to(device)
         self.rows = torch.arange(batch, device=device)  # [B] each batch row's row of the prompt as given
         self.stops = torch.full((batch,), -1, dtype=torch.long, device=device)  # [B0] new tokens at each row's stop
         self._length: int | None = None  # :meth:`length`, set once the last row stops
@@ -71,16 +72,17 @@ class Stopper:
 
     def ended(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """[B, K] -> [B, K] bool: whether an end-of-sequence id is at or before each draft."""
-        return torch.isin(draft_ids, self.eos.to(draft_ids.device)).cumsum(dim=1) > 0
+        return torch.isin(draft_ids, self.eos).cumsum(dim=1) > 0
 
     def worth_verifying(self, draft_ids: torch.Tensor, offered: torch.Tensor) -> torch.Tensor:
         """offered [B] cut after each row's first end-of-sequence draft: a draft after it could
         never be kept (accepted, the end stops the row; rejected, so is every later draft)."""
-        if draft_ids.shape[1] == 0:
+        width = draft_ids.shape[1]
+        if width == 0 or not self.eos.numel():
             return offered
-        ended = self.ended(draft_ids)
-        after = torch.cat([ended.new_zeros(ended.shape[0], 1), ended[:, :-1]], dim=1)  # an end before draft j
-        return torch.minimum(offered, (~after).sum(dim=1).to(offered.dtype))
+        cols = torch.arange(width, device=draft_ids.device)[None, :]
+        first = torch.where(torch.isin(draft_ids, self.eos), cols, width).amin(1)  # [B] each row's first end
+        return torch.minimum(offered, (first + 1).to(offered.dtype))
 
     def cut(self, tokens: torch.Tensor, committed: torch.Tensor, block: torch.Tensor, counts: torch.Tensor,
             prompt_lengths: torch.Tensor, scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,19 +94,19 @@ class Stopper:
         to and including the row's first stop, all ``counts[b]`` without one; stopped [B] bool).
         A row that stopped in an earlier block (and goes on, unpadded) is not checked again.
         """
-        width = block.shape[1]
-        cols = torch.arange(width, device=block.device)[None, :]  # [1, n]
-        generated = committed - prompt_lengths  # [B] new tokens before the block
-        stop = torch.isin(block, self.eos.to(block.device)) | (generated[:, None] + cols + 1 >= self.max_new_tokens)
-        stop &= cols < counts[:, None]
-        first = torch.where(stop.any(1), stop.float().argmax(1), torch.full_like(counts, width))  # [B]
+        # first [B]: the block's first position that stops its row (the budget's last token, or an
+        # EOS); one at or past counts[b] (a rejected draft's) stops nothing
+        first = (self.max_new_tokens - 1 - (committed - prompt_lengths)).clamp_min(0)  # [B] the budget's
+        if self.eos.numel():
+            cols = torch.arange(block.shape[1], device=block.device)[None, :]  # [1, n]
+            first = torch.minimum(first, torch.where(torch.isin(block, self.eos), cols, block.shape[1]).amin(1))
         if self.criteria:
             first = self._criteria(tokens, committed, block, counts, prompt_lengths, first, scores)
         stopped = first < counts
-        return torch.where(stopped, first + 1, counts), stopped
+        return torch.minimum(first + 1, counts), stopped
 
     def _criteria(self, tokens, committed, block, counts, prompt_lengths, first, scores) -> torch.Tensor:
-        """first [B] (each row's first EOS or budget stop, n where none) -> with the criteria's
+        """first [B] (each row's first EOS or budget stop, at or past n where none) -> with the criteria's
         stops: each new-token count t a row reaches up to its first stop (that token included:
         ``generate()`` calls every criterion at every step) is shown to the criteria once, for
         all the rows that reach it."""
@@ -221,8 +223,12 @@ class StreamFeed:
         if self.streamer is not None:
             self.streamer.put(prompt_ids.cpu())
 
-    def tokens(self, ids: torch.Tensor) -> None:
-        if self.streamer is not None and ids.numel():
+    def tokens(self, block: torch.Tensor, kept: torch.Tensor) -> None:
+        """A step's committed tokens, row 0's (a streamer takes one row): ``block[0, :kept[0]]``."""
+        if self.streamer is None:
+            return
+        ids = block[0, : int(kept[0])]
+        if ids.numel():
             self.streamer.put(ids.cpu())
 
     def end(self) -> None:

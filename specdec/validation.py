@@ -196,19 +196,20 @@ def check_proposal(proposal, plugin: str, batch: int, vocab: int, do_sample: boo
     if (not isinstance(lengths, torch.Tensor) or lengths.dtype not in INTEGER_DTYPES
             or tuple(lengths.shape) != (batch,)):
         raise ValueError(f"{where}: Proposal.lengths must be an integer tensor [batch={batch}], got {_describe(lengths)}")
-    if bool(((lengths < 0) | (lengths > k)).any()):
+    shortest, longest = (int(n) for n in torch.aminmax(lengths)) if batch else (0, 0)
+    if shortest < 0 or longest > k:
         raise ValueError(f"{where}: Proposal.lengths {lengths.tolist()} must lie in [0, K={k}] "
                          f"(token_ids holds K={k} drafts per row)")
-    valid = torch.arange(k, device=ids.device)[None, :] < lengths.to(ids.device)[:, None]  # [B, K]
-    drafted = ids[valid]
-    if drafted.numel():
+    if longest:  # the drafts within each row's length (every row's first `longest` when all are as long)
+        drafted = ids[:, :longest] if shortest == longest else \
+            ids[torch.arange(k, device=ids.device)[None, :] < lengths.to(ids.device)[:, None]]
         lowest, highest = torch.aminmax(drafted)
         if int(lowest) < 0 or int(highest) >= vocab:
             raise ValueError(f"{where} proposed ids outside the target's vocabulary [0, {vocab})")
     sources = proposal.sources
     if sources is not None and (not isinstance(sources, torch.Tensor) or sources.dtype not in INTEGER_DTYPES
                                 or tuple(sources.shape) != (batch,)
-                                or bool(((sources < 0) | (sources >= n_sources)).any())):
+                                or (batch and not 0 <= int(sources.min()) <= int(sources.max()) < n_sources)):
         raise ValueError(f"{where}: Proposal.sources must be None or an integer tensor [batch={batch}] of source "
                          f"indexes in [0, {n_sources}) (one per prior in drafting().priors), got {_describe(sources)}")
     confidence = proposal.confidence
@@ -221,8 +222,9 @@ def check_proposal(proposal, plugin: str, batch: int, vocab: int, do_sample: boo
     if not isinstance(probs, torch.Tensor) or not probs.is_floating_point() or tuple(probs.shape) != (batch, k, vocab):
         raise ValueError(f"{where}: Proposal.probs must be None or a float tensor [batch={batch}, K={k}, "
                          f"vocab={vocab}], got {_describe(probs)}")
-    if do_sample and drafted.numel():
+    if do_sample and longest:
         own = probs.gather(2, ids.clamp(0, vocab - 1).to(probs.device)[..., None]).squeeze(-1)  # [B, K]
-        if bool((own[valid.to(probs.device)] <= 0).any()):
+        valid = torch.arange(k, device=probs.device)[None, :] < lengths.to(probs.device)[:, None]  # [B, K]
+        if bool((own[valid] <= 0).any()):
             raise ValueError(f"{where}: Proposal.probs gives a draft probability 0 to a token it proposed; probs "
                              "must be the distribution the drafts were sampled from")

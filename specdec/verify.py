@@ -59,6 +59,8 @@ def greedy_verify(target_logits: torch.Tensor, draft_ids: torch.Tensor,
     """target_logits [B, K+1, V]; draft_ids [B, K]; draft_lengths [B]."""
     target_ids = target_logits.argmax(dim=-1)  # [B, K+1]
     k = draft_ids.shape[1]
+    if k == 0:  # nothing to accept: the target's token
+        return Verdict(target_ids.new_zeros(target_ids.shape[0]), target_ids[:, 0])
     match = (draft_ids == target_ids[:, :k]) & _valid_mask(draft_ids, draft_lengths)  # [B, K]
     accepted = _accepted_prefix(match)  # [B]
     next_token = target_ids.gather(1, accepted[:, None]).squeeze(1)  # [B]

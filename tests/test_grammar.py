@@ -395,3 +395,22 @@ def test_without_xgrammar_the_error_says_how_to_install_it(world, monkeypatch):
     ids, mask = prompts["single"]
     with pytest.raises(ImportError, match=r'pip install "specdec\[grammar\]"'):
         SpecDecoder(target, tokenizer=byte_tokenizer()).generate(ids, max_new_tokens=4, grammar=SCHEMA)
+
+
+def test_the_grammar_masks_a_transposed_block_of_logits_as_a_contiguous_one(world):
+    """A fast output layer returns its logits as a transposed view; xgrammar's mask writes through
+    the scores' data, so the block it masks must be the processors' own contiguous copy."""
+    from specdec.processors import BlockProcessors
+
+    target, tok, _, prompts, compiled, _ = world
+    ids, _ = prompts["single"]
+    drafts = torch.tensor([tok.encode("the world")[:2]])  # in the grammar: a block of 3 positions
+    processors = BlockProcessors([GrammarConstraint(compiled["regex"])], ids)
+    lengths = torch.tensor([ids.shape[1]])
+    pos = processors.positions(ids, lengths, lengths, torch.tensor([0]), drafts, torch.tensor([3]))
+    scores = torch.randn(1, 3, target.config.vocab_size)
+    transposed = scores.transpose(1, 2).contiguous().transpose(1, 2)  # the same numbers, V the outer stride
+    assert not transposed.is_contiguous()
+    want = processors.apply(scores, pos)
+    assert bool(want.isneginf().any()) and not bool(want.isneginf().all(-1).any())  # each position allows some
+    assert torch.equal(processors.apply(transposed, pos), want)
