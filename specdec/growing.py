@@ -30,6 +30,9 @@ class GrowingLayer(DynamicLayer):
 
     _key_buffer: torch.Tensor | None = None
     _value_buffer: torch.Tensor | None = None
+    #: the views of the buffers last made ``keys``/``values`` (by an update or a crop): while they
+    #: still are, the buffers need no other check than their room
+    _handed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __init__(self, reach: int = 0):
         super().__init__()
@@ -42,12 +45,24 @@ class GrowingLayer(DynamicLayer):
             self._key_buffer = self._value_buffer = None
         held = self.keys.shape[-2] if self.keys.dim() == 4 else 0
         end = held + key_states.shape[-2]
-        if not self._writable(key_states, value_states, end):
+        if not (self._still_handed() and end <= self._key_buffer.shape[-2]) \
+                and not self._writable(key_states, value_states, end):
             self._regrow(key_states, value_states, held, end)
         self._key_buffer[:, :, held:end] = key_states
         self._value_buffer[:, :, held:end] = value_states
-        self.keys, self.values = self._key_buffer[:, :, :end], self._value_buffer[:, :, :end]
+        self.filled(end)
         return self.keys, self.values
+
+    def crop(self, tokens_to_remove: int) -> None:
+        handed = self._still_handed()
+        super().crop(tokens_to_remove)
+        if handed:  # shorter views of the same buffers
+            self._handed = (self.keys, self.values)
+
+    def _still_handed(self) -> bool:
+        """Whether ``keys``/``values`` are the views this layer last made of its buffers."""
+        handed = self._handed
+        return handed is not None and self.keys is handed[0] and self.values is handed[1]
 
     def reserve(self, like: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The key and value buffers, with room for ``end`` slots and holding the slots cached so
@@ -64,6 +79,7 @@ class GrowingLayer(DynamicLayer):
     def filled(self, end: int) -> None:
         """The first ``end`` slots of the buffers are the layer's keys and values (after :meth:`reserve`)."""
         self.keys, self.values = self._key_buffer[:, :, :end], self._value_buffer[:, :, :end]
+        self._handed = (self.keys, self.values)
 
     def _writable(self, key_states: torch.Tensor, value_states: torch.Tensor, end: int) -> bool:
         """Whether the buffers have room for ``end`` slots and ``keys``/``values`` are still views of

@@ -61,8 +61,8 @@ def greedy_verify(target_logits: torch.Tensor, draft_ids: torch.Tensor,
     k = draft_ids.shape[1]
     if k == 0:  # nothing to accept: the target's token
         return Verdict(target_ids.new_zeros(target_ids.shape[0]), target_ids[:, 0])
-    match = (draft_ids == target_ids[:, :k]) & _valid_mask(draft_ids, draft_lengths)  # [B, K]
-    accepted = _accepted_prefix(match)  # [B]
+    # the agreeing prefix, no longer than the row's drafts (a prefix of a prefix mask's AND)
+    accepted = torch.minimum(_accepted_prefix(draft_ids == target_ids[:, :k]), draft_lengths)  # [B]
     next_token = target_ids.gather(1, accepted[:, None]).squeeze(1)  # [B]
     return Verdict(accepted, next_token)
 

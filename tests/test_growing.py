@@ -71,3 +71,20 @@ def test_the_call_caches_grow_in_place():
     assert isinstance(cache.layers[0], GrowingLayer) and cache.layers[0]._key_buffer.shape[-2] == 64
     staged = new_dynamic_cache((False, True))
     assert isinstance(staged.layers[1], GrowingLayer) and not isinstance(staged.layers[0], GrowingLayer)
+
+
+def test_a_crop_keeps_the_buffers():
+    """A crop (rejected drafts dropped) leaves shorter views of the same buffers, which the next
+    update writes into; a view put there by someone else (a trim) makes the layer check again."""
+    layer = GrowingLayer()
+    layer.update(torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 4))
+    buffer = layer._key_buffer
+    layer.crop(-3)
+    assert layer._still_handed() and layer.keys.shape[-2] == 7
+    new = torch.randn(1, 2, 2, 4)
+    keys, _ = layer.update(new, new)
+    assert layer._key_buffer is buffer and keys.shape[-2] == 9 and torch.equal(keys[:, :, 7:], new)
+    layer.keys, layer.values = layer.keys[:, :, 1:], layer.values[:, :, 1:]  # specdec.kv's trim_left
+    assert not layer._still_handed()
+    keys, _ = layer.update(new, new)
+    assert keys.shape[-2] == 10 and torch.equal(keys[:, :, 8:], new)
