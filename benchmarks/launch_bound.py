@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -33,6 +34,7 @@ import torch
 import transformers
 from transformers import CompileConfig
 
+import specdec
 from specdec import SpecDecoder, load_model
 from specdec import kv as kv_module
 from specdec.machine import describe
@@ -124,7 +126,8 @@ def main() -> None:
                                  "identical": bool(torch.equal(out.sequences, reference))})
                 print(f"{regime} repeat {repeat}: " + ", ".join(
                     f"{r['method']} {r['seconds'] * 1e3:.0f} ms" for r in rows[-3:]), flush=True)
-    meta = {"machine": describe(), "capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
+    meta = {"machine": describe(), "capability": torch.backends.cpu.get_cpu_capability(), "commit": source_commit(),
+            "torch": torch.__version__,
             "transformers": transformers.__version__, "threads": threads, "max_new_tokens": n,
             "repeats": args.repeats, "prompt_tokens": ids.shape[1]}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -134,8 +137,16 @@ def main() -> None:
     print(report)
 
 
+def source_commit() -> str:
+    """The commit of the specdec this run imported (its checkout's HEAD), or "unknown"."""
+    done = subprocess.run(["git", "-C", str(Path(specdec.__file__).parent), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True)
+    return done.stdout.strip() or "unknown"
+
+
 def summarize(rows: list[dict], meta: dict) -> str:
     lines = ["# The loop's cost in a launch-bound stand-in", "",
+             f"specdec at {meta.get('commit', 'unknown')}; "
              f"tiny-random:llama fp32, {meta['threads']} thread, {meta['machine']} "
              f"(torch capability {meta['capability']}), torch {meta['torch']}, transformers {meta['transformers']}; "
              f"{meta['prompt_tokens']}-token prompt, {meta['max_new_tokens']} new tokens, greedy, "
