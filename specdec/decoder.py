@@ -200,14 +200,18 @@ class SpecDecoder:
                 pads_finished=True if getattr(call.config, "_eos_token_tensor", None) is not None else None)))
         configured = (self.candidate_generator.for_call(**generator_options) if generator_options
                       else self.candidate_generator)
-        run = DecodeRun(self.target, configured, prompt, settings,
-                        tokenizer=self.tokenizer, draft_tokenizer=self.draft_tokenizer)
-        try:
-            with torch.no_grad():
+        # inference mode, as the warm-up's (a graph compiled in one mode is compiled again in the
+        # other): each small operation of a step costs less than under no_grad (docs/performance.md,
+        # "The loop's own cost"). Every tensor made here stays with the call, or with the static
+        # cache pool, which only these calls and the warm-up write; the output is made outside it.
+        with torch.inference_mode():
+            run = DecodeRun(self.target, configured, prompt, settings,
+                            tokenizer=self.tokenizer, draft_tokenizer=self.draft_tokenizer)
+            try:
                 while run.step():
                     pass
-        finally:
-            run.release()
+            finally:
+                run.release()
         output = run.finish(prompt.input_ids, started)
         output.sequences, output.stats = ranks.finish(output.sequences, output.stats)
         return output
@@ -240,7 +244,8 @@ class SpecDecoder:
         ids = torch.arange(8).remainder(vocab)[None, :].repeat(batch_size, 1)
         prompt = self._prompt(ids, None, {}, None)
         compiled = False
-        with warming():  # generators that compile only when warmed up (self_draft's copy) compile here
+        # in inference mode, as every call's forwards (run): a graph compiled under no_grad alone would be compiled again
+        with warming(), torch.inference_mode():  # generators that compile only when warmed up (self_draft's copy) compile here
             for length in length_ladder(max_length + ModelState.margin()):
                 # one new token: the caches then hold exactly ``length`` slots
                 settings = CallSettings(max_new_tokens=1, sampling=SamplingParams(), generator=None,
@@ -251,9 +256,8 @@ class SpecDecoder:
                                 tokenizer=self.tokenizer, draft_tokenizer=self.draft_tokenizer)
                 states = [state for state in run.states() if state.compiled]
                 try:
-                    with torch.no_grad():
-                        for state in states:
-                            state.warm_up()
+                    for state in states:
+                        state.warm_up()
                 finally:
                     run.release()
                 if not states:

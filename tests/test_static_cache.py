@@ -271,3 +271,21 @@ def test_an_owned_model_compiles_a_function_of_its_own():
         compiled = compiled_forward(a, {**FAST_COMPILE, "mode": "reduce-overhead"}, owned=True)
         assert torch.allclose(compiled(a, input_ids=ids, use_cache=False).logits,
                               a(input_ids=ids, use_cache=False).logits, atol=1e-5)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_what_a_call_returns_is_the_callers_to_edit(pairs, cache):
+    """Calls run in inference mode; their sequences, scores and logits are ordinary tensors
+    (editable in place outside it), and a static cache that grew during a call serves the next
+    call from the pool."""
+    target = pairs["llama"][0]
+    ids = repetitive_prompt(10, seed=3)
+    decoder = SpecDecoder(target, "prompt_lookup", cache_implementation=cache)
+    for new in (8, 300):  # the second call outgrows the first cache
+        out = decoder.generate(ids, max_new_tokens=new, output_scores=True, output_logits=True,
+                               return_dict_in_generate=True)
+        for tensor in (out.sequences, out.scores[0], out.logits[-1]):
+            assert not tensor.is_inference()
+            tensor.add_(1)
+    again = decoder.generate(ids, max_new_tokens=20)
+    assert torch.equal(again.sequences[0, ids.shape[1]:], greedy(target, ids, 20)[0, ids.shape[1]:])
