@@ -135,7 +135,8 @@ class Proposal:
         """Point-mass drafts from per-row lists (or 1-D tensors) of ids, padded with 0."""
         counts = [len(r) for r in rows]
         width = max(counts, default=0)
-        padded = [[int(t) for t in r] + [0] * (width - n) for r, n in zip(rows, counts)]
+        padded = [(r.tolist() if isinstance(r, torch.Tensor) else list(r)) + [0] * (width - n)
+                  for r, n in zip(rows, counts)]
         token_ids = torch.tensor(padded, dtype=torch.long).reshape(len(rows), width)
         return cls(token_ids.to(device), torch.tensor(counts, dtype=torch.long).to(device))
 

@@ -184,7 +184,7 @@ class ModelState:
         each row the last forward left valid in the cache (the committed tokens plus the accepted
         drafts): the slots past it held rejected drafts. One realign, whatever was rejected.
         """
-        self.lengths = start.clone()
+        self.lengths = start  # replaced, never written in place
         self.append(block, keep)
         held = self.cached_slots - self.offsets  # [B] tokens each row holds in the cache
         self._realign(self.offsets + torch.minimum(torch.minimum(held, cached), self.lengths))
