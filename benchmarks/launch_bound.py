@@ -36,40 +36,13 @@ from transformers import CompileConfig
 
 import specdec
 from specdec import SpecDecoder, load_model
-from specdec import kv as kv_module
 from specdec.machine import describe
 from specdec.threads import configure_threads
+from step_overhead import ForwardClock  # seconds inside the cache backends' forwards (this folder's script)
 
 OUT = Path(__file__).parent / "results" / "launch_bound"
 #: a prompt the tiny model continues in loops, as small random models do, so a lookup finds matches
 PROMPT = "the cat sat on the mat. the cat sat on the mat. the dog sat on the log. " * 3
-
-
-class ForwardClock:
-    """Seconds spent inside ``specdec.kv`` backends' ``forward`` while active."""
-
-    def __init__(self):
-        self.seconds = 0.0
-        self._originals = {}
-
-    def __enter__(self):
-        for cls in (kv_module.DynamicKV, kv_module.StaticKV):
-            original = cls.forward
-            self._originals[cls] = original
-
-            def timed(backend, *args, _original=original, **kwargs):
-                started = time.perf_counter()
-                try:
-                    return _original(backend, *args, **kwargs)
-                finally:
-                    self.seconds += time.perf_counter() - started
-
-            cls.forward = timed
-        return self
-
-    def __exit__(self, *exc):
-        for cls, original in self._originals.items():
-            cls.forward = original
 
 
 def plain_settings(regime: str) -> dict:
