@@ -136,8 +136,9 @@ def summarize(rows: list[dict], meta: dict) -> str:
                 forward = host = "-"
                 efficiency = "-"
             else:
-                forward = f"{statistics.median(r['forward_seconds'] / r['steps'] for r in mine) * 1e3:.3f}"
-                host = f"{statistics.median((r['seconds'] - r['forward_seconds']) / r['steps'] for r in mine) * 1e3:.3f}"
+                forward = statistics.median(r["forward_seconds"] / r["steps"] for r in mine) * 1e3
+                host = statistics.median((r["seconds"] - r["forward_seconds"]) / r["steps"] for r in mine) * 1e3
+                forward, host = f"{forward:.3f}", f"{host:.3f}"
                 efficiency = f"{plain / seconds / per_step:.2f}"
             same = sum(r["identical"] for r in mine)
             lines.append(f"| {regime} | `{method}` | {seconds * 1e3:.1f} | {seconds / plain:.2f}x | {per_step:.2f} | "

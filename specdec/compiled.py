@@ -108,7 +108,7 @@ def _own_forward(model):
 
 def run_compiled(fn, model, kwargs: dict, width: int) -> torch.Tensor:
     """``fn(model, **kwargs)`` for a compiled ``fn``; -> the logits of its first ``width`` columns
-    ``[B, width, V]``, copied out of the graph's output buffers (CUDA graphs reuse them)."""
+    ``[B, width, V]``, on CUDA copied out of the graph's output buffers (CUDA graphs reuse them)."""
     cuda = kwargs["input_ids"].device.type == "cuda"
     if cuda:
         torch.compiler.cudagraph_mark_step_begin()

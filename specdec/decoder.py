@@ -244,8 +244,9 @@ class SpecDecoder:
         ids = torch.arange(8).remainder(vocab)[None, :].repeat(batch_size, 1)
         prompt = self._prompt(ids, None, {}, None)
         compiled = False
-        # in inference mode, as every call's forwards (run): a graph compiled under no_grad alone would be compiled again
-        with warming(), torch.inference_mode():  # generators that compile only when warmed up (self_draft's copy) compile here
+        # generators that compile only when warmed up (self_draft's copy) compile here; in inference
+        # mode, as every call's forwards run (a graph compiled under no_grad would be compiled again)
+        with warming(), torch.inference_mode():
             for length in length_ladder(max_length + ModelState.margin()):
                 # one new token: the caches then hold exactly ``length`` slots
                 settings = CallSettings(max_new_tokens=1, sampling=SamplingParams(), generator=None,
