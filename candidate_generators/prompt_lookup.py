@@ -225,7 +225,7 @@ class PromptLookupGenerator(CandidateGenerator):
         return DraftingInfo(priors, self.schedule.policy_drafts)
 
     def propose(self, ctx: DecodeContext, max_drafts: torch.Tensor) -> Proposal:
-        budget = torch.minimum(self.schedule.current, max_drafts.cpu()).tolist()
+        budget = [min(a, b) for a, b in zip(self.schedule.current.tolist(), max_drafts.tolist())]
         tokens, lengths = ctx.tokens, ctx.lengths.tolist()
         self.index.update(tokens, lengths)
         found = [Match(*self.index.match(b, budget[b])) if budget[b] > 0 else Match(0, False, [])

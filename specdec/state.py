@@ -425,9 +425,14 @@ class ModelState:
         unpadded = layout is not None or self.hidden_layers
         fed = width if unpadded else self.kv.padded_width(width, self.is_first_iteration)
         chunk_slots = first_slot + torch.arange(fed, device=self.device)[None, :]  # [1, F]
-        if self.batch_size == 1 and not padded and fed == width:  # one row, every column one of its tokens
+        if self.batch_size == 1 and not padded:  # one row from slot 0: its tokens, then a compiled width's padding
+            self.grow(first_slot + fed)
             index, ids = chunk_slots, self.tokens[:, first_slot: first_slot + fed]
-            real, bad = torch.ones_like(index, dtype=torch.bool), ids >= self.vocab_limit
+            if fed == width:
+                real, bad = torch.ones_like(index, dtype=torch.bool), ids >= self.vocab_limit
+            else:
+                real = index < first_slot + width
+                bad = ~real | (ids >= self.vocab_limit)
         else:
             index = chunk_slots - self.offsets[:, None]  # [B, F] token index at each chunk slot
             real = (index >= 0) & (index < self.lengths[:, None])

@@ -184,6 +184,14 @@ def check_hidden_layers(layers, model, plugin: str) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(layer) for layer in layers))
 
 
+def _source_indexes(sources, batch: int, n_sources: int) -> bool:
+    """Whether ``sources`` is an integer tensor [batch] of indexes in [0, n_sources)."""
+    if not isinstance(sources, torch.Tensor) or sources.dtype not in INTEGER_DTYPES or tuple(sources.shape) != (batch,):
+        return False
+    low, high = (int(n) for n in torch.aminmax(sources)) if batch else (0, 0)
+    return 0 <= low and high < n_sources
+
+
 def check_proposal(proposal, plugin: str, batch: int, vocab: int, do_sample: bool, n_sources: int = 1) -> None:
     """A plugin's proposal must be a well-formed :class:`Proposal` of target ids; name the plugin if not."""
     where = f"candidate generator {plugin!r}"
@@ -207,9 +215,7 @@ def check_proposal(proposal, plugin: str, batch: int, vocab: int, do_sample: boo
         if int(lowest) < 0 or int(highest) >= vocab:
             raise ValueError(f"{where} proposed ids outside the target's vocabulary [0, {vocab})")
     sources = proposal.sources
-    if sources is not None and (not isinstance(sources, torch.Tensor) or sources.dtype not in INTEGER_DTYPES
-                                or tuple(sources.shape) != (batch,)
-                                or (batch and not 0 <= int(sources.min()) <= int(sources.max()) < n_sources)):
+    if sources is not None and not _source_indexes(sources, batch, n_sources):
         raise ValueError(f"{where}: Proposal.sources must be None or an integer tensor [batch={batch}] of source "
                          f"indexes in [0, {n_sources}) (one per prior in drafting().priors), got {_describe(sources)}")
     confidence = proposal.confidence

@@ -657,3 +657,15 @@ def test_a_later_call_starts_from_the_drafting_cost_an_earlier_one_measured(monk
     assert share is not None and share > 0  # the first call measured it
     one_token = CostModel.for_model(target, ids[0])[0].predict(1).item()  # the pinned curve
     assert measured and untried[0] is None and starting == pytest.approx(share * one_token)
+
+
+def test_a_noisy_calibration_round_gives_no_forward_a_negative_cost():
+    """One round can time 16 tokens below 8 (another process ran meanwhile): a wider forward is
+    taken to cost at least what a narrower one measured, so extrapolating past the last width
+    never gives a cost below zero."""
+    from specdec.policy.costs import COST_GRID, CostModel
+
+    model = CostModel.from_timings([1, 2, 4, 8, 16], [4e-4, 5e-4, 8e-4, 9e-4, 5e-4])
+    costs = model.seconds[0]
+    assert bool((costs > 0).all()) and all(b >= a for a, b in zip(costs.tolist(), costs[1:].tolist()))
+    assert float(model.predict(max(COST_GRID))) >= 9e-4

@@ -18,6 +18,7 @@ moves. Why each piece is there, and how the numbers look on one machine: docs/dr
 from __future__ import annotations
 
 import bisect
+import itertools
 import threading
 import time
 import weakref
@@ -110,8 +111,10 @@ class CostModel:
         """A model from forwards timed after a short context: ``seconds[i]`` for ``counts[i]``
         tokens (ascending, 1 first); the grid's other counts interpolated, and past the last
         extrapolated, until observed. Every ``CONTEXT_GRID`` row starts as that curve; how the
-        cost grows with the context is learnt from the call's own forwards (:meth:`observe`)."""
-        short = _on_grid(tuple(counts), list(seconds))
+        cost grows with the context is learnt from the call's own forwards (:meth:`observe`).
+        A wider forward is taken to cost at least what a narrower one measured (a noisy round can
+        time 16 tokens below 8, and a line through them would give wider forwards negative costs)."""
+        short = _on_grid(tuple(counts), list(itertools.accumulate(seconds, max)))
         return cls([short] * len(CONTEXT_GRID), contexts=CONTEXT_GRID, anchored=(0,))
 
     @classmethod
