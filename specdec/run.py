@@ -103,13 +103,7 @@ class DecodeRun:
         self.vocab = vocab_size(target)
         self.stats = AcceptanceStats()
         if self.policy is not None:  # drafting is priced by the assistants just attached
-            compiled_before = compile_seconds()
-            self.stats.calibration_seconds += self.policy.price(
-                target, [s.model for s in self.assistants], prompt.rows, prompt.lengths, settings.cache,
-                self.target.kv.slots, kv=self.target.kv)  # calibrates on the call's cache where it can
-            compiled = compile_seconds() - compiled_before  # graphs the calibration compiled: compiling, not timing
-            self.stats.calibration_seconds -= compiled
-            self.stats.compile_seconds += compiled
+            self._price(prompt, settings.cache)
         self.feed = StreamFeed(settings.streamer)
         if settings.stream_prompt:
             self.feed.prompt(prompt.input_ids)
@@ -120,6 +114,17 @@ class DecodeRun:
         self.recorder = ScoreRecorder(prompt.rows.shape[0], settings.output_scores, settings.output_logits)
         self._tree_engine = None  # the eager engine that runs tree forwards, made at the first tree
         self._tree_refusal: str | None = None  # why this call verifies trees as chains (None: it does not)
+
+    def _price(self, prompt: Prompt, cache: CacheSettings) -> None:
+        """The policy prices drafting with the assistants attached, calibrating on the call's cache
+        where it can; the graphs that calibration compiled count as compiling, not timing."""
+        compiled_before = compile_seconds()
+        self.stats.calibration_seconds += self.policy.price(
+            self.target.model, [s.model for s in self.assistants], prompt.rows, prompt.lengths, cache,
+            self.target.kv.slots, kv=self.target.kv)
+        compiled = compile_seconds() - compiled_before
+        self.stats.calibration_seconds -= compiled
+        self.stats.compile_seconds += compiled
 
     def _hidden_layers(self, target) -> tuple[int, ...]:
         """The target's hidden states the generator reads, checked, read after its ``setup`` (a
@@ -199,11 +204,7 @@ class DecodeRun:
     def step(self) -> bool:
         """Plan, propose, admit, forward, verify, commit, observe; return whether any row is still decoding."""
         started, target, compiled_before = time.perf_counter(), self.target, compile_seconds()
-        # every row stopped, some unpadded and short of the last one's stop (specdec/stopping.py): up to it
-        room = self.stopper.end() - (target.lengths - self.prompt_lengths) - 1  # [B] drafts a row may take
-        positions = target.position_room()  # [B] or None
-        if positions is not None:  # and no draft past learned positions
-            room = torch.minimum(room, positions.clamp_min(0))
+        room = self._room()  # [B]
         pending, context = target.pending_width(), target.cached_slots  # context: slots attended besides those fed
         first = target.is_first_iteration
         asked = self._plan(room, pending, context)  # [B]
@@ -247,6 +248,15 @@ class DecodeRun:
         if bool(finished.any()):
             self._retire(finished)
         return bool(self.row_ids.numel())
+
+    def _room(self) -> torch.Tensor:
+        """[B] the drafts each row may take: none past its budget (or past the stop of the last row
+        to stop, when every row has stopped and some go on unpadded: specdec/stopping.py), none past
+        the model's learned positions."""
+        target = self.target
+        room = self.stopper.end() - (target.lengths - self.prompt_lengths) - 1
+        positions = target.position_room()  # [B] or None
+        return room if positions is None else torch.minimum(room, positions.clamp_min(0))
 
     def _plan(self, room: torch.Tensor, pending: int, context: int) -> torch.Tensor:
         """[B] the drafts to ask each row for: the policy's plan, or all a row may take without one;

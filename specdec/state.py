@@ -329,16 +329,10 @@ class ModelState:
         if self.hidden_layers:
             self.hidden = (self._fed_hidden, index[:, 0].clone())
         self._realign(ends)
-
+        shift = width - keep  # fed columns before the first kept one
         if lowest == highest:  # every row's first logits at one column: width - lowest columns from there
-            start_column = lowest - (width - keep)
-            # contiguous, as a gather's: a fast output layer's logits are a transposed view, and a
-            # processor may write into the scores through their data (xgrammar's bitmask does)
-            return logits[:, start_column: start_column + width - lowest].contiguous()
-        count = int((self.lengths - start).max())
-        cols = first_needed[:, None] - (width - keep) + torch.arange(count, device=self.device)[None, :]
-        cols = cols.clamp(max=keep - 1)  # [B, M]
-        return logits.gather(1, cols[..., None].expand(-1, -1, logits.shape[-1]))
+            return _columns_from(logits, lowest - shift, width - lowest)
+        return _columns_from(logits, first_needed - shift, int((self.lengths - start).max()))
 
     def _tree_forward(self, tree: tuple, node0: torch.Tensor, width: int):
         """``tree = (parents [B, K], nodes [B], engine)``, ``node0 [B]`` the chunk column of each
@@ -508,3 +502,14 @@ class ModelState:
     @property
     def cache(self):
         return self.kv.cache
+
+
+def _columns_from(logits: torch.Tensor, first: torch.Tensor | int, count: int) -> torch.Tensor:
+    """logits [B, keep, V] -> [B, count, V]: row b's ``count`` columns from ``first[b]`` (an int:
+    every row's), the last column repeated past the end. Contiguous, as a gather's: a fast output
+    layer's logits are a transposed view, and a processor may write into the scores through their
+    data (xgrammar's bitmask does)."""
+    if isinstance(first, int):
+        return logits[:, first: first + count].contiguous()
+    cols = (first[:, None] + torch.arange(count, device=first.device)[None, :]).clamp(max=logits.shape[1] - 1)
+    return logits.gather(1, cols[..., None].expand(-1, -1, logits.shape[-1]))

@@ -166,8 +166,7 @@ def train_head(target, tokenizer, out: str | Path, settings: TrainSettings, *, h
     checkpoint_path = out / "checkpoint.pt"
     state = torch.load(checkpoint_path, weights_only=False) if checkpoint_path.is_file() else None
     head = _head(target, records, settings, head_config, state)
-    config = head.config
-    draft_ids = head.target_ids(torch.arange(config.draft_vocab_size))
+    draft_ids = head.target_ids(torch.arange(head.config.draft_vocab_size))
     table = target.get_input_embeddings()
     embed = lambda tokens: table(tokens).detach()  # noqa: E731  (the target's, frozen)
     params = [p for p in head.parameters() if p.requires_grad]
@@ -188,13 +187,12 @@ def train_head(target, tokenizer, out: str | Path, settings: TrainSettings, *, h
             order, cursor = _shuffled(len(batches), settings.seed, step), 0
         index = order[cursor]
         ids, valid, answer = batches[index]
-        aux, top_ids, top_probs = features.get(index, lambda: target_features(target, ids, valid, config.aux_layers,
-                                                                              draft_ids))
-        for group in optimizer.param_groups:
-            group["lr"] = _learning_rate(settings, step, fraction)
+        aux, top_ids, top_probs = features.get(index, lambda: target_features(target, ids, valid,
+                                                                              head.config.aux_layers, draft_ids))
         loss, accuracy, _ = ttt_loss(head, embed, aux.float(), ids, valid, answer, top_ids.long(), top_probs,
                                      settings.depth)
-        step, cursor, loss = step + 1, cursor + 1, _update(optimizer, params, loss)
+        loss = _update(optimizer, params, loss, _learning_rate(settings, step, fraction))
+        step, cursor = step + 1, cursor + 1
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}", acc="/".join(f"{float(a):.2f}" for a in accuracy))
         _log(out, step, loss, accuracy, time.perf_counter() - started)
@@ -203,9 +201,14 @@ def train_head(target, tokenizer, out: str | Path, settings: TrainSettings, *, h
             saved = time.perf_counter()
     bar.close()
     checkpoint()
-    head.eval()
+    return _export(head, out)
+
+
+def _export(head, out: Path) -> Path:
+    """The trained head, in bfloat16, as ``out/head`` (SpecForge's layout) -> that folder."""
     from .layouts import save_head
 
+    head.eval()
     folder = out / "head"
     save_head(head.to(torch.bfloat16), folder, layout="specforge")
     return folder
@@ -232,8 +235,11 @@ def _save_checkpoint(path: Path, head, optimizer, settings: TrainSettings, targe
     partial.replace(path)
 
 
-def _update(optimizer, params: list, loss: torch.Tensor) -> float:
-    """One optimizer step on ``loss`` (gradients clipped to norm 0.5) -> the loss as a float."""
+def _update(optimizer, params: list, loss: torch.Tensor, lr: float) -> float:
+    """One optimizer step on ``loss`` at learning rate ``lr`` (gradients clipped to norm 0.5) -> the
+    loss as a float."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(params, 0.5)

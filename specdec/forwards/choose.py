@@ -237,10 +237,11 @@ class StepTimer:
         self.kv.crop(self.position + width, self.position)
         return seconds
 
-    def rewind(self) -> None:
-        """Back to the first timed token (the cache keeps the prefill)."""
+    def rewind(self) -> "StepTimer":
+        """Back to the first timed token (the cache keeps the prefill); -> this timer."""
         self.kv.crop(self.position, self.start)
         self.position = self.start
+        return self
 
     def release(self) -> None:
         self.kv.release()
@@ -409,21 +410,16 @@ def measure(target, sample: torch.Tensor, build: Callable, draft_cache=None,
     ones, wide = [], {width: [] for width in WIDTHS}  # the target's timings, over every copy's rounds
     try:
         for index, name in enumerate(names):
-            skipped = _skipped(found, spent, budget_s)
-            if skipped is not None:
-                found.append(Candidate(name, problem=skipped))
+            problem = _skipped(found, spent, budget_s)
+            if problem is None:
+                bar.stage(index, name, "building")
+                copy, problem = _built(build, target, name)
+            if problem is not None:
+                found.append(Candidate(name, problem=problem))
                 continue
-            bar.stage(index, name, "building")
-            try:
-                built[name] = build(target, name)
-            except Exception as exc:  # a candidate this machine cannot build (a missing kernel or package)
-                found.append(Candidate(name, problem=f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"))
-                continue
+            built[name] = copy
             bar.stage(index, name, "timing")
-            if reference is None:
-                reference = StepTimer(target, sample, steps, CacheSettings())
-            else:
-                reference.rewind()
+            reference = StepTimer(target, sample, steps, CacheSettings()) if reference is None else reference.rewind()
             seconds, tops, timed = _time_against(reference, built[name], name, sample, steps, draft_cache,
                                                  out_of_time=spent, tick=bar.tick)
             ones.append(seconds["target"])
@@ -440,6 +436,15 @@ def measure(target, sample: torch.Tensor, build: Callable, draft_cache=None,
     choice = Choice(best.weights, found, ones[0], f"{machine.describe()}, {torch.get_num_threads()} threads",
                     spent.elapsed(), budget=budget_s, cut_short=spent.spent)
     return choice, {best.weights: built[best.weights]}
+
+
+def _built(build: Callable, target, name: str):
+    """-> (``build(target, name)``, None), or (None, why this machine could not build that copy: a
+    missing kernel or package)."""
+    try:
+        return build(target, name), None
+    except Exception as exc:
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
 
 
 def _skipped(found: list, spent, budget_s: float) -> str | None:
