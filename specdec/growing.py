@@ -15,8 +15,11 @@ the next update, which then starts new buffers from them.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
-from transformers.cache_utils import DynamicLayer
+from transformers import DynamicCache
+from transformers.cache_utils import DummyLayer, DynamicLayer
 
 #: a layer out of room takes buffers this many times the slots it needs
 GROWTH = 1.5
@@ -108,3 +111,15 @@ class GrowingLayer(DynamicLayer):
             key_buffer[:, :, :held] = self.keys
             value_buffer[:, :, :held] = self.values
         self._key_buffer, self._value_buffer = key_buffer, value_buffer
+
+
+def new_dynamic_cache(layout: tuple[bool, ...] | None = None, reach: int = 0):
+    """A ``DynamicCache`` of :class:`GrowingLayer` s (appending in place, their
+    buffers never past ``reach`` slots where it covers what they hold); for a pipeline stage, with
+    ``DummyLayer`` s where it holds no layer, so that masks are sized from a layer it holds (an
+    empty first layer would size them from nothing)."""
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = partial(GrowingLayer, reach)
+    if layout is not None and not all(layout):
+        cache.layers[:] = [GrowingLayer(reach) if held else DummyLayer() for held in layout]
+    return cache

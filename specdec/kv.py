@@ -50,9 +50,10 @@ from transformers import DynamicCache
 from .cache_pool import POOL, new_static_cache  # noqa: F401  (new_static_cache: re-exported)
 from .compiled import (agrees, check_compile_options, checked, compiled_forward, compiling, miscompiled,
                        run_compiled)
-from .distributed import new_dynamic_cache, stage_layout
+from .distributed import stage_layout
 from .engines import llama_cpp_kv, resolve_engine_name
 from .forwards.head import model_logits
+from .growing import new_dynamic_cache  # noqa: F401  (re-exported: where caches are made)
 
 #: forward widths the compiled path pads to by default (each compiles once per batch size and
 #: cache length); covers a verification of the drafts the policy usually picks

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specdec import SpecDecoder
-from specdec.distributed import new_dynamic_cache
+from specdec.kv import new_dynamic_cache
 from specdec.forwards import direct as direct_module
 from specdec.forwards.direct import DirectForward, layout_problem
 from specdec.forwards.head import model_logits

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from transformers.cache_utils import DynamicLayer
 
-from specdec.distributed import new_dynamic_cache
+from specdec.kv import new_dynamic_cache
 from specdec.growing import GrowingLayer
 
 OPS = st.lists(st.one_of(st.tuples(st.just("update"), st.integers(1, 40)),

@@ -15,7 +15,7 @@ import torch
 from helpers import left_pad, reference
 
 from specdec import SpecDecoder
-from specdec.distributed import new_dynamic_cache
+from specdec.kv import new_dynamic_cache
 from specdec.engines import EagerEngine
 from specdec.forwards.direct import DirectForward, scripted_layers
 from specdec.forwards.direct import _mask as direct_mask

@@ -7,11 +7,12 @@
 2. ``candidate_generators/`` holds plugins only: every module but ``__init__.py`` defines a
    ``CandidateGenerator`` subclass that the registry returns for its name and that
    ``pyproject.toml`` declares in the entry-point group.
-3. No import cycle among the core's modules at module level. The graph is built from each
-   module's import statements that run when it is imported (class bodies, ``if`` and ``try``
-   blocks included; function bodies and ``if TYPE_CHECKING:`` blocks left out). An edge goes to
-   the module named, and to the packages on the way to it whose ``__init__`` would run (not the
-   importer's own ancestors, which are already being imported).
+3. No import cycle among the core's modules, counting every import statement a module holds:
+   those that run when it is imported, those inside functions (a cycle that only a function's
+   import closes still says two modules need each other) and those under ``if TYPE_CHECKING:``
+   (a type is a dependency too). An edge goes to the module named, and to the packages on the way
+   to it whose ``__init__`` would run (not the importer's own ancestors, which are already being
+   imported).
 4. Engines are reached through their root only: no module outside ``specdec/engines/`` (the core,
    the plugins, the tests, the benchmarks) imports a module inside it, ``specdec.engines.<name>``,
    in any way rule 1 counts; ``from specdec.engines import Layout`` is the way in.
@@ -49,29 +50,10 @@ def modules_of(root: Path, package: str) -> dict[str, Path]:
     return found
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
-def module_level_imports(body: list[ast.stmt]):
-    """The Import / ImportFrom statements that run when the module is imported."""
-    for node in body:
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            yield node
-        elif isinstance(node, ast.If):
-            if not _is_type_checking(node.test):
-                yield from module_level_imports(node.body)
-            yield from module_level_imports(node.orelse)
-        elif isinstance(node, ast.Try):
-            for block in (node.body, *(h.body for h in node.handlers), node.orelse, node.finalbody):
-                yield from module_level_imports(block)
-        elif isinstance(node, (ast.With, ast.For, ast.While)):
-            yield from module_level_imports(node.body)
-            yield from module_level_imports(getattr(node, "orelse", []))
-        elif isinstance(node, ast.ClassDef):
-            yield from module_level_imports(node.body)
-        # function bodies run when called, not when the module is imported
+def every_import(tree: ast.Module):
+    """Every Import / ImportFrom statement of a module: at its top level, in class and function
+    bodies, under ``if TYPE_CHECKING:`` (rule 3 counts them all)."""
+    return (node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)))
 
 
 def resolve(importer: str, is_package: bool, node: ast.ImportFrom) -> str | None:
@@ -131,7 +113,7 @@ def core_imports_of(root: Path, core: str, forbidden: str) -> list[str]:
 
 # -- rule 3: no import cycle ----------------------------------------------------------------------
 def import_graph(root: Path, package: str) -> dict[str, set[str]]:
-    """Module -> the modules of ``package`` its module-level imports load (see the docstring)."""
+    """Module -> the modules of ``package`` its imports load (see the docstring)."""
     modules = modules_of(root, package)
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
@@ -140,7 +122,7 @@ def import_graph(root: Path, package: str) -> dict[str, set[str]]:
         if is_package:
             ancestors.add(name)
         edges = set()
-        for node in module_level_imports(ast.parse(path.read_text(), str(path)).body):
+        for node in every_import(ast.parse(path.read_text(), str(path))):
             for target in _loaded(targets(name, is_package, node), node, modules, ancestors):
                 edges.add(target)
                 parts = target.split(".")
@@ -318,10 +300,11 @@ def test_an_import_cycle_is_found_and_reported(tmp_path):
         "core/pkg/e.py": "from . import f\nE = 4\n",  # the package's own __init__ is not a dependency
         "core/pkg/f.py": "",
     })
-    assert find_cycle(import_graph(root, "core")) is None  # TYPE_CHECKING and function bodies are skipped
-    (root / "core/b.py").write_text("from .a import A\nB = 2\n")
-    assert find_cycle(import_graph(root, "core")) == ["core.a", "core.b", "core.a"]
+    assert find_cycle(import_graph(root, "core")) == ["core.a", "core.b", "core.a"]  # a type-only import counts
     (root / "core/b.py").write_text("B = 2\n")
+    assert find_cycle(import_graph(root, "core")) == ["core.c", "core.d", "core.c"]  # one inside a function too
+    (root / "core/c.py").write_text("def f():\n    return 1\n")
+    assert find_cycle(import_graph(root, "core")) is None
     (root / "core/pkg/f.py").write_text("class F:\n    from core import a\n")  # a class body runs at import
     (root / "core/a.py").write_text("import core.pkg.f\nA = 1\n")  # core.pkg's __init__ runs first
     assert find_cycle(import_graph(root, "core")) == ["core.a", "core.pkg", "core.pkg.e", "core.pkg.f", "core.a"]

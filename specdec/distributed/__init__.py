@@ -47,10 +47,10 @@ A call that is not distributed meets :data:`SOLO`, which takes every decision in
 from .call import SOLO, Deferred, RankCall, Relay, SharedStopper, Solo, coordinated
 from .fingerprint import Fingerprint, call_fingerprint
 from .ranks import (DECIDER, INLINE_DRAFTS, PLACEMENTS, DistributedDecodeError, DistributedOptions, RankFailedError,
-                    Ranks, RanksDivergedError, abort_process_groups, check_usable, new_dynamic_cache, sharding,
+                    Ranks, RanksDivergedError, abort_process_groups, check_usable, sharding,
                     stage_layout)
 
 __all__ = ["DECIDER", "INLINE_DRAFTS", "PLACEMENTS", "SOLO", "Deferred", "DistributedDecodeError",
            "DistributedOptions", "Fingerprint", "RankCall", "RankFailedError", "Ranks", "RanksDivergedError", "Relay",
            "SharedStopper", "Solo", "abort_process_groups", "call_fingerprint", "check_usable", "coordinated",
-           "new_dynamic_cache", "sharding", "stage_layout"]
+           "sharding", "stage_layout"]

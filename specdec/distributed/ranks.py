@@ -7,8 +7,8 @@ its target: the gloo group of its messages (:func:`control_group`, bounded by
 ``DistributedOptions.timeout``), the process group's store (where a failing rank leaves its
 error), and which rank decides. Groups a failure aborted, or whose peer was lost, are recorded
 (:func:`mark_broken`): later calls raise :func:`check_usable`'s error instead of entering a
-collective that would abort the process. :func:`new_dynamic_cache` gives a pipeline stage a cache whose
-masks are sized from a layer the stage holds. The protocol itself: ``call.py``.
+collective that would abort the process. :func:`stage_layout` says which layers a pipeline stage holds
+(``specdec.growing.new_dynamic_cache`` sizes a stage's masks from one of them). The protocol itself: ``call.py``.
 """
 
 from __future__ import annotations
@@ -92,26 +92,6 @@ def stage_layout(model) -> tuple[bool, ...] | None:
     if layers is None:
         return None
     return tuple(type(layer).__name__ != "PipelineIdentityLayer" for layer in layers)
-
-
-def new_dynamic_cache(layout: tuple[bool, ...] | None = None, reach: int = 0):
-    """A ``DynamicCache`` of :class:`~specdec.growing.GrowingLayer` s (appending in place, their
-    buffers never past ``reach`` slots where it covers what they hold); for a pipeline stage, with
-    ``DummyLayer`` s where it holds no layer, so that masks are sized from a layer it holds (an
-    empty first layer would size them from nothing)."""
-    from functools import partial
-
-    from transformers import DynamicCache
-
-    from ..growing import GrowingLayer
-
-    cache = DynamicCache()
-    cache.layer_class_to_replicate = partial(GrowingLayer, reach)
-    if layout is not None and not all(layout):
-        from transformers.cache_utils import DummyLayer
-
-        cache.layers[:] = [GrowingLayer(reach) if held else DummyLayer() for held in layout]
-    return cache
 
 
 # -- many processes ---------------------------------------------------------------------------------

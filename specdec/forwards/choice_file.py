@@ -26,12 +26,11 @@ import os
 import warnings
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from .choose import Choice
+from ..names import WEIGHTS
 
 _FORMAT = 9  # 9: the file's key and digest, the time budget; the key without threads or the model's folder; 8: the int4 copy's output layer in bfloat16; 7: agreement over the prefilled calibration tokens too; 6: the w8a8 copy rotates its MLP output layers' inputs; 5: int4 among the candidates; 4: Int8Linear quantizes to a row's own range; 3: the lean forward
 
@@ -108,8 +107,6 @@ _CANDIDATE_FIELDS = {"weights": lambda v: isinstance(v, str), "step_seconds": _n
 def choice_problem(data, key: str) -> str | None:
     """What is wrong with the contents ``data`` of the choice file for ``key``, or None when they
     are a choice as :func:`save` writes it: its format, its key, its digest, and every field's shape."""
-    from .lowbit import WEIGHTS
-
     if not isinstance(data, dict):
         return f"holds a JSON {type(data).__name__}, not an object"
     if data.get("format") != _FORMAT:
@@ -140,10 +137,11 @@ def choice_problem(data, key: str) -> str | None:
     return None
 
 
-def load(key: str) -> Choice | None:
-    """The choice kept for ``key``, or None where there is none; one that does not read back as
-    written (:func:`choice_problem`) is said, naming the file, and ignored: the caller measures
-    again and :func:`save` replaces it."""
+def read(key: str) -> dict | None:
+    """The choice kept for ``key`` as :func:`save` wrote it (checked: ``choose.load`` makes it a
+    ``Choice``), or None where there is none; one that does not read back as written
+    (:func:`choice_problem`) is said, naming the file, and ignored: the caller measures again and
+    :func:`save` replaces it."""
     path = cache_file(key)
     if path is None or not path.is_file():
         return None
@@ -153,17 +151,14 @@ def load(key: str) -> Choice | None:
     except (OSError, ValueError) as exc:  # unreadable, or not JSON
         problem = f"cannot be read ({type(exc).__name__}: {exc})"
     if problem is None:
-        from .choose import Candidate, Choice
-
-        return Choice(data["weights"], [Candidate(**c) for c in data["candidates"]], data["target_seconds"],
-                      data["machine"], 0.0, cached=True, budget=data["budget"], cut_short=data["cut_short"])
+        return data
     warnings.warn(f"specdec: the auto-weights choice file {path} {problem}; measuring the copies again "
                   "and replacing it", stacklevel=2)
     return None
 
 
-def save(key: str, choice: Choice) -> None:
-    """Write ``choice`` atomically, with its key and a digest of its contents; a full disk or a
+def save(key: str, choice: Any) -> None:
+    """Write ``choice`` (a ``choose.Choice``) atomically, with its key and a digest of its contents; a full disk or a
     read-only home only loses the cache."""
     path = cache_file(key)
     if path is None:

@@ -63,7 +63,8 @@ from typing import Callable
 
 import torch
 
-from .choice_file import _FORMAT, cache_file, cache_key, load, save  # noqa: F401  (re-exported)
+from . import choice_file
+from .choice_file import _FORMAT, cache_file, cache_key, save  # noqa: F401  (re-exported)
 
 #: the widths of the target's forwards timed besides its one-token steps: the cost of verifying
 #: drafts, and the draft-length policy's calibration (``specdec.policy.costs.CALIBRATED``)
@@ -159,6 +160,15 @@ class Choice:
         why = (f"the first copy expected to reach {ENOUGH}x" if enough else
                f"the best expected rate (a later copy replaces an earlier one {BETTER_BY - 1:.0%} faster)")
         return f"{self.weights}: {why} on {self.machine} ({how}): " + "; ".join(parts)
+
+
+def load(key: str) -> Choice | None:
+    """The choice kept on disk for ``key`` (``choice_file.read``), or None."""
+    data = choice_file.read(key)
+    if data is None:
+        return None
+    return Choice(data["weights"], [Candidate(**c) for c in data["candidates"]], data["target_seconds"],
+                  data["machine"], 0.0, cached=True, budget=data["budget"], cut_short=data["cut_short"])
 
 
 def candidates(model) -> tuple[str, ...]:

@@ -45,8 +45,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from ..compiled import one_time
-from ..distributed import new_dynamic_cache
-from ..growing import GrowingLayer
+from ..growing import GrowingLayer, new_dynamic_cache
 from ..modelinfo import cache_argument
 from .lean import attention_shape, rms_norm, script_once
 from .packed import MAX_ROWS, PackedLinears

@@ -45,6 +45,7 @@ import weakref
 import torch
 
 from ..compiled import check_compile_options, compiles_now
+from ..names import WEIGHTS
 from .attention import GROUPED_SDPA, register_grouped_sdpa
 from .int4 import available as int4_available
 from .int4 import quantize_linears as quantize_int4
@@ -52,7 +53,6 @@ from .int8 import quantize_linears
 from .lean import install as install_lean
 from .rotation import mlp_outputs, rotatable, rotate_residual
 
-WEIGHTS = ("auto", "bfloat16", "float16", "int8", "w8a8", "int4", "dynamic_int8")
 QUANTIZED = ("int8", "w8a8", "int4")  # by torchao (w8a8 and int4 off the CPU)
 OWN_ON_CPU = ("w8a8", "int4")  # on a CPU, specdec's own layers (int8.py, int4.py)
 EAGER_ONLY = ("dynamic_int8",)  # copies whose layers torch.compile cannot trace (packed weights)
