@@ -17,8 +17,8 @@ from helpers import left_pad, reference
 from specdec import SpecDecoder
 from specdec.kv import new_dynamic_cache
 from specdec.engines import EagerEngine
-from specdec.forwards.direct import DirectForward, scripted_layers
-from specdec.forwards.direct import _mask as direct_mask
+from specdec.forwards.direct import DirectForward
+from specdec.forwards.stack import scripted_layers
 from specdec.forwards.head import FastHead, model_logits
 from specdec.generators import CandidateGenerator, DraftingInfo, Proposal
 from specdec.growing import GrowingLayer
@@ -211,7 +211,7 @@ def test_model_logits_gives_each_path_the_same_states(target):
 
 
 def test_the_stack_keeps_nothing_unless_asked():
-    """``decoder_layers``' capture: the input, each layer's input and the last layer's output (the
+    """The stack's capture (``LlamaStack.forward``): the input, each layer's input and the last layer's output (the
     final norm is the caller's), in order; an empty capture keeps nothing."""
     model, _ = tiny_random("llama", seed=5, num_hidden_layers=3)
     forward = DirectForward.pin(model, True)
@@ -222,17 +222,12 @@ def test_the_stack_keeps_nothing_unless_asked():
         with torch.no_grad():
             own = model(ids, output_hidden_states=True).hidden_states
             hidden = model.model.embed_tokens(ids)
-            cos, sin = model.model.rotary_emb(hidden, torch.arange(6)[None])
-            _, parts, biases = forward.tensors()
-            like = hidden.new_empty(1, forward.kv_heads, 6, forward.head_dim)
-            causal = direct_mask(None, 6, 0, 6)  # [1, 1, 6, 6]
+            stack = forward.stack
+            like = hidden.new_empty(1, stack.kv_heads, 6, stack.head_dim)
             for capture in ([], [1], [0, 2, count], list(range(count + 1))):
-                buffers = [GrowingLayer(0).reserve(like, 6) for _ in range(count)]
-                with torch.jit.optimized_execution(False):
-                    last, captured = forward.layers(
-                        hidden, cos[:, None], sin[:, None], causal, [k for k, _ in buffers],
-                        [v for _, v in buffers], 0, parts, forward.unpacked, biases, forward.eps, forward.heads, forward.kv_heads,
-                        forward.head_dim, forward.scaling, capture)
+                buffers = [GrowingLayer(0).reserve(like, 6) for _ in range(count)]  # causal: no mask given
+                last, captured = stack(hidden, torch.arange(6)[None], [k for k, _ in buffers],
+                                       [v for _, v in buffers], 0, capture=capture)
                 assert len(captured) == len(capture)
                 for index, state in zip(capture, captured):
                     got = model.model.norm(state) if index == count else state

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.forwards import int8, lean
+from specdec.forwards import int8, lean, stack
 from specdec.forwards.int8 import Int8Linear, stack_linears
 from specdec.forwards.lowbit import build_copy
 from specdec.kv import CacheSettings, make_kv
@@ -30,7 +30,7 @@ def exact(monkeypatch):
     Python)."""
     monkeypatch.setattr(int8, "int8_product", exact_product)  # what Int8Linear and the lean layers both call
     # nothing is scripted meanwhile: TorchScript keeps what it compiled for the process
-    monkeypatch.setattr(lean, "scripted_layers", lambda: None)
+    monkeypatch.setattr(stack, "scripted_layers", lambda: None)
 
 
 @pytest.fixture(scope="module")

@@ -36,6 +36,7 @@ import os
 
 from ..names import ENGINE_CHOICES
 from .base import CAUSAL, Engine, EngineOutput, Layout, LayoutNotSupported
+from .cpu import CpuEngine
 from .cpu import decisions as _cpu_decisions
 from .eager import EagerEngine
 from .llama_cpp import (LlamaCppKV, attach_gguf, export_gguf, gguf_for, gguf_source, gguf_twin, missing_gguf,
@@ -44,7 +45,7 @@ from .llama_cpp import library as llama_cpp_library  # its contexts and checks, 
 from .llama_cpp.library import INSTALL_HINT as LLAMA_CPP_INSTALL
 
 #: engine name -> its class (constructed with the model it serves)
-ENGINES = {EagerEngine.name: EagerEngine}
+ENGINES = {EagerEngine.name: EagerEngine, CpuEngine.name: CpuEngine}
 
 
 def make_engine(name: str, model) -> Engine:
@@ -113,7 +114,7 @@ def engine_report(model, name: str, fast_head: bool = True) -> str:
     return f"cpu{' (auto)' if name == 'auto' else ''}: {said}"
 
 
-__all__ = ["CAUSAL", "ENGINES", "EagerEngine", "Engine", "EngineOutput", "Layout", "LayoutNotSupported",
+__all__ = ["CAUSAL", "ENGINES", "CpuEngine", "EagerEngine", "Engine", "EngineOutput", "Layout", "LayoutNotSupported",
            "ENGINE_CHOICES", "check_engine", "engine_report", "make_engine", "resolve_engine_name",
            "LLAMA_CPP_INSTALL", "attach_gguf", "export_gguf", "gguf_for", "gguf_source", "gguf_twin", "llama_cpp_kv",
            "llama_cpp_library", "missing_gguf", "requantize"]

@@ -165,6 +165,23 @@ class Layout:
 CAUSAL = Layout()
 
 
+def tree_visibility(layout: Layout, cached: int, attention_mask: torch.Tensor | None, batch: int, width: int,
+                    device) -> torch.Tensor:
+    """``[B, T, N]`` bool: fed column q of a tree forward sees key slot n when the slot holds a real
+    token of the row (``attention_mask [B, N]``, None: every slot up to ``cached + T``) and either
+    precedes the fed block (the ``cached`` slots of the committed prefix) or is a fed column that
+    ``layout`` lets q see (its chain and its ancestors)."""
+    keys = attention_mask.shape[1] if attention_mask is not None else cached + width  # N
+    if keys < cached + width:
+        raise ValueError(f"attention_mask spans {keys} slots; the cache holds {cached} and {width} are fed")
+    real = (torch.ones(batch, keys, dtype=torch.bool, device=device) if attention_mask is None
+            else attention_mask.to(device=device).bool())  # [B, N]
+    visible = torch.zeros(batch, width, keys, dtype=torch.bool, device=device)  # [B, T, N]
+    visible[:, :, :cached] = True
+    visible[:, :, cached: cached + width] = layout.visible(width, batch, device)
+    return visible & real[:, None, :]
+
+
 @dataclass
 class EngineOutput:
     """``logits [B, T', V]`` (T' = T, or the last ``logits_to_keep`` columns) and ``hidden``: the

@@ -1,11 +1,18 @@
-"""The CPU engine's name for what specdec does today on a CPU, and what it decided for a model.
+"""The CPU engine: specdec's faster forwards of a model on a CPU, and what it decided for a model.
 
-Its forwards still live in ``specdec/forwards/`` (issue 46 moves them behind the protocol): the
-decoder layers as one scripted function (``forwards/direct.py``), the linear layers through
+Its forwards live in ``specdec/forwards/``: the decoder layers as one scripted stack
+(``forwards/stack.py``, through ``forwards/direct.py`` for the target), the linear layers through
 weights packed for MKL (``forwards/packed.py``) and the output layer as ``W @ h.T``
 (``forwards/head.py``), each decided per model by a probe and a timing. ``engine="auto"`` and
 ``engine="cpu"`` let them run where those decisions choose them; ``engine="eager"`` turns all of
 them off for one decoder's forwards (``CacheSettings.engine``, read by ``forwards.head.model_logits``).
+
+:class:`CpuEngine` is the protocol's forward on them: a tree layout runs through the stack with
+the tree's boolean mask (:func:`~specdec.engines.base.tree_visibility`) where the stack serves the
+model and the call (the direct forward decided for it, specdec's dynamic cache, no prefill-only
+inputs), and through :class:`~specdec.engines.eager.EagerEngine` otherwise; a causal layout runs
+as the eager engine's (a decoder's causal forwards reach these fast paths through its cache
+backend, ``kv.py``).
 
 :func:`decisions` only reads what was decided: it never probes, times or packs, so reporting a
 choice changes nothing another decoder of the same model does.
@@ -13,9 +20,16 @@ choice changes nothing another decoder of the same model does.
 
 from __future__ import annotations
 
+from typing import Any, Mapping, Sequence
+
+import torch
+
 from ..forwards.direct import DirectForward
-from ..forwards.head import FastHead
+from ..forwards.head import FastHead, model_logits
 from ..forwards.packed import PackedLinears
+from ..modelinfo import cache_argument
+from .base import CAUSAL, EngineOutput, Layout, tree_visibility
+from .eager import EagerEngine
 
 _UNDECIDED = object()
 
@@ -39,3 +53,61 @@ def decisions(model) -> str:
     rows = "used for forwards of %d-%d rows" % state.rows if packed not in (None, _UNDECIDED) else ""
     return (f"scripted Llama stack {_said(direct)}; packed weights {_said(packed, rows)}; "
             f"fast output layer {_said(head)}")
+
+
+class CpuEngine:
+    """See the module doc. One instance per model."""
+
+    name = "cpu"
+
+    def __init__(self, model):
+        self.model = model
+        self.eager = EagerEngine(model)
+        self._cache_kwarg = cache_argument(model)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *, layout: Layout = CAUSAL,
+                cache: Any = None, attention_mask: torch.Tensor | None = None,
+                hidden_layers: Sequence[int] = (), logits_to_keep: int | None = None,
+                model_inputs: Mapping[str, Any] | None = None) -> EngineOutput:
+        kwargs = self._stack_inputs(input_ids, positions, layout, cache, attention_mask, logits_to_keep, model_inputs)
+        if kwargs is None:
+            return self.eager.forward(input_ids, positions, layout=layout, cache=cache, attention_mask=attention_mask,
+                                      hidden_layers=hidden_layers, logits_to_keep=logits_to_keep,
+                                      model_inputs=model_inputs)
+        out = model_logits(self.model, kwargs, hidden_layers=tuple(hidden_layers))
+        logits, hidden = out if hidden_layers else (out, {})
+        return EngineOutput(logits=logits, hidden=hidden)
+
+    def serves_trees(self, cache=None) -> bool:
+        """Whether a tree forward on ``cache`` runs through the stack (not the eager engine)."""
+        direct = DirectForward.of(self.model) if self._on_cpu() else None
+        return direct is not None and (cache is None or all(
+            type(layer).__name__ == "GrowingLayer" for layer in getattr(cache, "layers", ())))
+
+    def check_tree_support(self, cache=None) -> None:
+        """Raise ``LayoutNotSupported`` unless a tree forward on ``cache`` runs, through the stack
+        (its mask is the stack's own: nothing to probe) or the eager engine (which probes)."""
+        if not self.serves_trees(cache):
+            self.eager.check_tree_support(cache)
+
+    def _on_cpu(self) -> bool:
+        param = next(self.model.parameters(), None)
+        return param is not None and param.device.type == "cpu"
+
+    def _stack_inputs(self, input_ids, positions, layout: Layout, cache, attention_mask, logits_to_keep,
+                      model_inputs) -> dict | None:
+        """The keyword arguments of a tree forward through the stack (its mask boolean, [B, 1, T, N]),
+        or None where the eager engine runs it (a causal layout, other inputs, a model or cache the
+        stack does not serve)."""
+        if not layout.is_tree or model_inputs or positions.dim() != 2 or not self.serves_trees(cache):
+            return None
+        batch, width = input_ids.shape
+        layout.check(width, batch)
+        cached = int(cache.get_seq_length())
+        mask = tree_visibility(layout, cached, attention_mask, batch, width, input_ids.device)[:, None]
+        kwargs = {"input_ids": input_ids, "position_ids": positions, self._cache_kwarg: cache, "use_cache": True,
+                  "attention_mask": mask}
+        if logits_to_keep is not None:
+            kwargs["logits_to_keep"] = logits_to_keep
+        direct = DirectForward.of(self.model)
+        return kwargs if direct.plan(self.model, kwargs, direct=False) is not None else None

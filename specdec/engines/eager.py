@@ -34,7 +34,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ..modelinfo import cache_argument
-from .base import CAUSAL, EngineOutput, Layout, LayoutNotSupported
+from .base import CAUSAL, EngineOutput, Layout, LayoutNotSupported, tree_visibility
 
 #: attention implementations that apply an arbitrary 4-D additive mask
 MASKED_ATTENTION = ("eager", "sdpa")
@@ -147,15 +147,8 @@ class EagerEngine:
     def _tree_mask(self, layout: Layout, cache, attention_mask, batch: int, width: int, device):
         """The 4-D additive mask(s) of a tree forward (see the module docstring)."""
         cached = int(cache.get_seq_length()) if cache is not None else 0  # S: slots before the fed block
-        keys = attention_mask.shape[1] if attention_mask is not None else cached + width  # N
-        if keys < cached + width:
-            raise ValueError(f"attention_mask spans {keys} slots; the cache holds {cached} and {width} are fed")
-        real = (torch.ones(batch, keys, dtype=torch.bool, device=device) if attention_mask is None
-                else attention_mask.to(device=device).bool())  # [B, N]
-        visible = torch.zeros(batch, width, keys, dtype=torch.bool, device=device)  # [B, T, N]
-        visible[:, :, :cached] = True
-        visible[:, :, cached: cached + width] = layout.visible(width, batch, device)
-        allowed = visible & real[:, None, :]
+        allowed = tree_visibility(layout, cached, attention_mask, batch, width, device)  # [B, T, N]
+        keys = allowed.shape[-1]
         dtype, types, window = self.model.dtype, _layer_types(self.model), _window(self.model)
         slides_all = types is None and window is not None  # Mistral's and Phi-3's rule: one mask, every layer
         slides_some = types is not None and "sliding_attention" in types

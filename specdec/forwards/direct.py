@@ -1,21 +1,15 @@
-"""The target's forward of a few tokens in the same operations as its own, without its modules.
+"""The target's forward of a few tokens through :class:`~specdec.forwards.stack.LlamaStack`.
 
-A one-token step of a small model on a CPU spends a fifth or more of its time outside the
-products: ``transformers``' module calls, mask and cache bookkeeping, Python between thousands of
-small tensor operations. :func:`decoder_layers` is the decoder stack of the Llama layout as one
-function of tensors, the same operations in the same order as the model's own modules (RMSNorm
-in float32 then cast, query, key and value as three products, the rotary embedding, attention
-through ``scaled_dot_product_attention`` with grouped heads, the gated MLP), scripted by
-TorchScript once a process so that it runs without Python between them. For one token and no
-padding it gives the model's own logits bit for bit; with a mask (several tokens, a padded
-batch) the mask is the causal one over the slots each row holds, as specdec's grouped attention
-computes it, so the logits differ from the model's own at most in rounding, as a verification's
-always did.
+The stack runs the decoder layers in the model's own operations and order, without its modules
+(``stack.py``, ``"float"`` linears). For one token and no padding it gives the model's own logits
+bit for bit; with a mask (several tokens, a padded batch) the mask is the causal one over the
+slots each row holds, as specdec's grouped attention computes it, so the logits differ from the
+model's own at most in rounding, as a verification's always did.
 
 :meth:`DirectForward.of` decides once per model and process whether the model gets it: a
-float model on a CPU whose layers are the Llama layout (``lean.layout_problem``) with plain
+float model on a CPU whose layers are the Llama layout (``stack.layout_problem``) with plain
 ``nn.Linear`` projections, whose direct one-token logits equal its own bit for bit on a probe
-(anything a model does that this function does not, e.g. a scaled embedding, fails here), and
+(anything a model does that the stack does not, e.g. a scaled embedding, fails here), and
 whose direct steps timed faster than its own on that probe (medians of 5, taking turns); the
 step that decides counts as one-time work (reported apart, pricing nothing). It serves a forward
 (:meth:`DirectForward.serves`) on a :class:`specdec.growing.GrowingLayer` cache (specdec's dynamic
@@ -40,128 +34,36 @@ import statistics
 import threading
 import time
 import weakref
-from typing import List, Optional, Sequence, Tuple
+from typing import Sequence
 
 import torch
 
 from ..compiled import one_time
 from ..growing import GrowingLayer, new_dynamic_cache
 from ..modelinfo import cache_argument
-from .lean import attention_shape, rms_norm, script_once
 from .packed import MAX_ROWS, PackedLinears
-from .packed import available as packed_available
+from .stack import LlamaStack
+from .stack import layout_problem as stack_problem
 
 #: the direct step is used only if it takes at most this share of the model's own
 MIN_GAIN = 0.95
 #: the keyword arguments it understands (any other sends the call to the model's own forward)
 KNOWN = {"input_ids", "position_ids", "past_key_values", "cache", "attention_mask", "use_cache", "logits_to_keep"}
-ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj"}
-MLP_PARTS = {"gate_proj", "up_proj", "down_proj", "act_fn"}
-LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
-
-
-if packed_available():
-    def _linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        """``F.linear``, or through the weight packed for MKL where ``packed`` is not empty (``packed.py``)."""
-        if packed.numel() > 0:
-            return torch.ops.mkl._mkl_linear(x.contiguous(), packed, weight, bias, x.numel() // x.shape[-1])
-        return torch.nn.functional.linear(x, weight, bias)
-else:
-    def _linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        return torch.nn.functional.linear(x, weight, bias)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
-def decoder_layers(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor],
-                   keys: List[torch.Tensor], values: List[torch.Tensor], start: int,
-                   parts: List[List[torch.Tensor]], packed: List[List[torch.Tensor]],
-                   biases: List[List[Optional[torch.Tensor]]], eps: List[float],
-                   heads: int, kv_heads: int, dim: int, scaling: float,
-                   capture: List[int]) -> Tuple[torch.Tensor, List[torch.Tensor]]:
-    """``hidden [B, T, H]`` through every decoder layer, writing layer i's keys and values for
-    slots ``start:start+T`` into the buffers ``keys[i]`` / ``values[i]`` [B, kv_heads, slots, dim]
-    and attending over the slots up to there (``mask [B, 1, T, end]`` boolean, or None: all of
-    them). ``parts[i]``: the two norms' scales, then the weights of q, k, v, o, gate, up, down;
-    ``packed[i]``: those seven weights packed for MKL, or empty tensors (plain products);
-    ``biases[i]``: those seven layers' biases; ``cos``/``sin`` [B, 1, T, dim].
-
-    -> (the last layer's output [B, T, H], before the final norm; the residual stream before
-    each layer i in ``capture`` [B, T, H], in ascending order: i = 0 the input ``hidden`` itself,
-    i = len(parts) the last layer's output, i.e. ``output_hidden_states`` index i without the
-    final norm). ``capture`` empty keeps nothing and costs one list lookup a layer."""
-    batch, width = hidden.shape[0], hidden.shape[1]
-    end = start + width
-    captured: List[torch.Tensor] = []
-    for i in range(len(parts)):
-        if i in capture:
-            captured.append(hidden)
-        p, w, b = parts[i], packed[i], biases[i]
-        x = rms_norm(hidden, p[0], eps[2 * i])
-        query = _linear(x, p[2], w[0], b[0]).view(batch, width, heads, dim).transpose(1, 2)
-        key = _linear(x, p[3], w[1], b[1]).view(batch, width, kv_heads, dim).transpose(1, 2)
-        value = _linear(x, p[4], w[2], b[2]).view(batch, width, kv_heads, dim).transpose(1, 2)
-        query = _rotate(query, cos, sin)
-        keys[i].narrow(2, start, width).copy_(_rotate(key, cos, sin))  # narrow: see lean.decoder_layers
-        values[i].narrow(2, start, width).copy_(value)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, keys[i].narrow(2, 0, end), values[i].narrow(2, 0, end), attn_mask=mask, scale=scaling,
-            enable_gqa=True)
-        out = out.transpose(1, 2).contiguous().reshape(batch, width, heads * dim)
-        hidden = hidden + _linear(out, p[5], w[3], b[3])
-        x = rms_norm(hidden, p[1], eps[2 * i + 1])
-        gated = torch.nn.functional.silu(_linear(x, p[6], w[4], b[4])) * _linear(x, p[7], w[5], b[5])
-        hidden = hidden + _linear(gated, p[8], w[6], b[6])
-    if len(parts) in capture:
-        captured.append(hidden)
-    return hidden, captured
-
-
-def scripted_layers():
-    """:func:`decoder_layers` scripted by TorchScript (once a process), or None where this torch
-    cannot (then it runs as Python); run without the profiling executor, as ``lean.scripted_layers``
-    explains."""
-    return script_once(decoder_layers)
 
 
 def layout_problem(model) -> str | None:
-    """Why :class:`DirectForward` cannot compute ``model``'s forward, or None where it can."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    if decoder is None or not hasattr(decoder, "layers") or not hasattr(decoder, "rotary_emb"):
-        return "no decoder layers with a rotary embedding"
-    if not all(hasattr(decoder, name) for name in ("embed_tokens", "norm")):
-        return "no token embedding or final norm on the decoder"
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        return "a sliding attention window"
-    if float(getattr(config, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
-        return "a partial rotary embedding"
-    if getattr(config, "vision_config", None) is not None:
-        return "a vision-language model"
-    head = model.get_output_embeddings()
-    if type(head) is not torch.nn.Linear:
-        return "an output layer other than nn.Linear"
-    for layer in decoder.layers:
-        if {n for n, _ in layer.named_children()} != LAYER_PARTS:
-            return "a decoder layer with parts other than the Llama layout's"
+    """Why :class:`DirectForward` cannot compute ``model``'s forward, or None where it can: the
+    stack's layout with plain float ``nn.Linear`` projections on a CPU."""
+    problem = stack_problem(model)
+    if problem is not None:
+        return problem
+    for layer in model.get_decoder().layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if {n for n, _ in attn.named_children()} != ATTENTION_PARTS or {n for n, _ in mlp.named_children()} != MLP_PARTS:
-            return "attention or an MLP with parts other than Llama's"
         linears = [getattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")] + [
             getattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
-        if any(type(lin) is not torch.nn.Linear or type(lin.weight.data) is not torch.Tensor
-               or not lin.weight.dtype.is_floating_point or lin.weight.device.type != "cpu" for lin in linears):
+        if any(type(lin.weight.data) is not torch.Tensor or not lin.weight.dtype.is_floating_point
+               or lin.weight.device.type != "cpu" for lin in linears):
             return "projections other than plain float nn.Linear layers on a CPU"
-        if getattr(attn, "sliding_window", None) or getattr(attn, "scaling", None) is None:
-            return "attention with a sliding window, or without a scaling"
-        if not isinstance(mlp.act_fn, torch.nn.SiLU) and type(mlp.act_fn).__name__ != "SiLUActivation":
-            return f"an MLP activation other than SiLU ({type(mlp.act_fn).__name__})"
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            if not type(norm).__name__.endswith("RMSNorm") or not hasattr(norm, "variance_epsilon"):
-                return "norms other than the Llama layout's RMSNorm"
     return None
 
 
@@ -196,29 +98,13 @@ class DirectForward:
     _lock = threading.Lock()
 
     def __init__(self, model):
-        decoder = model.get_decoder()
-        self.heads, self.kv_heads, self.head_dim, self.scaling = attention_shape(model)
-        self.decoder, self.model = decoder, weakref.ref(model)
-        self.eps = [float(norm.variance_epsilon) for layer in decoder.layers
-                    for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
-        self.layers = scripted_layers() or decoder_layers
-        self.unpacked = [[torch.empty(0)] * 7 for _ in decoder.layers]
+        self.stack = LlamaStack(model, "float")
+        self.decoder, self.model = model.get_decoder(), weakref.ref(model)
 
     def tensors(self) -> tuple[list, list, list] | None:
-        """(each layer's 7 projections, :func:`decoder_layers`' ``parts`` and ``biases``) as the
-        model holds them now, or None where a projection is no longer a plain ``nn.Linear`` (a
-        layer replaced since deciding, e.g. by an adapter): read at every forward, so a weight
-        replaced or a module swapped is never computed stale."""
-        linears, parts, biases = [], [], []
-        for layer in self.decoder.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            mine = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-            if any(type(lin) is not torch.nn.Linear for lin in mine):
-                return None
-            linears.append(mine)
-            parts.append([layer.input_layernorm.weight, layer.post_attention_layernorm.weight] + [lin.weight for lin in mine])
-            biases.append([lin.bias for lin in mine])
-        return linears, parts, biases
+        """The stack's tensors as the model holds them now (``LlamaStack.tensors``), or None where a
+        projection is no longer a plain ``nn.Linear``."""
+        return self.stack.tensors()
 
     @classmethod
     def of(cls, model) -> "DirectForward | None":
@@ -276,10 +162,11 @@ class DirectForward:
         if not set(kwargs) <= KNOWN or torch.is_grad_enabled() or torch.compiler.is_compiling():
             return None
         mask = kwargs.get("attention_mask")
-        if mask is not None and mask.dim() != 2:
-            return None
+        if mask is not None and mask.dim() != 2 and not (mask.dim() == 4 and mask.dtype == torch.bool
+                                                         and mask.shape[2] == ids.shape[1]):
+            return None  # a 2-D mask of real slots, or a boolean [B, 1, T, N] one (a tree's, engines/cpu.py)
         layers = getattr(cache, "layers", None)
-        if layers is None or len(layers) != len(self.eps) // 2 or not all(type(layer) is GrowingLayer for layer in layers):
+        if layers is None or len(layers) != len(self.stack.layers) or not all(type(layer) is GrowingLayer for layer in layers):
             return None
         return None if _hooked(model, direct) else self.tensors()
 
@@ -298,23 +185,18 @@ class DirectForward:
         start = layers[0].keys.shape[-2] if layers[0].is_initialized and layers[0].keys.dim() == 4 else 0
         end = start + width
         hidden = self.decoder.embed_tokens(ids)
-        cos, sin = self.decoder.rotary_emb(hidden, positions)  # [B, T, D]
-        like = hidden.new_empty(batch, self.kv_heads, width, self.head_dim)
+        like = hidden.new_empty(batch, self.stack.kv_heads, width, self.stack.head_dim)
         buffers = [layer.reserve(like, end) for layer in layers]
-        linears, parts, biases = tensors if tensors is not None else self.tensors()
-        weights = self.unpacked
+        tensors = tensors if tensors is not None else self.tensors()
+        weights = None
         if packed:
             state = PackedLinears.of(self.model())
-            weights = [[state.packed_weight(linear) for linear in mine] for mine in linears]
+            weights = [[state.packed_weight(linear) for linear in mine] for mine in tensors[0]]
         count = len(layers)
         capture = sorted({_layer_index(i, count) for i in hidden_layers})
         embedded = hidden
-        with torch.jit.optimized_execution(False), torch.inference_mode():  # see lean.LeanForward._forward
-            hidden, captured = self.layers(hidden, cos[:, None], sin[:, None],
-                                           _mask(kwargs.get("attention_mask"), width, start, end),
-                                           [k for k, _ in buffers], [v for _, v in buffers], start, parts, weights,
-                                           biases, self.eps, self.heads, self.kv_heads, self.head_dim, self.scaling,
-                                           capture)
+        hidden, captured = self.stack(hidden, positions, [k for k, _ in buffers], [v for _, v in buffers], start,
+                                      kwargs.get("attention_mask"), tensors, weights, capture)
         for layer in layers:
             layer.filled(end)
         keep = kwargs.get("logits_to_keep", 0)
@@ -374,7 +256,7 @@ class DirectForward:
 
 
 def hidden_states(captured: dict, embedded: torch.Tensor, norm, count: int, norms_last: bool) -> dict:
-    """:func:`decoder_layers`' ``captured`` states ({index: [B, T, H]}) as ``output_hidden_states``
+    """The stack's ``captured`` states ({index: [B, T, H]}) as ``output_hidden_states``
     gives them: index ``count`` (the last layer's output) through the final ``norm`` where
     ``norms_last`` (``transformers``' ``capture_outputs`` replaces the last hidden state by the
     decoder's ``last_hidden_state``, the normed one, unless ``config.tie_last_hidden_states`` is
@@ -408,17 +290,3 @@ def _layer_index(index: int, count: int) -> int:
 def _cache(kwargs: dict):
     cache = kwargs.get("past_key_values")
     return cache if cache is not None else kwargs.get("cache")
-
-
-def _mask(attention_mask: torch.Tensor | None, width: int, start: int, end: int) -> torch.Tensor | None:
-    """[B, 1, T, end] boolean: the slots each new token sees (causal, and only the row's real
-    tokens, its own slot always), or None where one token sees every slot (no padding)."""
-    if width == 1 and (attention_mask is None or bool(attention_mask[:, :end].all())):
-        return None
-    device = attention_mask.device if attention_mask is not None else None
-    slots = torch.arange(end, device=device)
-    mine = (start + torch.arange(width, device=device))[:, None]  # [T, 1]
-    allowed = (slots[None, :] <= mine)[None]  # [1, T, end]
-    if attention_mask is not None:
-        allowed = (allowed & attention_mask[:, None, :end].bool()) | (slots[None, :] == mine)[None]
-    return allowed[:, None]
