@@ -6,8 +6,9 @@ setup with it (:meth:`~RankCall.together`), the drafts each forward verifies
 (:meth:`~RankCall.drafts`), the verdict (:meth:`~RankCall.verdict`: the decider's under sampling;
 with logits processors, agreed), a user criterion's cut (:class:`SharedStopper`), the output and
 statistics at the end (:meth:`~RankCall.finish`). Each message is one all-reduce of an int32
-vector: ``world`` slots (each rank's digest, or -1: failed), then the decider's payload (see the
-package docstring).
+vector: ``world`` slots (each rank's digest, or -1: failed), then the decider's payload (sent by
+its :class:`~specdec.distributed.messages.Messenger`; see the package docstring). What the run
+holds in place of the user's generator, streamer, processors and stopper: ``stand_ins.py``.
 
 Ranks stay in step from one call to the next: every rank's call sends the same messages, in the
 same order, whatever fails where.
@@ -28,21 +29,18 @@ same order, whatever fails where.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import time
 from typing import Callable
 
 import torch
 
-from ..generators import CandidateGenerator, DraftingInfo, Proposal, declared_drafting
+from ..generators import CandidateGenerator, Proposal
 from ..verify import Verdict
 from .fingerprint import Fingerprint, digest
+from .messages import Messenger, agreed, error_text
 from .ranks import (DECIDER, INLINE_DRAFTS, DistributedDecodeError, RankFailedError, Ranks, RanksDivergedError,
-                    abort_process_groups, broken, check_usable, mark_broken, sharding)
-
-#: a process-wide count of distributed calls: every rank makes the same calls, so it names a call
-#: the same way on every rank (the store keys of its errors)
-_CALLS = itertools.count(1)
+                    abort_process_groups, broken, sharding)
+from .stand_ins import Deferred, DeferringSession, Relay, SharedStopper
 
 
 # -- one process: every decision in place ----------------------------------------------------------
@@ -99,26 +97,6 @@ def coordinated(ranks: Ranks | None):
         yield call
 
 
-class Relay(CandidateGenerator):
-    """A rank's stand-in for the generator under one-rank drafting: it declares the generator's
-    drafting (so that every rank builds the same policy, and calibrates alike) and never proposes:
-    the coordinator hands the decider's drafts to the run instead."""
-
-    name = "relay"
-
-    def __init__(self, session: CandidateGenerator, plugin: str):
-        self.info = declared_drafting(session, plugin)
-
-    def session(self) -> "Relay":
-        return self
-
-    def drafting(self) -> DraftingInfo:
-        return self.info
-
-    def propose(self, ctx, max_drafts):  # pragma: no cover - never called: see RankCall.drafts
-        raise RuntimeError("a relay proposes nothing: the decider's drafts are received instead")
-
-
 def _attempt(work: Callable):
     """(work(), None), or (None, the exception it raised)."""
     try:
@@ -127,89 +105,12 @@ def _attempt(work: Callable):
         return None, exc
 
 
-def _agreed(exc: BaseException) -> BaseException:
-    """Mark ``exc`` as known to every rank (a message carried it): the process groups stay usable."""
-    exc.__specdec_agreed__ = True
-    return exc
-
-
 def _nothing(*args, **kwargs) -> None:
     return None
 
 
 def _unprocessed(scores: torch.Tensor, pos) -> torch.Tensor:
     return scores
-
-
-class Deferred:
-    """``target`` (a streamer, the call's processors) whose methods in ``fallbacks`` never raise
-    here: the first error one raises is held by ``call`` for its next message; then, and once
-    the rank has failed, they return ``fallbacks[name](*args)`` instead (processors: the scores
-    unprocessed; a streamer: nothing)."""
-
-    def __init__(self, target, call: "RankCall", fallbacks: dict[str, Callable]):
-        self._target, self._call, self._fallbacks = target, call, fallbacks
-
-    def __bool__(self) -> bool:
-        return bool(self._target)
-
-    def __getattr__(self, name):
-        if name in ("_target", "_call", "_fallbacks"):  # not set yet (a copy being built): no recursion
-            raise AttributeError(name)
-        value = getattr(self._target, name)
-        if name not in self._fallbacks:
-            return value
-        fallback = self._fallbacks[name]
-
-        def deferred(*args, **kwargs):
-            if self._call.failed:
-                return fallback(*args, **kwargs)
-            try:
-                return value(*args, **kwargs)
-            except Exception as exc:  # noqa: BLE001 - every rank raises it at the next message
-                self._call.hold(exc)
-                return fallback(*args, **kwargs)
-
-        return deferred
-
-
-class DeferringSession(CandidateGenerator):
-    """The generator's session on a rank that runs it: ``setup`` and ``propose`` run inside the
-    call's messages (:meth:`RankCall.together`, :meth:`RankCall.drafts`); the hooks between
-    messages (``observe``, ``select_rows``, ``report``) run :class:`Deferred`-like."""
-
-    name = "deferring"
-
-    def __init__(self, session: CandidateGenerator, plugin: str, call: "RankCall"):
-        self.inner, self.call = session, call
-        self.info = declared_drafting(session, plugin)
-
-    def __getattr__(self, name):
-        if name == "inner":  # not set yet (a copy being built): no recursion
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def session(self) -> "DeferringSession":
-        return self
-
-    def drafting(self) -> DraftingInfo:
-        return self.info
-
-    def setup(self, ctx) -> None:
-        self.inner.setup(ctx)
-
-    def propose(self, ctx, max_drafts):
-        return self.inner.propose(ctx, max_drafts)
-
-    def observe(self, ctx, feedback) -> None:
-        self.call.defer(lambda: self.inner.observe(ctx, feedback))
-
-    def select_rows(self, rows) -> None:
-        self.call.defer(lambda: self.inner.select_rows(rows))
-
-    def report(self) -> dict:
-        report = self.call.defer(self.inner.report)
-        return {} if report is None else report
 
 
 def _pack(offered: torch.Tensor, token_ids: torch.Tensor, inline: int, limit: int) -> torch.Tensor:
@@ -224,22 +125,19 @@ def _pack(offered: torch.Tensor, token_ids: torch.Tensor, inline: int, limit: in
     return torch.cat([offered.cpu().to(torch.int32), ids.flatten()])
 
 
-class RankCall:
+class RankCall(Messenger):
     """One distributed ``generate()`` call: the decisions its ranks share, what its messages cost,
     and its failures (see the package docstring)."""
 
     def __init__(self, ranks: Ranks):
         """The coordinator of one call, made before its arguments are checked (:func:`coordinated`);
         :meth:`given` tells it the call's fingerprint before its first message."""
-        check_usable()
-        self.ranks, self.id = ranks, next(_CALLS)
-        self.decides = ranks.decides
+        super().__init__(ranks)
         self.replicated = ranks.options.draft_placement == "replicated"
         self.fingerprint: Fingerprint | None = None
         self.generator: torch.Generator | None = None  # under sampling: every rank's ends as the decider's
         self.processed = False  # the call has logits processors: its greedy verdicts are agreed too
-        self.pending: BaseException | None = None  # this rank's error, held for the next message
-        self.messages, self.bytes, self.seconds, self.steps = 0, 0, 0.0, 0
+        self.steps = 0
 
     def given(self, fingerprint: Fingerprint, generator: torch.Generator | None = None) -> None:
         """The call's arguments (compared at the first message) and, under sampling, its generator."""
@@ -383,21 +281,21 @@ class RankCall:
                               "steps": self.steps}
         error, self.pending = self.pending, None
         state = self.generator.get_state() if self.decides and self.generator is not None else None
-        mine = (digest(sequences), stats if self.decides else None, state, _text(error) if error else None)
+        mine = (digest(sequences), stats if self.decides else None, state, error_text(error) if error else None)
         gathered: list = [None] * self.ranks.world
         try:
             dist.all_gather_object(gathered, mine, group=self.ranks.group)
         except Exception as exc:  # noqa: BLE001
             raise (error if error is not None else self._lost(exc)) from exc
         if error is not None:
-            raise _agreed(error)
+            raise agreed(error)
         failed = [(r, g[3]) for r, g in enumerate(gathered) if g[3] is not None]
         if failed:
             lines = [f"rank {r} failed during generate(): {text}" for r, text in failed]
-            raise _agreed(RankFailedError("\n".join(lines)))
+            raise agreed(RankFailedError("\n".join(lines)))
         digests = [g[0] for g in gathered]
         if len(set(digests)) > 1:
-            raise _agreed(RanksDivergedError(f"the ranks' outputs differ (digests {digests})"))
+            raise agreed(RanksDivergedError(f"the ranks' outputs differ (digests {digests})"))
         if self.generator is not None and not self.decides:
             self.generator.set_state(gathered[DECIDER][2])
         return sequences, gathered[DECIDER][1]
@@ -421,47 +319,12 @@ class RankCall:
             others = self._peer_errors(wait=2.0 if _is_communication_error(exc) else 0.0)
             if not others:
                 self._publish(exc)
-            abort_process_groups(f"call {self.id} failed on rank {self.ranks.rank}: {_text(exc)[:300]}")
+            abort_process_groups(f"call {self.id} failed on rank {self.ranks.rank}: {error_text(exc)[:300]}")
             if others:
                 raise RankFailedError(others) from exc
             raise
 
-    # -- messages -----------------------------------------------------------------------------------
-    def _exchange(self, payload: torch.Tensor | None, size: int, error: BaseException | None, digest: int,
-                  what: str = "the committed tokens") -> torch.Tensor:
-        """One message: every rank's digest (or -1: failed) and the decider's ``payload`` [size]
-        (int32) -> the payload on every rank; raises on every rank if any rank failed (this
-        rank's held error first) or the digests differ."""
-        import torch.distributed as dist
-
-        if self.pending is not None:  # failed since the last message: that error is this rank's
-            error, self.pending = self.pending, None
-        ranks = self.ranks
-        message = torch.zeros(ranks.world + size, dtype=torch.int32)
-        message[ranks.rank] = -1 if error is not None else digest
-        if error is not None:
-            self._publish(error)
-        elif self.decides and payload is not None:
-            message[ranks.world:] = payload
-        started = time.perf_counter()
-        try:
-            dist.all_reduce(message, group=ranks.group)
-        except Exception as exc:  # noqa: BLE001 - a rank left (aborted, died) or timed out
-            raise (error if error is not None else self._lost(exc)) from exc
-        self.seconds += time.perf_counter() - started
-        self.messages, self.bytes = self.messages + 1, self.bytes + 4 * message.numel()
-        slots = message[: ranks.world]
-        failed = (slots == -1).nonzero().flatten().tolist()
-        if error is not None:
-            raise _agreed(error)
-        if failed:
-            raise _agreed(RankFailedError(self._errors(failed)))
-        if bool((slots != slots[0]).any()):
-            raise _agreed(RanksDivergedError(
-                f"the ranks disagree on {what} (digests by rank: {slots.tolist()}): every rank must run the same "
-                "calls with the same arguments, and its models must compute alike"))
-        return message[ranks.world:]
-
+    # -- messages (each one: Messenger._exchange) ---------------------------------------------------
     def _differing(self) -> DistributedDecodeError:
         """The first message's digests differ: every rank sends its fingerprint's parts, and
         raises one error naming those that differ."""
@@ -473,7 +336,7 @@ class RankCall:
         except Exception as lost:  # noqa: BLE001
             return self._lost(lost)
         parts = self.fingerprint.differing([g for g in gathered if g is not None]) if self.fingerprint else []
-        return _agreed(RanksDivergedError(
+        return agreed(RanksDivergedError(
             f"the ranks were given different calls: their {', '.join(parts) or 'arguments'} differ. Every rank "
             "must make the same calls with the same arguments, in the same order (a seeded generator under "
             "sampling: the same seed on every rank)"))
@@ -482,71 +345,8 @@ class RankCall:
         """A digest of the committed tokens of ``state`` (a ModelState)."""
         return digest(state.lengths, state.tokens[:, : int(state.lengths.max()) if state.lengths.numel() else 0])
 
-    def _key(self, rank: int) -> str:
-        return f"specdec/call{self.id}/failed/rank{rank}"
-
-    def _publish(self, error: BaseException) -> None:
-        try:
-            self.ranks.store.set(self._key(self.ranks.rank), _text(error)[:2000])
-        except Exception:  # noqa: BLE001 - the store is gone: the others learn it from the collective
-            pass
-
-    def _errors(self, failed: list[int]) -> str:
-        """'rank r failed: <its error>' for each rank in ``failed``."""
-        lines = []
-        for rank in failed:
-            try:
-                key = self._key(rank)
-                text = self.ranks.store.get(key).decode() if self.ranks.store.check([key]) else "(no message)"
-            except Exception:  # noqa: BLE001
-                text = "(no message: the store is unreachable)"
-            lines.append(f"rank {rank} failed during generate(): {text}")
-        return "\n".join(lines)
-
-    def _peer_errors(self, wait: float) -> str:
-        """The errors other ranks published for this call (waiting up to ``wait`` seconds for one)."""
-        deadline = time.monotonic() + wait
-        others = [r for r in range(self.ranks.world) if r != self.ranks.rank]
-        while True:
-            try:
-                failed = [r for r in others if self.ranks.store.check([self._key(r)])]
-            except Exception:  # noqa: BLE001
-                failed = []
-            if failed or time.monotonic() >= deadline:
-                return self._errors(failed) if failed else ""
-            time.sleep(0.05)
-
-    def _lost(self, exc: BaseException) -> DistributedDecodeError:
-        """What a rank whose collective failed raises: another rank's error where it published one.
-        The groups are unusable from then on (:func:`~specdec.distributed.ranks.check_usable`)."""
-        others = self._peer_errors(wait=2.0)
-        mark_broken(f"call {self.id}: rank {self.ranks.rank} lost the other ranks ({type(exc).__name__})")
-        if others:
-            return RankFailedError(others)
-        return DistributedDecodeError(
-            f"rank {self.ranks.rank} lost the other ranks during generate() ({type(exc).__name__}: {exc}); a rank "
-            f"stopped without an error, or took longer than the timeout ({self.ranks.options.timeout:g} s)")
-
-
-def _text(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"
-
 
 def _is_communication_error(exc: BaseException) -> bool:
     """Whether ``exc`` looks like a failed collective (a peer that left), not this rank's own error."""
     text = f"{type(exc).__name__} {exc}"
     return any(word in text for word in ("DistBackendError", "gloo", "NCCL", "Connection", "Timed out"))
-
-
-class SharedStopper:
-    """A :class:`~specdec.stopping.Stopper` whose cuts are the decider's (see :meth:`RankCall.cut`)."""
-
-    def __init__(self, stopper, call: RankCall):
-        self.base, self.call = stopper, call
-
-    def __getattr__(self, name):
-        return getattr(self.base, name)
-
-    def cut(self, tokens, committed, block, counts, prompt_lengths, scores=None):
-        return self.call.cut(lambda: self.base.cut(tokens, committed, block, counts, prompt_lengths, scores),
-                             block.shape[0], block.device)

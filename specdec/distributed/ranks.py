@@ -16,8 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 
-import torch
-
 PLACEMENTS = ("one_rank", "replicated")
 #: drafts per row carried by the message sent before each forward; a longer block takes a second one
 INLINE_DRAFTS = 16
