@@ -19,64 +19,31 @@ First iteration is explicit: ``is_first_iteration`` is True until the first forw
 the only one that receives ``prefill_inputs`` (pixel values and the like). It is not the same as
 "cache is empty": ``continue_from(prefix)`` starts from a cache that already holds a prefix.
 
-The cache itself lives in a backend (``specdec.kv``): a ``DynamicCache`` of full-length layers
-(sliding windows are applied by the mask, so a rejected block always rolls back with a crop), or
-a ``StaticCache`` written in place, optionally with compiled forwards.
+The cache itself lives in a backend (``specdec.kv``): a ``DynamicCache`` of full-length layers,
+or a ``StaticCache`` written in place, optionally with compiled forwards. ``specdec.feed`` builds
+each forward's inputs and picks the logits each row reads.
 
 Position ids come from ``positions``, a pure function of (row, token index) chosen per model by
-``specdec.multimodal`` (the token index itself for text models; 3-D mRoPE positions for
-Qwen2-VL and kin), so re-feeding or shifting rows never changes a token's position. A model with
-learned absolute positions (``position_limit``: GPT-2, OPT) takes no prompt row longer than its
-table and feeds no token past it (``position_room`` bounds the drafts; a row that would need a
-further position stops the run with a ValueError where ``generate()`` raises an IndexError);
-padded columns get a position inside the table.
+``specdec.multimodal`` (the token index itself for text models; 3-D mRoPE positions for Qwen2-VL
+and kin), so re-feeding or shifting rows never changes a token's position. A model with learned
+absolute positions (``position_limit``: GPT-2, OPT) takes no prompt row longer than its table and
+feeds no token past it (``position_room`` bounds the drafts, ``specdec.feed`` checks each forward).
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
-from .engines import Layout
+from .cache_settings import cache_problem
+from .feed import chunk, columns_from, keep_hidden_path, tree_inputs
 from .kv import CacheSettings, make_kv
 from .modelinfo import cache_argument, vocab_size
 from .multimodal import PrefillInputs, TokenPositions
 from .validation import check_prompt_positions, position_limit
 
-
-def cache_problem(model, batch_size: int) -> str | None:
-    """Why this model cannot be decoded speculatively, or None. Runs no forward."""
-    name = type(model).__name__
-    if getattr(model.config, "is_encoder_decoder", False):
-        return f"{name} is an encoder-decoder model; specdec decodes causal (decoder-only) language models"
-    params = inspect.signature(model.forward).parameters
-    if "past_key_values" not in params and "cache" not in params:
-        return (f"{name}.forward takes no key/value cache (neither `past_key_values` nor `cache`): its state "
-                "(if any) lives elsewhere, e.g. RWKV's `state` or XLNet's `mems`, and cannot be rolled back to "
-                "the accepted prefix, so speculative decoding would be wrong")
-    devices = {p.device.type for p in model.parameters()}
-    # accelerate's offloading (a device_map with "cpu" or "disk" entries) keeps those weights on the
-    # meta device between forwards: its hooks load them for each forward
-    offloaded = any(getattr(getattr(m, "_hf_hook", None), "offload", False) for m in model.modules())
-    if "meta" in devices and not offloaded:
-        return f"{name} has weights on the meta device (never loaded); load its weights before decoding"
-    try:
-        layers = DynamicCache(config=model.config).layers  # the layer kinds the model asks for
-    except Exception as exc:  # pragma: no cover - exotic configs
-        return f"cannot build a cache for {type(model).__name__}: {exc}"
-    recurrent = sorted({type(layer).__name__ for layer in layers
-                        if not isinstance(layer, DynamicLayer) or getattr(layer, "is_linear", False)})
-    config = model.config.get_text_config(decoder=True)
-    if recurrent or any(t not in ("full_attention", "sliding_attention", "chunked_attention")
-                        for t in (getattr(config, "layer_types", None) or [])):
-        return (f"{type(model).__name__} keeps state that cannot be rolled back (recurrent or linear-attention "
-                f"layers {recurrent or getattr(config, 'layer_types', [])}); speculative decoding must discard "
-                "rejected drafts")
-    return None
+__all__ = ["ModelState", "cache_problem"]
 
 
 class ModelState:
@@ -294,11 +261,11 @@ class ModelState:
             raise RuntimeError("ModelState.forward asked for logits of a token that is already cached")
         layout = runner = None
         if tree is not None:
-            layout, runner, width = self._tree_forward(tree, first_needed + 1, width)
+            layout, runner, width = tree_inputs(self, tree, first_needed + 1, width)
         # a causal forward keeps the hidden states through the backend's forward (a tree's runner keeps them itself)
         hidden_layers = self.hidden_layers if runner is None else ()
         padded = bool(self.offsets.any())  # some row starts after slot 0
-        index, real, ids, positions = self._chunk(first_slot, width, layout, padded)
+        index, real, ids, positions = chunk(self, first_slot, width, layout, padded)
         keep = width - lowest
         kwargs: dict[str, Any] = {
             "input_ids": ids,
@@ -331,33 +298,9 @@ class ModelState:
         self._realign(ends)
         shift = width - keep  # fed columns before the first kept one
         if lowest == highest:  # every row's first logits at one column: width - lowest columns from there
-            return _columns_from(logits, lowest - shift, width - lowest)
-        return _columns_from(logits, first_needed - shift, int((self.lengths - start).max()))
+            return columns_from(logits, lowest - shift, width - lowest)
+        return columns_from(logits, first_needed - shift, int((self.lengths - start).max()))
 
-    def _tree_forward(self, tree: tuple, node0: torch.Tensor, width: int):
-        """``tree = (parents [B, K], nodes [B], engine)``, ``node0 [B]`` the chunk column of each
-        row's node 0 -> (the checked tree layout, the runner that feeds it through the engine, the
-        chunk width: wide enough for every row's K node columns, the ones past a row's end padding)."""
-        parents, nodes, engine = tree
-        width = max(width, int((node0 + parents.shape[1]).max()))
-        layout = Layout.tree(parents.to(self.device), start=node0, lengths=nodes.to(self.device))
-        return layout, self._engine_runner(engine, layout), width
-
-    def _engine_runner(self, engine, layout: Layout):
-        """A forward's runner through ``engine`` with ``layout``; it keeps the hidden states of
-        :attr:`hidden_layers` in ``_fed_hidden``."""
-        cache_key = self._cache_kwarg
-        plain = {"input_ids", "position_ids", cache_key, "use_cache", "attention_mask", "logits_to_keep"}
-
-        def runner(model, kwargs: dict) -> torch.Tensor:
-            out = engine.forward(kwargs["input_ids"], kwargs["position_ids"], layout=layout, cache=kwargs[cache_key],
-                                 attention_mask=kwargs.get("attention_mask"), hidden_layers=self.hidden_layers,
-                                 logits_to_keep=kwargs.get("logits_to_keep"),
-                                 model_inputs={k: v for k, v in kwargs.items() if k not in plain})
-            self._fed_hidden = out.hidden
-            return out.logits
-
-        return runner
 
     def committed_hidden(self, end: torch.Tensor):
         """After a forward with :attr:`hidden_layers` and its commit: the hidden states of the
@@ -397,64 +340,8 @@ class ModelState:
         nodes = path.to(self.device).gather(1, along.clamp(0, path.shape[1] - 1))
         self.kv.gather_slots(first, torch.where(take, base[:, None] + nodes, cols))
         if self.hidden is not None:  # the accepted nodes' hidden states in chain order too
-            self._hidden_path(start.to(self.device), path[:, :count].to(self.device), depth < accepted.to(self.device)[:, None])
-
-    def _hidden_path(self, start: torch.Tensor, path: torch.Tensor, take: torch.Tensor) -> None:
-        """Token ``start[b] + j`` takes the hidden states of node ``path[b, j]`` where ``take[b, j]``."""
-        states, first = self.hidden
-        dest = (start - first)[:, None] + torch.arange(path.shape[1], device=self.device)[None, :]  # [B, A]
-        source = (start - first)[:, None] + path  # [B, A]
-        rows = torch.arange(self.batch_size, device=self.device)[:, None].expand_as(dest)
-        for h in states.values():
-            h[rows[take], dest[take]] = h[rows[take], source[take]].clone()
-
-    def _chunk(self, first_slot: int, width: int, layout: Layout | None = None,
-               padded: bool = True) -> tuple[torch.Tensor, ...]:
-        """The columns the next forward feeds, ``width`` of them padded to a compiled width F ->
-        (index [B, F]: each row's token index there, real [B, F], ids [B, F], positions [B, F] or
-        [3, B, F] for mRoPE). A tree ``layout`` feeds ``width`` columns exactly (its forward is never
-        compiled), each at the position of its column in its own chain (``Layout.chain_columns``).
-        ``padded``: whether some row starts after slot 0 (False: no row has left padding)."""
-        # a tree's forward, and one that keeps hidden states, is never compiled: nothing to pad to
-        unpadded = layout is not None or self.hidden_layers
-        fed = width if unpadded else self.kv.padded_width(width, self.is_first_iteration)
-        chunk_slots = first_slot + torch.arange(fed, device=self.device)[None, :]  # [1, F]
-        if self.batch_size == 1 and not padded:  # one row from slot 0: its tokens, then a compiled width's padding
-            self.grow(first_slot + fed)
-            index, ids = chunk_slots, self.tokens[:, first_slot: first_slot + fed]
-            if fed == width:
-                real, bad = torch.ones_like(index, dtype=torch.bool), ids >= self.vocab_limit
-            else:
-                real = index < first_slot + width
-                bad = ~real | (ids >= self.vocab_limit)
-        else:
-            index = chunk_slots - self.offsets[:, None]  # [B, F] token index at each chunk slot
-            real = (index >= 0) & (index < self.lengths[:, None])
-            ids = self.tokens.gather(1, index.clamp(0, self.tokens.shape[1] - 1))
-            bad = ~real | (ids >= self.vocab_limit)
-        # ids a smaller (padded) embedding lacks can only come from the target's tokens: the
-        # model sees padding there, which can only change what an assistant proposes
-        ids = ids.masked_fill(bad, self.pad_token_id)  # [B, F]
-        at = index
-        if layout is not None:  # a node at its root's position plus its depth
-            columns = torch.arange(fed, device=self.device)[None, :]
-            at = index + layout.chain_columns(fed, self.batch_size, self.device) - columns
-        if self.position_limit is not None:  # learned positions: refuse a token past them, keep padding inside
-            self._check_positions()
-            at = at.clamp(max=self.position_limit - 1)  # only padded columns move (real ones are below)
-        return index, real, ids, self.positions(at)
-
-    def _check_positions(self) -> None:
-        """Before a forward: no row may feed a token at or past the learned positions. ``generate()``
-        fails there with an ``IndexError`` inside the forward; the run stops before it, saying why."""
-        longest = int(self.lengths.max())
-        if longest > self.position_limit:
-            limit = self.position_limit
-            raise ValueError(f"{type(self.model).__name__} learned {limit} positions (config.max_position_embeddings"
-                             f"={limit}) and a row now holds {longest} tokens without having stopped: its next "
-                             f"forward would need position {longest - 1}. transformers' generate() fails at this "
-                             f"token too (an IndexError inside the forward); ask for fewer new tokens (a row's prompt "
-                             f"and max_new_tokens together at most {limit + 1})")
+            keep_hidden_path(self, start.to(self.device), path[:, :count].to(self.device),
+                             depth < accepted.to(self.device)[:, None])
 
     # -- cache maintenance --------------------------------------------------------------------
     def _realign(self, valid_ends: torch.Tensor) -> None:
@@ -502,14 +389,3 @@ class ModelState:
     @property
     def cache(self):
         return self.kv.cache
-
-
-def _columns_from(logits: torch.Tensor, first: torch.Tensor | int, count: int) -> torch.Tensor:
-    """logits [B, keep, V] -> [B, count, V]: row b's ``count`` columns from ``first[b]`` (an int:
-    every row's), the last column repeated past the end. Contiguous, as a gather's: a fast output
-    layer's logits are a transposed view, and a processor may write into the scores through their
-    data (xgrammar's bitmask does)."""
-    if isinstance(first, int):
-        return logits[:, first: first + count].contiguous()
-    cols = (first[:, None] + torch.arange(count, device=first.device)[None, :]).clamp(max=logits.shape[1] - 1)
-    return logits.gather(1, cols[..., None].expand(-1, -1, logits.shape[-1]))

@@ -3,12 +3,12 @@
 * :mod:`.costs`: what a target forward costs (:class:`CostModel`, :func:`calibrate`);
 * :mod:`.acceptance`: how often drafts are accepted (:class:`AcceptanceTracker`,
   :class:`ConfidenceCalibration`);
-* :mod:`.plan`: the decision (:func:`expected_tokens`, :func:`choose_width`), one call's
-  :class:`DraftPolicy`, which the run meets through ``plan``, ``admit`` and ``observe``, and the
-  process's :class:`DraftingMemory` of each assistant's measured drafting cost.
+* :mod:`.expected`: the decision's arithmetic (:func:`expected_tokens`, :func:`choose_width`);
+* :mod:`.memory`: the process's :class:`DraftingMemory` of each assistant's measured drafting cost;
+* :mod:`.plan`: one call's :class:`DraftPolicy`, which the run meets through ``plan``, ``admit``
+  and ``observe``.
 
-The arrows point one way: plan uses costs and acceptance, which know nothing of each other or of
-the run. See docs/draft_length.md.
+The arrows point one way: plan uses the others, which know nothing of each other or of the run. See docs/draft_length.md.
 """
 
 from .acceptance import UNTRIED, AcceptanceTracker, ConfidenceCalibration

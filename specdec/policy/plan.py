@@ -1,12 +1,9 @@
 """How many drafts to verify: each step's plan, from measured costs and learnt acceptance.
 
-The model (Leviathan et al. 2023, with measured costs in place of a constant ratio). If the
-drafts at positions 1..K are accepted with conditional probabilities a_1..a_K (a_i: accepted at
-i given 1..i-1 were), one verification commits on average
-
-    E(K) = 1 + sum_{i=1..K} prod_{j<=i} a_j        tokens (the target's own token included)
-
-and costs ``T(K) = draft(K) + verify(K + pending)`` seconds. The policy picks the K that maximises
+The model (Leviathan et al. 2023, with measured costs in place of a constant ratio). A
+verification of K drafts commits E(K) tokens on average (:mod:`.expected`: from a_i, the
+probability that draft i is accepted given 1..i-1 were) and costs
+``T(K) = draft(K) + verify(K + pending)`` seconds. The policy picks the K that maximises
 committed tokens per second, ``E(K) / T(K)``; K = 0 is plain decoding (E = 1, no drafting). A
 batch shares one forward, whose cost follows its widest row, so the batch picks one width W and
 row b verifies ``min(W, available_b)`` drafts; its rows' tokens are weighted by what they save of
@@ -31,8 +28,8 @@ One call's :class:`DraftPolicy` meets the run at three points of a step:
 
 Nothing outside this package reads or writes the policy's members.
 
-:func:`choose_width` is a pure function (tested with hypothesis): never above what rows can
-offer, zero when no width pays, and never a wider block when acceptance falls.
+The batch's width is :func:`~.expected.choose_width`'s; the process remembers each assistant's
+measured drafting cost across calls (:class:`~.memory.DraftingMemory`).
 
 Under sampling, decisions must not depend on timings: a seeded call must reproduce exactly, and
 the random numbers the verifier draws depend on how many drafts each step verifies. There the
@@ -43,8 +40,6 @@ choices follow from the committed tokens alone. See docs/draft_length.md.
 
 from __future__ import annotations
 
-import threading
-import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -54,79 +49,13 @@ from ..kv import CacheSettings
 from ..modelinfo import step_bytes
 from .acceptance import UNTRIED, AcceptanceTracker, ConfidenceCalibration
 from .costs import CostModel
+from .expected import choose_width, expected_row, expected_tokens
+from .memory import DraftingMemory
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..generators import DraftingInfo, StepRecord
 
-
-def expected_tokens(accept: torch.Tensor) -> torch.Tensor:
-    """accept [B, K] conditional acceptance per position -> [B, K+1]: E(k) for k = 0..K."""
-    rows = [_expected(rates) for rates in accept.double().tolist()]
-    return torch.tensor(rows, dtype=torch.float64).reshape(accept.shape[0], accept.shape[1] + 1)
-
-
-def _expected(rates: list[float]) -> list[float]:
-    """E(k) for k = 0..K of one row (plain floats: the loop asks every step, and B x K is small)."""
-    out, reach = [1.0], 1.0
-    for a in rates:
-        reach *= a  # P(drafts 1..i all accepted)
-        out.append(out[-1] + reach)
-    return out
-
-
-def _floats(x):
-    """A tensor's values as (nested lists of) Python floats; a list as it is."""
-    return x.double().tolist() if isinstance(x, torch.Tensor) else x
-
-
-def choose_width(accept: torch.Tensor | list, available: torch.Tensor | list, step_seconds: torch.Tensor | list,
-                 value: torch.Tensor | list | None = None) -> int:
-    """The number of drafts W that maximises the batch's committed tokens per second, each row's
-    tokens weighted by ``value [B]`` (default 1: see :meth:`DraftPolicy.row_values`).
-
-    accept [B, K] conditional acceptance per row and position; available [B] drafts each row can
-    offer (at most K); step_seconds [K+1] the cost of a step that verifies w drafts (w = 0..K),
-    drafting included. Row b verifies ``min(W, available[b])``. Ties go to the smaller W. Each
-    argument may be a tensor or (nested) lists of numbers (what the loop passes: fewer operations).
-    """
-    rows, seconds = _floats(accept), _floats(step_seconds)
-    k = accept.shape[1] if isinstance(accept, torch.Tensor) else len(rows[0]) if rows else len(seconds) - 1
-    offers = [int(a) for a in (available.tolist() if isinstance(available, torch.Tensor) else available)]
-    total = [0.0] * (k + 1)  # committed tokens of the batch for w = 0..K, weighted
-    weights = [1.0] * len(rows) if value is None else _floats(value)
-    for rates, offer, weight in zip(rows, offers, weights):
-        expected = _expected(rates)
-        offer = min(max(offer, 0), k)
-        for w in range(k + 1):
-            total[w] += weight * expected[min(w, offer)]
-    widest = max(offers, default=0)
-    rate = [t / max(c, 1e-12) for t, c in zip(total, seconds)][: widest + 1]
-    best = max(rate)
-    return next(w for w, r in enumerate(rate) if r >= best * (1 - 1e-9))  # the smallest of the best
-
-
-class DraftingMemory:
-    """What the process learnt of a drafting model (an assistant a policy priced) over its calls:
-    its last measured drafting cost per token, as a share of the target's one-token forward at
-    the batch and context it was measured at. A later call of the same assistant starts from it
-    instead of the bytes prior (its own measurements then correct it), and does not try the
-    assistant in a short block as if its drafts were of unknown worth. Kept per model object,
-    forgotten with it."""
-
-    _shares: "weakref.WeakKeyDictionary[torch.nn.Module, float]" = weakref.WeakKeyDictionary()
-    _lock = threading.Lock()
-
-    @classmethod
-    def share(cls, assistant) -> float | None:
-        with cls._lock:
-            return cls._shares.get(assistant) if assistant is not None else None
-
-    @classmethod
-    def learn(cls, assistant, share: float) -> None:
-        if assistant is not None:
-            with cls._lock:
-                cls._shares[assistant] = share
-
+__all__ = ["IDLE_DRIFT", "DraftPolicy", "DraftingMemory", "choose_width", "expected_tokens"]
 
 #: per step that drafts nothing, the share of the way a measured drafting cost moves back to its
 #: prior (about 30 such steps halve the gap)
@@ -387,7 +316,7 @@ class DraftPolicy:
         seconds = self._step_seconds(len(available), pending, context, per_draft)
         out = []
         for accept, offer in zip(self.acceptance.estimate_rows([source] * len(available)), available):
-            expected = _expected(accept)
+            expected = expected_row(accept)
             out.append(max(expected[w] / max(seconds[w], 1e-12) for w in range(offer + 1)))
         return torch.tensor(out, dtype=torch.float64)
 
