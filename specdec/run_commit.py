@@ -1,0 +1,68 @@
+"""CommitSteps: a step's end: the verdict committed, then heard by everyone who learns from it.
+
+A mixin of :class:`~specdec.run.DecodeRun`: its methods read the run's states, stopper, session
+and policy. It builds the committed block, cuts it where rows stop and commits it to the
+target's cache; the step's record then goes to the statistics, the streamer, the followers, the
+generator and the policy.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .generators import StepRecord
+from .verify import Verdict
+
+
+class CommitSteps:
+    def _commit(self, scores: torch.Tensor, draft_ids: torch.Tensor, verdict: Verdict,
+                committed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (block [B, k+1]: the accepted drafts, then the target's token; kept [B]: how much of
+        it each row keeps (cut where it stops; a stopped row that ``generate()`` would not pad
+        goes on); finished [B] bool: the rows that leave the batch). The target's cache then
+        holds the committed prefix. ``scores`` [B, k+1, V]: what the stopping criteria may see."""
+        target = self.target
+        block = torch.cat([draft_ids, verdict.next_token[:, None]], dim=1)  # [B, k+1]
+        if draft_ids.shape[1]:  # the target's token after the accepted drafts
+            block.scatter_(1, verdict.accepted[:, None], verdict.next_token[:, None])
+        counts = verdict.accepted + 1
+        keep, stopped = self.stopper.cut(target.tokens, committed, block, counts, self.prompt_lengths, scores)
+        kept, finished = self.stopper.settle(committed - self.prompt_lengths, counts, keep, stopped)
+        target.commit(committed, block, kept, cached=committed + verdict.accepted)
+        return block, kept, finished
+
+    def _observe(self, record: StepRecord, block: torch.Tensor, committed: torch.Tensor) -> None:
+        """Everyone who learns from the step hears it: statistics, streamer, followers, generator, policy."""
+        self._count(record)
+        self.feed.tokens(block, record.kept)
+        for state in self.followers:
+            if state in self.borrowers:
+                if not state.is_first_iteration:  # the first copy waits for drafts (_draft)
+                    state.mirror(self.target)
+            else:
+                state.sync(self.target.tokens, self.target.lengths, since=committed)
+        drafter = record.drafter_view()  # the generator's drafts only
+        self.session.observe(self.ctx, drafter)
+        if self.policy is not None:
+            self.policy.observe(drafter)
+        # keeping drafts in step is drafting work
+        self.stats.draft_seconds += time.perf_counter() - record.started - record.drafting - record.verifying
+
+    def _count(self, record: StepRecord) -> None:
+        stats = self.stats
+        stats.record_step(record.offered.tolist(), record.accepted.tolist(), record.kept.tolist())
+        if record.tree:
+            stats.record_tree(record.offered.tolist(), record.accepted.tolist())
+        if record.grammar_drafts is not None:
+            stats.record_grammar(record.grammar_drafts.tolist(), record.offered.tolist(), record.accepted.tolist())
+        record = record.drafter_view()
+        stats.draft_seconds += record.drafting
+        stats.verify_seconds += record.verifying
+        stats.compile_seconds += record.compiling
+        if not record.first and not record.compiling:  # the prefill's cost (or a compile's) is not a verification's
+            stats.record_forward(record.fed, record.forward)
+        if self.policy is not None and not record.waiting:  # no drafts asked for, or none of those offered verified
+            declined = (record.asked == 0) | ((record.candidates > 0) & (record.offered == 0))
+            stats.skipped_steps += int((declined & (record.room > 0)).sum())
