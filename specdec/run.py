@@ -116,7 +116,7 @@ class DecodeRun(DraftSteps, TreeSteps, ScoreSteps, CommitSteps, OutputSteps):
         self.outputs: list[torch.Tensor | None] = [None] * prompt.rows.shape[0]
         self.stopper.begin(prompt.input_ids, settings.pad, self.outputs, settings.output_scores)
         self.recorder = ScoreRecorder(prompt.rows.shape[0], settings.output_scores, settings.output_logits)
-        self._tree_engine = None  # the eager engine that runs tree forwards, made at the first tree
+        self._tree_engine = None  # the engine that runs tree forwards (CPU or eager), made at the first tree
         self._tree_refusal: str | None = None  # why this call verifies trees as chains (None: it does not)
 
     def _hidden_layers(self, target) -> tuple[int, ...]:

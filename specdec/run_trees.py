@@ -57,15 +57,18 @@ class TreeSteps:
 
     def _tree_problem(self) -> str | None:
         """Why this call cannot verify trees (None: it can): a grammar (its matchers follow one
-        chain), a distributed call, or a model the eager engine cannot run a tree layout on."""
+        chain), a distributed call, or a model neither the CPU engine's stack nor the eager engine
+        runs a tree layout on."""
         if self.processors is not None and self.processors.grammar is not None:
             return "a grammar constrains the call"
         if not isinstance(self.ranks, Solo):
             return "a distributed call"
         if not self.target.kv.trees:
             return f"engine={self._engine!r} verifies chains"
-        if self._tree_engine is None:
-            self._tree_engine = make_engine("eager", self.target.model)
+        if self._tree_engine is None:  # the CPU engine runs a tree through its stack where it serves the model
+            settings = self.target.kv.settings
+            self._tree_engine = (make_engine("eager", self.target.model) if settings.own_forward else
+                                 make_engine("cpu", self.target.model, fast_head=settings.fast_head))
         try:
             self._tree_engine.check_tree_support(self.target.kv.cache)
         except LayoutNotSupported as error:

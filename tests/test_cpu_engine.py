@@ -92,3 +92,35 @@ def test_what_the_stack_does_not_serve_is_the_eager_engines_forward_bit_for_bit(
     else:
         with pytest.raises(LayoutNotSupported, match="eager engine"):
             engine.check_tree_support()
+
+
+def test_a_decoders_trees_run_through_the_stack_and_give_generates_tokens(llama, monkeypatch):
+    """End to end: greedy prompt lookup with trees (and the hand-made right-branch tree) on a model
+    the stack serves: every tree step's forward through the stack, the output ``generate``'s."""
+    from specdec import SpecDecoder
+    from specdec.engines import CpuEngine
+
+    from helpers import left_pad as pad_rows
+    from helpers import reference
+    from test_trees import CONTESTED, Oracle
+
+    served = []
+    original = CpuEngine._stack_inputs
+    monkeypatch.setattr(CpuEngine, "_stack_inputs",  # (through the stack, whether the cache held anything)
+                        lambda self, *a: served.append((original(self, *a) is not None, a[3].get_seq_length() > 0))
+                        or original(self, *a))
+    ref = reference(llama, CONTESTED, 30)
+    for generator, options in (("prompt_lookup", {"tree": True, "schedule": "fixed", "num_tokens": 6}),
+                               (Oracle(ref, [0]), {})):
+        out = SpecDecoder(llama, generator, **options).generate(CONTESTED, max_new_tokens=30)
+        assert torch.equal(out.sequences, ref)
+        assert out.stats.tree_steps > 0 and "trees" not in out.stats.choices
+    rows = [CONTESTED[0], torch.tensor([20, 21, 22, 23, 20, 21, 24, 25, 20, 21, 22])]
+    padded, mask = pad_rows(rows, pad_id=PAD)
+    out = SpecDecoder(llama, "prompt_lookup", tree=True, schedule="fixed", num_tokens=6).generate(
+        padded, mask, max_new_tokens=24)
+    for b, row in enumerate(rows):
+        want = reference(llama, row[None, :], 24)[0, row.numel():]
+        assert torch.equal(out.sequences[b, padded.shape[1]: padded.shape[1] + want.numel()], want), b
+    # every tree forward ran through the stack but a call's first, with its prompt (a prefill: the model's own)
+    assert len(served) > 6 and all(through == cached for through, cached in served), served

@@ -48,13 +48,14 @@ from .llama_cpp.library import INSTALL_HINT as LLAMA_CPP_INSTALL
 ENGINES = {EagerEngine.name: EagerEngine, CpuEngine.name: CpuEngine}
 
 
-def make_engine(name: str, model) -> Engine:
-    """The engine called ``name``, serving ``model``; an unknown name gets a ValueError with a hint."""
+def make_engine(name: str, model, **options) -> Engine:
+    """The engine called ``name``, serving ``model`` (``options``: its own, e.g. the CPU engine's
+    ``fast_head``); an unknown name gets a ValueError with a hint."""
     from ..names import did_you_mean
 
     if name not in ENGINES:
         raise ValueError(f"unknown engine {name!r}.{did_you_mean(name, ENGINES)} Known: {', '.join(ENGINES)}")
-    return ENGINES[name](model)
+    return ENGINES[name](model, **options)
 
 
 #: ENGINE_CHOICES, what ``engine=`` takes (named in specdec.names, torch-free, for the command

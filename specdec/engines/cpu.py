@@ -60,8 +60,8 @@ class CpuEngine:
 
     name = "cpu"
 
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, model, fast_head: bool = True):
+        self.model, self.fast_head = model, fast_head  # fast_head: the output layer as W @ h.T where it pays
         self.eager = EagerEngine(model)
         self._cache_kwarg = cache_argument(model)
 
@@ -74,7 +74,7 @@ class CpuEngine:
             return self.eager.forward(input_ids, positions, layout=layout, cache=cache, attention_mask=attention_mask,
                                       hidden_layers=hidden_layers, logits_to_keep=logits_to_keep,
                                       model_inputs=model_inputs)
-        out = model_logits(self.model, kwargs, hidden_layers=tuple(hidden_layers))
+        out = model_logits(self.model, kwargs, fast_head=self.fast_head, hidden_layers=tuple(hidden_layers))
         logits, hidden = out if hidden_layers else (out, {})
         return EngineOutput(logits=logits, hidden=hidden)
 
