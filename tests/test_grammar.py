@@ -31,7 +31,8 @@ jsonschema = pytest.importorskip("jsonschema")
 
 import specdec  # noqa: E402
 from specdec import SpecDecoder  # noqa: E402
-from specdec.grammar import Grammar, GrammarConstraint, check_output, compile_grammar, only_token  # noqa: E402
+from specdec.bench.grammar_check import check_output  # noqa: E402
+from specdec.grammar import Grammar, GrammarConstraint, compile_grammar, only_token  # noqa: E402
 from specdec.models import byte_tokenizer  # noqa: E402
 
 from helpers import merged_tokenizer_world, perturbed_copy  # noqa: E402

@@ -1,4 +1,4 @@
-"""The ``suffix`` generator (candidate_generators/suffix.py): exact across calls, its memory shared by
+"""The ``suffix`` generator (candidate_generators/suffix/): exact across calls, its memory shared by
 one decoder's calls only, scoped per call, thread-safe, saved and loaded, within its byte bound."""
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..grammar import Grammar, check_output, compile_grammar
+from ..grammar import Grammar, compile_grammar
+from .grammar_check import check_output
 from ..modelinfo import ForwardTimer, vocab_size
 from ..prompts import encode_chat, left_pad
 from .config import ConfigError, GenerationSettings, MethodConfig

@@ -47,15 +47,16 @@ chosen copy; deleting the file measures again.
 Off the CPU ``auto`` is ``bfloat16`` without measuring (no int8 candidate there needs no extra
 package).
 
+The calibration tokens and the timers are ``choice_timing.py``'s, the time budget and the progress
+bar ``choice_budget.py``'s; this module rates the copies and chooses.
+
 Invariants: the target is only read; nothing measured changes any token of the output (a copy
 only drafts); a candidate that fails to build is left out with the reason recorded.
 """
 
 from __future__ import annotations
 
-import os
 import statistics
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -64,23 +65,20 @@ from typing import Callable
 import torch
 
 from . import choice_file
-from .choice_file import _FORMAT, cache_file, cache_key, save  # noqa: F401  (re-exported)
+from .choice_budget import BUDGET_ENV, BUDGET_SECONDS, Budget, Progress, budget_seconds, progress_shown
+from .choice_file import _FORMAT, cache_file, cache_key, save
+from .choice_timing import (CALIBRATION_TEXT, LONE_STEPS, MIN_ROUNDS, PRUNE_AFTER, STEPS, WIDTHS, StepTimer,
+                            calibration_ids, interleaved, stored_tokenizer)
 
-#: the widths of the target's forwards timed besides its one-token steps: the cost of verifying
-#: drafts, and the draft-length policy's calibration (``specdec.policy.costs.CALIBRATED``)
-WIDTHS = (2, 4, 16)
-#: calibration tokens each model steps through one at a time, timed and compared: a draft steps one
-#: token at a time, and a copy whose activations are quantized per tensor (torch's dynamic int8)
-#: agrees with the target far less over a many-token forward than in one-token steps
-STEPS = 16
+#: the names callers read here (``lowbit.py``, ``self_draft``), some defined in choice_timing.py and choice_budget.py
+__all__ = ["_FORMAT", "BETTER_BY", "BUDGET_ENV", "BUDGET_SECONDS", "CALIBRATION_TEXT", "ENOUGH", "LONE_STEPS", "MAX_DRAFTS",
+           "MIN_ROUNDS", "PRUNE_AFTER", "STEPS", "WIDTHS", "Budget", "Candidate", "Choice", "Progress", "StepTimer",
+           "agreement", "budget_seconds", "cache_file", "cache_key", "calibration_ids", "candidates", "choose",
+           "compared", "expected_speedup", "interleaved", "load", "measure", "progress_shown", "save",
+           "stored_tokenizer", "target_costs"]
+
 #: the most drafts a step may verify when pricing a copy (the policy's default cap)
 MAX_DRAFTS = 16
-#: after this many rounds a copy whose median step is no faster than the target's is no longer
-#: timed: it cannot pay at any agreement
-PRUNE_AFTER = 4
-#: once a stage has a single copy left (the others dropped as no faster than the target), it is
-#: timed this many steps and no more: its figures are compared with nothing, they only price it
-LONE_STEPS = 8
 #: the expected speedup at which a measured copy makes the candidates after it not worth building
 #: (each one more costs a first call some 2-3 s): a copy that clearly pays. The model's figures run
 #: well below what decoding reaches (docs/self_draft.md: the w8a8 copy that gives 1.65-1.78x end
@@ -92,21 +90,6 @@ ENOUGH = 1.1
 #: :func:`candidates` is itself a measured preference (where both draft faster than the target, the
 #: earlier won end to end)
 BETTER_BY = 1.10
-#: seconds measuring may take (building and timing candidates) before the best copy so far is taken:
-#: some four times what a choice takes on an idle machine (3-8 s, docs/self_draft.md), and a bound
-#: on a busy one (349 s seen); ``SPECDEC_CHOICE_BUDGET`` or ``self_draft``'s ``choice_budget`` sets it
-BUDGET_SECONDS = 30.0
-BUDGET_ENV = "SPECDEC_CHOICE_BUDGET"
-#: the rounds a copy is timed even past the budget: one median needs some, and a choice needs a copy
-MIN_ROUNDS = 2
-#: a text to measure agreement on, when a tokenizer can encode it (else the call's prompt)
-CALIBRATION_TEXT = (
-    "The city council met on Tuesday to discuss the new budget. After a long debate, the members agreed "
-    "to spend more on public transport and less on road repairs. Here is a short summary of the plan:\n"
-    "1. Buses will run every ten minutes during rush hour.\n2. Two new bike lanes will open next spring.\n"
-    "3. The price of a monthly pass will stay the same.\nIn Python, the function below returns the sum of "
-    "a list of numbers:\n\ndef total(numbers):\n    result = 0\n    for n in numbers:\n        result += n\n"
-    "    return result\n")
 
 
 @dataclass
@@ -191,110 +174,6 @@ def candidates(model) -> tuple[str, ...]:
     return ("int4", "bfloat16", "dynamic_int8", "w8a8")
 
 
-# -- timing -------------------------------------------------------------------------------------
-class StepTimer:
-    """A model stepping through the calibration tokens ``ids [1, L]`` one at a time, as a draft
-    does, through the cache backends decoding uses (``specdec.kv``): prefilled with all but the
-    last ``steps`` tokens, then :meth:`step` feeds the next one (timed, its greedy next token
-    kept); :meth:`time` times a wider forward and rolls it back."""
-
-    def __init__(self, model, ids: torch.Tensor, steps: int, cache=None):
-        from ..kv import make_kv
-        from ..modelinfo import cache_argument
-
-        self.model = model
-        self.start = self.position = ids.shape[1] - steps
-        room = max(WIDTHS)  # the widest timed forward goes past the text's end: its first tokens again
-        self.ids = torch.cat([ids, ids.repeat(1, room // ids.shape[1] + 1)[:, :room]], dim=1)
-        self.kv = make_kv(model, 1, self.ids.shape[1] + 1, cache)
-        self.cache_kwarg = cache_argument(model)
-        with torch.no_grad():
-            logits = self._forward(0, self.position, True, keep=0)  # [1, start, V]
-        # the greedy next token at each prefilled position, compared for agreement too, except for a
-        # model quantizing a forward's activations per tensor: its many-token forward is not a draft's
-        per_tensor = any(isinstance(m, torch.ao.nn.quantized.dynamic.Linear) for m in model.modules())
-        self.prefilled = [None] * self.start if per_tensor else logits[0].argmax(-1).tolist()
-
-    def _forward(self, start: int, width: int, first: bool = False, keep: int | None = None) -> torch.Tensor:
-        from .packed import measuring
-
-        with measuring():  # no sign of use: these forwards do not get the target's weights packed
-            return self._fed(start, width, first, width if keep is None else keep)
-
-    def _fed(self, start: int, width: int, first: bool, keep: int) -> torch.Tensor:
-        fed = self.kv.padded_width(width, first)
-        kwargs = {"input_ids": self.ids[:, start: start + fed], "position_ids": torch.arange(start, start + fed)[None, :],
-                  self.cache_kwarg: self.kv.cache, "use_cache": True, "logits_to_keep": keep}
-        mask = lambda slots: (torch.arange(slots) < start + width).long()[None, :]  # noqa: E731
-        return self.kv.forward(self.model, kwargs, first_slot=start, width=width, first=first, mask=mask,
-                               needs_mask=False, direct=True)
-
-    def step(self) -> tuple[float, int]:
-        """Feed the next calibration token: (seconds, the greedy next token after it)."""
-        started = time.perf_counter()
-        with torch.no_grad():
-            logits = self._forward(self.position, 1)  # [1, 1, V]
-        seconds = time.perf_counter() - started
-        self.position += 1
-        return seconds, int(logits[0, -1].argmax())
-
-    def time(self, width: int) -> float:
-        """Seconds of one forward of ``width`` tokens at the current position (then rolled back)."""
-        started = time.perf_counter()
-        with torch.no_grad():
-            self._forward(self.position, width)
-        seconds = time.perf_counter() - started
-        self.kv.crop(self.position + width, self.position)
-        return seconds
-
-    def rewind(self) -> "StepTimer":
-        """Back to the first timed token (the cache keeps the prefill); -> this timer."""
-        self.kv.crop(self.position, self.start)
-        self.position = self.start
-        return self
-
-    def release(self) -> None:
-        self.kv.release()
-
-
-def interleaved(timers: dict[str, StepTimer], steps: int, prune_after: int | None = None,
-                out_of_time: Callable[[], bool] | None = None, tick: Callable[[int], None] | None = None,
-                ) -> tuple[dict[str, float], dict[str, list[int]], dict[int, list[float]]]:
-    """Every model of ``timers`` (the target's named ``"target"``) steps through ``steps`` tokens,
-    one step each a round, the order rotating from round to round; the target's forward of one of
-    :data:`WIDTHS` tokens is timed each round, the widths in turn. After ``prune_after`` rounds a
-    model whose median step is no shorter than the target's steps no more (its figures are those
-    of the rounds it ran), and where one copy is left, measuring ends after :data:`LONE_STEPS`
-    rounds (the choice among them cannot change); after :data:`MIN_ROUNDS` it ends as soon as
-    ``out_of_time()`` says so (the time budget). ``tick(r)`` after each round r (progress).
-    -> ({name: median step seconds}, {name: greedy tokens}, {width: the target's seconds at that
-    width, each time})."""
-    names = list(timers)
-    for timer in timers.values():
-        timer.time(1)  # first-use work (kernel selection, allocation) is not a step's cost
-    timers["target"].time(max(WIDTHS))
-    times: dict[str, list[float]] = {name: [] for name in names}
-    tops: dict[str, list[int | None]] = {name: list(timers[name].prefilled) for name in names}
-    wide: dict[int, list[float]] = {width: [] for width in WIDTHS}
-    for r in range(steps):
-        if r == prune_after:
-            target = statistics.median(times["target"])
-            names = [n for n in names if n == "target" or statistics.median(times[n]) < target]
-        if len(names) == 1 or (prune_after is not None and r >= max(prune_after, LONE_STEPS) and len(names) <= 2):
-            break  # no copy left to time, or one whose figures are compared with no other's
-        if out_of_time is not None and r >= MIN_ROUNDS and out_of_time():
-            break  # the budget is spent: these rounds are what the choice is made from
-        for name in names[r % len(names):] + names[: r % len(names)]:
-            seconds, top = timers[name].step()
-            times[name].append(seconds)
-            tops[name].append(top)
-        width = WIDTHS[r % len(WIDTHS)]
-        wide[width].append(timers["target"].time(width))
-        if tick is not None:
-            tick(r)
-    return {name: statistics.median(t) for name, t in times.items()}, tops, wide
-
-
 # -- the choice ---------------------------------------------------------------------------------
 def compared(reference: list[int | None], tops: list[int | None]) -> list[tuple[int, int]]:
     """The (target's, copy's) greedy next tokens at the positions both have one (None: not compared there)."""
@@ -317,84 +196,6 @@ def expected_speedup(accept: float, step: float, target_seconds: Callable[[int],
     rates = [expected[k] / (k * step + target_seconds(k + 1)) for k in range(MAX_DRAFTS + 1)]
     best = max(range(len(rates)), key=rates.__getitem__)
     return rates[best] * target_seconds(1), best
-
-
-class Budget:
-    """The time measuring may take: ``budget()`` says whether it is spent (remembering that it
-    was: :attr:`spent`). ``clock`` is the time in seconds (a test passes its own)."""
-
-    def __init__(self, seconds: float, clock: Callable[[], float] = time.perf_counter):
-        self.seconds, self.clock, self.started, self.spent = seconds, clock, clock(), False
-
-    def elapsed(self) -> float:
-        return self.clock() - self.started
-
-    def left(self) -> float:
-        return max(0.0, self.seconds - self.elapsed())
-
-    def __call__(self) -> bool:
-        if self.elapsed() >= self.seconds:
-            self.spent = True
-        return self.spent
-
-
-def budget_seconds(budget: float | None = None) -> float:
-    """The time budget measuring runs under: ``budget`` where given, else ``SPECDEC_CHOICE_BUDGET``,
-    else :data:`BUDGET_SECONDS`. Raises ValueError, naming it, for one that is not a number >= 0."""
-    where = "choice_budget"
-    if budget is None:
-        text = os.environ.get(BUDGET_ENV, "").strip()
-        if not text:
-            return BUDGET_SECONDS
-        where = BUDGET_ENV
-        try:
-            budget = float(text)
-        except ValueError:
-            raise ValueError(f"{BUDGET_ENV} must be a number of seconds, got {text!r}") from None
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget >= 0:
-        raise ValueError(f"{where} must be a number of seconds >= 0, got {budget!r}")
-    return float(budget)
-
-
-def progress_shown(progress: bool | None) -> bool:
-    """Whether measuring shows a progress bar: ``progress`` where the caller says, else where stderr
-    is a terminal and ``SPECDEC_QUIET`` is not set."""
-    if progress is not None:
-        return bool(progress)
-    quiet = os.environ.get("SPECDEC_QUIET", "").strip().lower() not in ("", "0", "false", "no")
-    return not quiet and hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
-
-
-class Progress:
-    """A ``tqdm`` bar on stderr over the candidates' timing rounds (``steps`` each), saying which
-    copy is being built or timed and the budget left; does nothing where not ``shown``."""
-
-    def __init__(self, names, steps: int, budget: Budget, shown: bool):
-        self.steps, self.budget, self.index, self.bar, self.what = steps, budget, 0, None, ""
-        if shown:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=len(names) * steps, desc="specdec: choosing the draft copy", unit="round",
-                            file=sys.stderr, leave=False, dynamic_ncols=True)
-
-    def stage(self, index: int, name: str, what: str) -> None:
-        self.index = index
-        self._show(index * self.steps, f"{name}: {what}")
-
-    def tick(self, r: int) -> None:
-        self._show(self.index * self.steps + r + 1, None)
-
-    def _show(self, done: int, what: str | None) -> None:
-        if self.bar is None:
-            return
-        self.bar.n = done
-        if what is not None:
-            self.what = what
-        self.bar.set_postfix_str(f"{self.what}, {self.budget.left():.0f} s of the budget left", refresh=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 def measure(target, sample: torch.Tensor, build: Callable, draft_cache=None,
@@ -508,38 +309,6 @@ def _candidate(name: str, step: float, tops: dict[str, list[int | None]], costs,
                      positions=len(compared(tops["target"], tops[name])), agreement=agreement(tops["target"], tops[name]))
     made.expected_speedup, made.drafts = expected_speedup(made.agreement, step, lambda width: float(costs.predict(width)))
     return made
-
-
-def calibration_ids(tokenizer, fallback: torch.Tensor | None, device, longest: int = 128, model=None) -> torch.Tensor:
-    """[1, L] the calibration tokens: :data:`CALIBRATION_TEXT` encoded by ``tokenizer``, or by
-    ``model``'s own tokenizer where one is stored beside its weights (:func:`stored_tokenizer`),
-    else ``fallback`` (the call's first prompt row, often too short to tell copies apart), at most
-    ``longest`` tokens."""
-    ids = None
-    if tokenizer is None and model is not None:
-        tokenizer = stored_tokenizer(model)
-    if tokenizer is not None:
-        try:
-            ids = torch.as_tensor(tokenizer(CALIBRATION_TEXT)["input_ids"], dtype=torch.long)
-        except Exception:  # a tokenizer that cannot encode plain text: use the prompt
-            ids = None
-    if ids is None or ids.numel() < 8:
-        ids = fallback.reshape(-1) if fallback is not None and fallback.numel() >= 2 else torch.arange(2, 34)
-    return ids[:longest].reshape(1, -1).to(device)
-
-
-def stored_tokenizer(model):
-    """The tokenizer saved with ``model``'s weights (its ``name_or_path``, read from disk only:
-    nothing is downloaded), or None."""
-    path = str(getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "") or "")
-    if not path:
-        return None
-    try:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception:  # no tokenizer stored there (or none this transformers can read)
-        return None
 
 
 # -- the cache ----------------------------------------------------------------------------------
