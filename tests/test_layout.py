@@ -16,6 +16,9 @@
 4. Engines are reached through their root only: no module outside ``specdec/engines/`` (the core,
    the plugins, the tests, the benchmarks) imports a module inside it, ``specdec.engines.<name>``,
    in any way rule 1 counts; ``from specdec.engines import Layout`` is the way in.
+5. One job per file: no module of the core, the plugins or the benchmarks is over
+   :data:`MAX_LINES` lines but the bench schema (one pydantic model per section of a YAML file),
+   and the README stays a page (:data:`README_LINES`).
 
 The checkers are plain functions of a source tree, so the tests at the end run them on small
 made-up trees that break each rule, proving each assertion can fail.
@@ -201,6 +204,25 @@ def submodule_imports(root: Path, folders: tuple[str, ...], package: str) -> lis
     return sorted(set(problems))
 
 
+# -- rule 5: one job per file ----------------------------------------------------------------------
+MAX_LINES = 420
+README_LINES = 120
+#: files allowed to be longer: the bench schema, one pydantic model per section of a config
+LONG_ALLOWED = {"specdec/bench/config.py"}
+
+
+def long_files(root: Path, folders: tuple[str, ...], limit: int, allowed: set[str] = frozenset()) -> list[str]:
+    """``path: N lines`` for every ``.py`` file of ``folders`` over ``limit`` lines, but ``allowed``."""
+    found = []
+    for folder in folders:
+        for path in sorted((root / folder).rglob("*.py")):
+            where = path.relative_to(root).as_posix()
+            lines = len(path.read_text().splitlines())
+            if lines > limit and where not in allowed:
+                found.append(f"{where}: {lines} lines")
+    return found
+
+
 # -- rule 2: plugins only -------------------------------------------------------------------------
 def declared_entry_points(root: Path) -> dict[str, str]:
     """The entry points ``pyproject.toml`` declares (the installed metadata before Python 3.11)."""
@@ -262,6 +284,11 @@ def test_the_core_has_no_import_cycle():
 def test_engines_are_imported_through_their_root_only():
     assert (ROOT / "specdec/engines/__init__.py").is_file()  # the package the rule is about exists
     assert submodule_imports(ROOT, OUTSIDE, ENGINES) == []
+
+
+def test_no_file_is_over_the_line_limit():
+    assert long_files(ROOT, (CORE, PLUGINS, "benchmarks"), MAX_LINES, LONG_ALLOWED) == []
+    assert len((ROOT / "README.md").read_text().splitlines()) <= README_LINES
 
 
 # -- each checker fails on a tree that breaks its rule ----------------------------------------------
@@ -365,3 +392,9 @@ def test_an_import_of_an_engine_module_from_outside_is_found_however_written(tmp
     assert found == ["core/a.py:1: imports core.engines.eager", "core/b.py:2: imports core.engines.eager",
                      "core/c.py:1: imports core.engines.cpu.stack", "core/d.py: imports core.engines.eager by name",
                      "plugins/g.py:1: imports core.engines.cpu"], found
+
+
+def test_a_long_file_is_found(tmp_path):
+    root = _tree(tmp_path, {"core/a.py": "x = 1\n" * 5, "core/sub/b.py": "x = 1\n" * 6, "core/c.py": "x = 1\n" * 9,
+                            "core/notes.md": "x\n" * 50})
+    assert long_files(root, ("core",), 5, {"core/c.py"}) == ["core/sub/b.py: 6 lines"]
