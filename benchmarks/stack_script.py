@@ -11,7 +11,12 @@ repetition, so a change of the machine's load skews none of them; medians in mil
 the Python stack's time over the scripted one's. The logits of the two stacks are compared too
 (TorchScript fuses nothing here, so they should be equal bit for bit).
 
-Results: ``benchmarks/results/stack_script/{rows.json,report.md}``.
+A token tree's verifying forward too (the pending token and six nodes in two branches, behind
+the same context): through the CPU engine (the stack with the tree's mask) against the eager
+engine (the model's own forward with a 4-D additive mask), and the largest difference of their
+logits.
+
+Results: ``benchmarks/results/stack_script/threads<N>/{rows.json,report.md}``.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import transformers
 from transformers import StaticCache
 
 from specdec import load_model, machine
+from specdec.engines import Layout, make_engine
 from specdec.forwards import stack
 from specdec.forwards.direct import DirectForward
 from specdec.forwards.lean import LeanForward
@@ -94,6 +100,42 @@ def copy_steps(copy, context: int):
     return {name: (lambda name=name: run(name)) for name in ("own", "scripted", "python")}
 
 
+def tree_steps(model, context: int):
+    """{engine: one tree forward} of the fp32 target: the pending token and six nodes after ``context``."""
+    ids = torch.randint(100, 5000, (1, context + 7), generator=torch.Generator().manual_seed(1))
+    layout = Layout.tree(torch.tensor([[-1, 0, 1, -1, 3, 0]]), start=torch.ones(1, dtype=torch.long))
+    positions = context + layout.chain_columns(7, 1)
+    caches, engines = {}, {"cpu": make_engine("cpu", model), "eager": make_engine("eager", model)}
+    key = cache_argument(model)
+
+    def run(name):
+        out = engines[name].forward(ids[:, context:], positions, layout=layout, cache=caches[name]).logits
+        caches[name].crop(-7)
+        return out
+
+    with torch.inference_mode():
+        for name in engines:
+            caches[name] = new_dynamic_cache()
+            model.forward(input_ids=ids[:, :context], **{key: caches[name]}, use_cache=True)
+    assert engines["cpu"].serves_trees(caches["cpu"]), "the stack does not serve this model's trees here"
+    return {name: (lambda name=name: run(name)) for name in engines}
+
+
+def timed_trees(steps: dict, reps: int) -> dict:
+    seconds = {name: [] for name in steps}
+    with torch.inference_mode():
+        outputs = {name: [step() for _ in range(3)][-1] for name, step in steps.items()}
+        for rep in range(reps):
+            for name in (list(steps) if rep % 2 else list(reversed(steps))):
+                started = time.perf_counter()
+                steps[name]()
+                seconds[name].append(time.perf_counter() - started)
+    row = {f"{name}_ms": round(1000 * statistics.median(s), 3) for name, s in seconds.items()}
+    row["eager_over_cpu"] = round(row["eager_ms"] / row["cpu_ms"], 3)
+    row["max_logit_difference"] = float((outputs["cpu"].float() - outputs["eager"].float()).abs().max())
+    return row
+
+
 def timed(steps: dict, reps: int) -> dict:
     seconds = {name: [] for name in steps}
     outputs = {}
@@ -124,6 +166,7 @@ def main() -> None:
     target, _ = load_model("smollm2-135m")
     target.eval()
     rows = {"target fp32": timed(target_steps(target, args.context), args.reps)}
+    trees = timed_trees(tree_steps(target, args.context), args.reps)
     for weights in ("w8a8", "int4"):
         try:
             copy = build_copy(target, weights)
@@ -136,8 +179,9 @@ def main() -> None:
     meta = {"machine": machine.describe(), "capability": torch.backends.cpu.get_cpu_capability(),
             "torch": torch.__version__, "transformers": transformers.__version__, "threads": args.threads,
             "context": args.context, "reps": args.reps, "specdec_commit": commit}
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "rows.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    out = OUT / f"threads{args.threads}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "rows.json").write_text(json.dumps({"meta": meta, "rows": rows, "trees": trees}, indent=1) + "\n")
     lines = [f"# The stack scripted against run as Python ({meta['machine']}, capability {meta['capability']}, "
              f"{args.threads} thread(s), torch {meta['torch']}, specdec {commit})", "",
              f"One-token steps behind {args.context} cached tokens, medians of {args.reps} taking turns (ms).", "",
@@ -149,7 +193,12 @@ def main() -> None:
             continue
         lines.append(f"| {name} | {row['own_ms']:.2f} | {row['scripted_ms']:.2f} | {row['python_ms']:.2f} | "
                      f"{row['python_over_scripted']:.2f}x | {row['scripted_over_own']:.2f} | {row['equal_logits']} |")
-    (OUT / "report.md").write_text("\n".join(lines) + "\n")
+    lines += ["", "A tree's verifying forward (the pending token and six nodes, the fp32 target), ms:", "",
+              "| CPU engine (the stack) | eager engine | eager / CPU | largest logit difference |",
+              "| --- | --- | --- | --- |",
+              f"| {trees['cpu_ms']:.2f} | {trees['eager_ms']:.2f} | {trees['eager_over_cpu']:.2f}x | "
+              f"{trees['max_logit_difference']:.2g} |"]
+    (out / "report.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

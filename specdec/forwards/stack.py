@@ -205,12 +205,18 @@ def scripted_layers():
     every new shape (the cache's length, the width), 50-150 ms a time, a cost a step would pay."""
     with _SCRIPT_LOCK:
         if decoder_layers not in _SCRIPTED:
+            inline = torch._C._jit_get_inline_everything_mode()
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
+                    # every function it calls inlined: the unoptimized executor otherwise runs each
+                    # call (a layer, a product, a norm) as a frame of its own, a few microseconds each
+                    torch._C._jit_set_inline_everything_mode(True)
                     _SCRIPTED[decoder_layers] = torch.jit.script(decoder_layers)
             except Exception:  # a torch without TorchScript, or one that cannot script it
                 _SCRIPTED[decoder_layers] = None
+            finally:
+                torch._C._jit_set_inline_everything_mode(inline)
         return _SCRIPTED[decoder_layers]
 
 
@@ -296,6 +302,9 @@ class LlamaStack(torch.nn.Module):
         self.scripted = self.function is not decoder_layers
         self.unpacked = [[torch.empty(0)] * 7 for _ in decoder.layers]
         self.stacked = torch.nn.ModuleList(_StackedLayer(layer) for layer in decoder.layers) if self.kind >= INT8 else None
+        #: a copy's tensors, fixed once stacked (the copy is private: nothing replaces its layers)
+        self._stacked_tensors = None if self.stacked is None else (
+            [], [layer.parts for layer in self.stacked], [layer.biases for layer in self.stacked])
 
     @property
     def low_bit(self) -> bool:
@@ -306,8 +315,8 @@ class LlamaStack(torch.nn.Module):
         ``"float"`` stack read from the model as it holds them now, or None where a projection is no
         longer a plain ``nn.Linear`` (a layer replaced since, e.g. by an adapter), so a weight
         replaced or a module swapped is never computed stale; a copy's stacked ones otherwise."""
-        if self.stacked is not None:
-            return [], [layer.parts for layer in self.stacked], [layer.biases for layer in self.stacked]
+        if self._stacked_tensors is not None:
+            return self._stacked_tensors
         linears, parts, biases = [], [], []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
