@@ -16,7 +16,7 @@ import torch
 from .distributed import Solo
 from .engines import Layout, LayoutNotSupported, make_engine
 from .generators import Proposal
-from .verify import TreeVerdict, leaf_chains, tree_greedy_verify, tree_point_mass_sample
+from .verify import TreeVerdict, leaf_chains, tree_greedy_verify, tree_point_mass_sample, tree_speculative_sample
 
 
 class TreeSteps:
@@ -37,11 +37,6 @@ class TreeSteps:
         """A checked tree proposal and the nodes admitted per row [B] -> the proposal this step
         verifies: the tree itself, or its leading chain where the step cannot verify a tree (or the
         nodes admitted form a chain in every row, which the chain's faster path verifies)."""
-        if self.settings.sampling.do_sample and proposal.probs is not None:
-            raise NotImplementedError(
-                f"candidate generator {self.plugin!r} proposed a token tree with draft probabilities: sampling "
-                "verifies point-mass trees only for now (recursive rejection over stochastic siblings is not "
-                "built); propose probs=None, a chain, or decode greedily")
         # a first forward's prefill-only inputs (images) pass with the first step: trees after it
         passing = self.target.is_first_iteration and bool(self.target.prefill_inputs)
         reason = self._tree_refusal or (None if passing else self._tree_problem())
@@ -101,13 +96,18 @@ class TreeSteps:
         return out
 
     def _verify_tree(self, scores: torch.Tensor, node_ids: torch.Tensor, parents: torch.Tensor,
-                     offered: torch.Tensor) -> TreeVerdict:
-        """A tree's scores [B, k+1, V] -> its verdict: greedy, or the target sampled from the root
-        down where a point-mass child holds the sampled token (specdec/verify.py)."""
+                     offered: torch.Tensor, probs: torch.Tensor | None = None) -> TreeVerdict:
+        """A tree's scores [B, k+1, V] -> its verdict: greedy; or sampled: the target sampled from
+        the root down where a point-mass child holds the sampled token, or, with the nodes' draft
+        distributions ``probs [B, k, V]``, recursive rejection over each node's children
+        (specdec/verify.py)."""
         sampling = self.settings.sampling
         if not sampling.do_sample:
             return tree_greedy_verify(scores, node_ids, parents, offered)
         target_probs = torch.softmax(scores, dim=-1) if self.processors is not None else sampling.probs(scores)
+        if probs is not None:
+            return tree_speculative_sample(target_probs.float(), node_ids, parents, offered,
+                                           probs[:, : node_ids.shape[1]], self.settings.generator)
         return tree_point_mass_sample(target_probs.float(), node_ids, parents, offered, self.settings.generator)
 
 

@@ -23,7 +23,17 @@ i (each node's own root-to-node chain). Verification walks from the root:
 * sampling with point-mass nodes (:func:`tree_point_mass_sample`): sample the target's token at
   the root, descend to a child holding that token if there is one, repeat; the first sample with
   no such child is the next token. Each committed token is then a sample of the target's
-  distribution given the path before it, whatever the tree, so the output is exact.
+  distribution given the path before it, whatever the tree, so the output is exact;
+* sampling with drafted siblings (:func:`tree_speculative_sample`, multi-draft speculative
+  sampling by recursive rejection): at a node, its children are tried in node order, child j
+  accepted with probability min(1, P(x_j) / Q_j(x_j)), where ``Q_j`` is the distribution child j
+  was drawn from *given its earlier siblings* (the proposal's ``probs[b, j]``: the parent's
+  draft distribution for siblings drawn with replacement, that distribution without the earlier
+  siblings' tokens, renormalized, for siblings drawn without replacement), and ``P`` the target's
+  distribution there, replaced after each rejection by norm(max(0, P - Q_j)); the first accepted
+  child is descended into, and where none is, the next token is sampled from what ``P`` became.
+  Each round is a speculative sampling step whose result is exactly its ``P`` (whatever its
+  proposal, so long as the child was drawn from it), so each committed token is the target's.
 
 Both return a :class:`TreeVerdict`: the accepted depth, the next token, and the accepted path as
 node indices (``path[b, :accepted[b]]``, root to deepest), from which the run builds the chain it
@@ -184,6 +194,48 @@ def tree_point_mass_sample(target_probs: torch.Tensor, node_ids: torch.Tensor, p
         if not bool(found.any()):
             break
         node = torch.where(found, child.float().argmax(dim=1), node)
+        accepted = accepted + found.long()
+    return TreeVerdict(accepted, next_token, _path_of(torch.where(accepted > 0, node, -1), parents, accepted))
+
+
+def tree_speculative_sample(target_probs: torch.Tensor, node_ids: torch.Tensor, parents: torch.Tensor,
+                            lengths: torch.Tensor, draft_probs: torch.Tensor,
+                            generator: torch.Generator | None = None) -> TreeVerdict:
+    """target_probs [B, K+1, V] (as :func:`tree_greedy_verify`'s columns); nodes node_ids [B, K]
+    drawn from draft_probs [B, K, V] (node i from ``draft_probs[b, i]``, given its parent and its
+    earlier siblings) -> recursive rejection from the root down (see the module docstring)."""
+    batch, k = node_ids.shape
+    device = target_probs.device
+    parents = _tree_parents(parents, lengths)
+    draft_probs = draft_probs.to(device=device, dtype=target_probs.dtype)
+    rows = torch.arange(batch, device=device)
+    node = torch.full((batch,), -1, dtype=torch.long, device=device)  # [B] current node (-1: the root)
+    accepted = torch.zeros(batch, dtype=torch.long, device=device)
+    next_token = torch.zeros(batch, dtype=torch.long, device=device)
+    open_rows = torch.ones(batch, dtype=torch.bool, device=device)
+    for _ in range(k + 1):
+        residual = target_probs[rows, node + 1]  # [B, V] the target at the current node
+        chosen = torch.full_like(node, -1)  # [B] the accepted child (-1: none yet)
+        for j in range(k):  # children in node order: each a round of speculative sampling
+            trying = open_rows & (chosen < 0) & (parents[:, j] == node)
+            if not bool(trying.any()):
+                continue
+            q, x = draft_probs[:, j], node_ids[:, j]  # [B, V], [B]
+            p_x, q_x = residual.gather(1, x[:, None])[:, 0], q.gather(1, x[:, None])[:, 0]
+            u = torch.rand(batch, device=device, generator=generator, dtype=residual.dtype)
+            take = trying & (u * q_x < p_x)  # accepted with probability min(1, p(x) / q(x))
+            chosen = torch.where(take, j, chosen)
+            rejected = trying & ~take
+            left = (residual - q).clamp_min(0)
+            mass = left.sum(dim=-1, keepdim=True)
+            residual = torch.where(rejected[:, None] & (mass > 0), left / mass.clamp_min(1e-30), residual)
+        found = chosen >= 0
+        token = torch.multinomial(residual, 1, generator=generator)[:, 0]  # [B] where no child was taken
+        next_token = torch.where(open_rows & ~found, token, next_token)
+        open_rows = found
+        if not bool(found.any()):
+            break
+        node = torch.where(found, chosen, node)
         accepted = accepted + found.long()
     return TreeVerdict(accepted, next_token, _path_of(torch.where(accepted > 0, node, -1), parents, accepted))
 

@@ -19,7 +19,7 @@ from specdec import SpecDecoder
 from specdec.generators import CandidateGenerator, DraftingInfo, Proposal
 from specdec.models import TINY_ARCHS
 from specdec.sampling import SamplingParams
-from specdec.verify import tree_greedy_verify, tree_point_mass_sample
+from specdec.verify import tree_greedy_verify, tree_point_mass_sample, tree_speculative_sample
 
 from helpers import commit_verdict, left_pad, reference
 from test_sampling_lossless import (N, TINY_VOCAB, VOCAB, X0, assert_same_distribution, chain_joint,
@@ -100,6 +100,71 @@ def test_point_mass_tree_sampling_commits_the_target_distribution(params):
     target_table, _ = markov_tables(params)
     first = run_tree(target_table, seed=11)
     assert_same_distribution(joint_counts(first, VOCAB), chain_joint(target_table).flatten())
+
+
+def drafted_siblings(draft_table: torch.Tensor, last: torch.Tensor, parents: torch.Tensor, replacement: bool,
+                     g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each node drawn from the draft's distribution after its parent's token (``draft_table``),
+    with or without its earlier siblings' tokens -> (node_ids [N, K], probs [N, K, V]: the
+    distribution each node was drawn from)."""
+    n, k = parents.shape
+    node_ids = torch.zeros(n, k, dtype=torch.long)
+    probs = torch.zeros(n, k, draft_table.shape[1])
+    rows = torch.arange(n)
+    for i in range(k):
+        p = parents[:, i]
+        before = torch.where(p >= 0, node_ids[rows, p.clamp(min=0)], last)  # [N] the parent's token
+        q = draft_table[before].clone()  # [N, V]
+        if not replacement:
+            for j in range(i):  # an earlier sibling's token is not drawn again
+                sibling = parents[:, j] == p
+                q[rows[sibling], node_ids[sibling, j]] = 0.0
+            q = q / q.sum(dim=-1, keepdim=True)
+        probs[:, i] = q
+        node_ids[:, i] = torch.multinomial(q, 1, generator=g)[:, 0]
+    return node_ids, probs
+
+
+def run_stochastic_tree(target_table: torch.Tensor, draft_table: torch.Tensor, replacement: bool, seed: int,
+                        nodes: int = 5, claim_target: bool = False) -> torch.Tensor:
+    """As :func:`run_tree`, with nodes drawn from the draft (``drafted_siblings``) and verified by
+    recursive rejection (``claim_target``: told they were drawn from the target's own distribution,
+    a wrong claim); -> [N, 3] first committed tokens."""
+    g = torch.Generator().manual_seed(seed)
+    out = torch.full((N, 3 * (nodes + 1)), -1, dtype=torch.long)
+    count = torch.zeros(N, dtype=torch.long)
+    last = torch.full((N,), X0, dtype=torch.long)
+    index = torch.arange(nodes)
+    for _ in range(3):
+        parents = (torch.rand(N, nodes, generator=g) * (index + 1)).long() - 1
+        node_ids, probs = drafted_siblings(draft_table, last, parents, replacement, g)
+        lengths = torch.randint(0, nodes + 1, (N,), generator=g)
+        context = torch.cat([last[:, None], node_ids], 1)
+        if claim_target:
+            probs = target_table[context.gather(1, parents + 1)]  # [N, K, V] the target after each parent
+        verdict = tree_speculative_sample(target_table[context], node_ids, parents, lengths, probs, g)
+        last = commit_verdict(out, count, node_ids.gather(1, verdict.path), verdict)
+    return out[:, :3]
+
+
+@pytest.mark.parametrize("replacement, params", [(True, SamplingParams(True, 1.0)),
+                                                 (True, SamplingParams(True, 0.7, top_k=4)),
+                                                 (False, SamplingParams(True, 1.0)),
+                                                 (False, SamplingParams(True, 0.6))],
+                         ids=["with_replacement", "with_replacement_top_k", "without", "without_cold"])
+def test_drafted_siblings_by_recursive_rejection_commit_the_target_distribution(replacement, params):
+    target_table, draft_table = markov_tables(params)
+    first = run_stochastic_tree(target_table, draft_table, replacement, seed=13)
+    assert_same_distribution(joint_counts(first, VOCAB), chain_joint(target_table).flatten())
+
+
+def test_siblings_judged_against_the_wrong_draft_distribution_are_caught():
+    """The same check on nodes verified as if drawn from the target itself (every first sibling
+    accepted: the committed tokens follow the draft) fails, so the test above can fail."""
+    target_table, draft_table = markov_tables(SamplingParams(True, 1.0))
+    first = run_stochastic_tree(target_table, draft_table, True, seed=13, claim_target=True)
+    with pytest.raises(AssertionError, match="biased|total variation"):
+        assert_same_distribution(joint_counts(first, VOCAB), chain_joint(target_table).flatten())
 
 
 # -- greedy, end to end -----------------------------------------------------------------------------
@@ -196,20 +261,59 @@ def test_tree_sampling_end_to_end_samples_the_target_distribution():
     assert_same_distribution(joint_counts(new, TINY_VOCAB), exact_three_token_joint(target, prompt, params))
 
 
+class DrawnSiblings(CandidateGenerator):
+    """Three root children drawn without replacement from a fixed draft distribution over the tiny
+    vocabulary, and a child of the first drawn from it again: a tree whose nodes carry ``probs``."""
+
+    name = "drawn_siblings"
+
+    def __init__(self, seed: int = 5):
+        self.gen = torch.Generator().manual_seed(seed)
+        self.q = torch.softmax(torch.randn(TINY_VOCAB, generator=torch.Generator().manual_seed(seed)) * 1.5, -1)
+
+    def drafting(self) -> DraftingInfo:
+        return DraftingInfo(max_drafts=None)
+
+    def propose(self, ctx, max_drafts):
+        batch, parents = ctx.batch_size, [-1, -1, -1, 0]
+        ids = torch.zeros(batch, 4, dtype=torch.long)
+        probs = torch.zeros(batch, 4, TINY_VOCAB)
+        for i, parent in enumerate(parents):
+            q = self.q.expand(batch, -1).clone()
+            if parent == -1:  # root children: without the earlier ones' tokens
+                for j in range(i):
+                    q[torch.arange(batch), ids[:, j]] = 0.0
+                q = q / q.sum(-1, keepdim=True)
+            probs[:, i], ids[:, i] = q, torch.multinomial(q, 1, generator=self.gen)[:, 0]
+        room = max_drafts.clamp(max=4).to(torch.long)
+        return Proposal(ids, room, probs=probs, parents=torch.tensor([parents] * batch))
+
+
+def test_a_tree_of_drawn_siblings_samples_the_target_distribution_end_to_end():
+    target = tiny_vocab_llama(0)
+    prompt = torch.tensor([[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]])
+    params = SamplingParams(True, 0.8, top_k=6)
+    out = SpecDecoder(target, DrawnSiblings()).generate(
+        prompt.repeat(N, 1), max_new_tokens=3, do_sample=True, temperature=params.temperature, top_k=params.top_k,
+        generator=torch.Generator().manual_seed(1))
+    new = out.sequences[:, prompt.shape[1]:]
+    assert out.stats.tree_steps >= N and out.stats.tree_depth > 0
+    assert_same_distribution(joint_counts(new, TINY_VOCAB), exact_three_token_joint(target, prompt, params))
+
+
 # -- refusals ---------------------------------------------------------------------------------------
 class Fixed(CandidateGenerator):
     name = "fixed_tree"
 
-    def __init__(self, parents, probs: bool = False):
-        self.parents, self.probs = parents, probs
+    def __init__(self, parents):
+        self.parents = parents
 
     def drafting(self) -> DraftingInfo:
         return DraftingInfo(max_drafts=None)
 
     def propose(self, ctx, max_drafts):
         k = len(self.parents)
-        probs = torch.full((ctx.batch_size, k, 320), 1 / 320) if self.probs else None
-        return Proposal(torch.full((ctx.batch_size, k), 7), torch.full((ctx.batch_size,), k), probs=probs,
+        return Proposal(torch.full((ctx.batch_size, k), 7), torch.full((ctx.batch_size,), k),
                         parents=torch.tensor([self.parents] * ctx.batch_size))
 
 
@@ -219,9 +323,3 @@ def test_a_malformed_tree_is_refused_naming_the_plugin(pairs, parents, problem):
     target, _, _ = pairs("llama")
     with pytest.raises(ValueError, match=f"'fixed_tree'.*{problem}"):
         SpecDecoder(target, Fixed(parents)).generate(CONTESTED, max_new_tokens=8)
-
-
-def test_a_tree_with_draft_probabilities_is_refused_under_sampling(pairs):
-    target, _, _ = pairs("llama")
-    with pytest.raises(NotImplementedError, match="'fixed_tree'.*draft probabilities"):
-        SpecDecoder(target, Fixed([-1, -1], probs=True)).generate(CONTESTED, max_new_tokens=8, do_sample=True)
