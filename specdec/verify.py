@@ -35,7 +35,7 @@ i (each node's own root-to-node chain). Verification walks from the root:
   Each round is a speculative sampling step whose result is exactly its ``P`` (whatever its
   proposal, so long as the child was drawn from it), so each committed token is the target's.
 
-Both return a :class:`TreeVerdict`: the accepted depth, the next token, and the accepted path as
+Each returns a :class:`TreeVerdict`: the accepted depth, the next token, and the accepted path as
 node indices (``path[b, :accepted[b]]``, root to deepest), from which the run builds the chain it
 commits. :func:`leaf_chains` gives the root-to-leaf chains along which the run processes a tree's
 scores.

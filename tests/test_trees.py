@@ -7,7 +7,9 @@
   with a different tree per row; a hand-made generator whose right branch at depth 2 follows a
   wrong first sibling accepts deeper than its leading chain, with the same output;
 * logits processors along each node's own path; sampling end to end (chi-square on a tiny vocab);
-* malformed trees, and trees with draft probabilities under sampling, refused naming the plugin.
+* drafted siblings (recursive rejection), with and without replacement: chi-square against a Markov
+  chain's exact joint, a wrong claim caught, and end to end;
+* malformed trees refused naming the plugin.
 """
 
 from __future__ import annotations
