@@ -218,10 +218,13 @@ class DecodeRun(DraftSteps, TreeSteps, ScoreSteps, CommitSteps, OutputSteps):
                                          self.settings.sampling.do_sample, draft_ids)
         else:  # a tree: verified from the root, then the chain it accepted (columns and cache entries)
             scores = self._tree_scores(logits, draft_ids, parents, offered, committed)  # [B, k+1, V]
-            verdict = self._verify_tree(scores, draft_ids, parents, offered, proposal.probs)
+            verifiable, dead_columns = self._tree_dead_ends(scores)  # a grammar's columns that allow nothing
+            verdict = self._verify_tree(verifiable, draft_ids, parents, offered, proposal.probs)
             columns = torch.cat([torch.zeros_like(verdict.path[:, :1]), verdict.path + 1], dim=1)  # [B, k+1]
             draft_ids = draft_ids.gather(1, verdict.path)  # [B, k]: the accepted path's tokens first
             scores, logits = (_columns(x, columns) for x in (scores, logits))
+            if dead_columns is not None:  # the first such column along the accepted path, as a chain's
+                _, dead = self._dead_ends(scores, verdict.accepted)
             target.keep_path(committed, verdict.path, verdict.accepted)
         block, kept, finished = self._commit(scores, draft_ids, verdict, committed)  # [B, k+1], [B], [B]
         if dead is not None:

@@ -80,8 +80,8 @@ class DraftSteps:
         made, candidates, offered = self._admit(proposal, asked)
         if proposal.is_tree:
             proposal, offered = self._tree_or_chain(proposal, offered)
-        if self.processors is not None and self.processors.grammar is not None:
-            proposal, offered = self._constrain(proposal, offered, room)
+        if self.processors is not None and self.processors.grammar is not None and not proposal.is_tree:
+            proposal, offered = self._constrain(proposal, offered, room)  # a tree's nodes are masked where verified
         return proposal, drafted, (made, candidates, offered)
 
     def _admit(self, proposal: Proposal, asked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -51,11 +51,8 @@ class TreeSteps:
         return chain, torch.minimum(offered, chain.lengths.to(offered.device))
 
     def _tree_problem(self) -> str | None:
-        """Why this call cannot verify trees (None: it can): a grammar (its matchers follow one
-        chain), a distributed call, or a model neither the CPU engine's stack nor the eager engine
-        runs a tree layout on."""
-        if self.processors is not None and self.processors.grammar is not None:
-            return "a grammar constrains the call"
+        """Why this call cannot verify trees (None: it can): a distributed call, or a model neither
+        the CPU engine's stack nor the eager engine runs a tree layout on."""
         if not isinstance(self.ranks, Solo):
             return "a distributed call"
         if not self.target.kv.trees:
@@ -94,6 +91,17 @@ class TreeSteps:
             valid = torch.arange(width + 1, device=out.device)[None, :] <= depth[:, None]  # [B, d+1]
             out[rows.expand_as(columns)[valid], columns[valid]] = processed[valid]
         return out
+
+    def _tree_dead_ends(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Under a grammar, a tree's scores [B, k+1, V] with every column that allows no token at all
+        scored uniformly (so a verdict can be drawn; one that reaches such a column ends the run, as
+        a chain's does) -> (those scores, the columns [B, k+1] bool), or (scores, None)."""
+        if self.processors is None or self.processors.grammar is None:
+            return scores, None
+        dead = scores.amax(dim=-1).isneginf()  # [B, k+1]
+        if not bool(dead.any()):
+            return scores, None
+        return scores.masked_fill(dead[..., None], 0.0), dead
 
     def _verify_tree(self, scores: torch.Tensor, node_ids: torch.Tensor, parents: torch.Tensor,
                      offered: torch.Tensor, probs: torch.Tensor | None = None) -> TreeVerdict:

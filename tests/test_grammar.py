@@ -12,7 +12,8 @@
   tokens, is the state of never having drafted.
 * **Sampling.** On a tiny 8-token Llama whose tokens are letters, a regular expression with a
   forced token: the joint distribution of three sampled tokens passes the chi-square test against
-  the exact masked distribution.
+  the exact masked distribution (prompt lookup, a draft model, prompt lookup's trees).
+* **Trees.** A tree with a wrong sibling under each grammar, greedy: ``generate()``'s output.
 * **Doors and errors.** ``model.generate(custom_generate=...)`` with ``grammar=`` or with
   xgrammar's processor in ``logits_processor=``; the compiled grammar is cached per tokenizer and
   grammar; a missing tokenizer, an ambiguous string and a grammar that does not compile are
@@ -32,6 +33,7 @@ jsonschema = pytest.importorskip("jsonschema")
 import specdec  # noqa: E402
 from specdec import SpecDecoder  # noqa: E402
 from specdec.bench.grammar_check import check_output  # noqa: E402
+from specdec.generators import CandidateGenerator, DraftingInfo, Proposal  # noqa: E402
 from specdec.grammar import Grammar, GrammarConstraint, compile_grammar, only_token  # noqa: E402
 from specdec.models import byte_tokenizer  # noqa: E402
 
@@ -112,6 +114,47 @@ def test_greedy_with_a_grammar_equals_generate_with_xgrammars_processor(world, g
     assert_valid(grammar, compiled[grammar], new_rows(out.sequences, ids.shape[1], tok), tok)
     if generator in ("none", "prompt_lookup"):  # drafters that do not see the grammar: it adds what it forces
         assert out.stats.grammar_drafts > 0 and out.stats.grammar_accepted > 0
+
+
+class TreeOracle(CandidateGenerator):
+    """From the known output ``ref`` (rows left-padded by ``pads``): the right token, under it a wrong
+    sibling before the right second token, and the third under that: a tree in every step."""
+
+    name = "grammar_tree_oracle"
+
+    def __init__(self, ref: torch.Tensor, pads: list[int], vocab: int):
+        self.ref, self.pads, self.vocab = ref, pads, vocab
+
+    def drafting(self):
+        return DraftingInfo(max_drafts=None)
+
+    def propose(self, ctx, max_drafts):
+        rows = []
+        for b in range(ctx.batch_size):
+            at = self.pads[b] + int(ctx.lengths[b])
+            truth = self.ref[b, at: at + 3].tolist()
+            if len(truth) < 3 or int(max_drafts[b]) < 4:
+                rows.append([])
+                continue
+            rows.append([(truth[0], -1), ((truth[1] + 1) % self.vocab, 0), (truth[1], 0), (truth[2], 2)])
+        return Proposal.from_tree(rows)
+
+
+def test_token_trees_under_a_grammar_equal_generate_with_xgrammars_processor(world):
+    """Trees verified under each grammar: every node masked along its own path (a wrong sibling the
+    grammar forbids, or the target does not take), the output ``generate()``'s with xgrammar's
+    processor, and the trees verified as trees."""
+    target, tok, decoders, prompts, compiled, reference = world
+    for grammar in sorted(GRAMMARS):
+        for shape in ("single", "batch"):
+            ids, mask = prompts[shape]
+            want = reference(grammar, shape)
+            pads = (mask == 0).sum(1).tolist()
+            decoder = SpecDecoder(target, TreeOracle(want, pads, target.config.vocab_size), tokenizer=tok)
+            out = decoder.generate(ids, mask, max_new_tokens=NEW, grammar=GRAMMARS[grammar])
+            assert torch.equal(out.sequences, want), (grammar, shape)
+            assert out.stats.tree_steps > 0 and "trees" not in out.stats.choices, (grammar, shape)
+            assert out.stats.tree_depth > out.stats.tree_steps  # past the wrong sibling: deeper than one
 
 
 def test_forced_tokens_alone_cut_the_targets_forwards(world):
@@ -225,19 +268,25 @@ def exact_masked_joint(model, prompt: torch.Tensor, compiled) -> torch.Tensor:
     return joint
 
 
-@pytest.mark.parametrize("drafter", ["prompt_lookup", "draft_model"])
+@pytest.mark.parametrize("drafter", ["prompt_lookup", "draft_model", "prompt_lookup_trees"])
 def test_sampling_with_a_grammar_is_lossless(drafter):
     target = tiny_vocab_llama(0)
     draft = perturbed_copy(target, 0.3, seed=1)
     compiled = letters_grammar()
-    decoder = SpecDecoder(target, draft if drafter == "draft_model" else drafter, num_tokens=3, schedule="fixed")
-    out = decoder.generate(PROMPT.repeat(N, 1), max_new_tokens=3, generator=torch.Generator().manual_seed(0),
+    chosen = {"draft_model": draft, "prompt_lookup_trees": "prompt_lookup"}.get(drafter, drafter)
+    options = {"tree": True} if drafter == "prompt_lookup_trees" else {}
+    # for trees, "1 2" was followed by 3 and by 6: the lookup proposes both continuations
+    prompt = torch.tensor([[1, 2, 3, 4, 5, 1, 2, 6, 4, 5, 1, 2]]) if options else PROMPT
+    decoder = SpecDecoder(target, chosen, num_tokens=3, schedule="fixed", **options)
+    out = decoder.generate(prompt.repeat(N, 1), max_new_tokens=3, generator=torch.Generator().manual_seed(0),
                            do_sample=True, grammar=compiled)
-    new = out.sequences[:, PROMPT.shape[1]:]
+    new = out.sequences[:, prompt.shape[1]:]
     assert new.shape == (N, 3)
-    assert out.stats.grammar_drafts > 0 or drafter == "draft_model"  # a draft model drafts the forced tokens itself
+    # a draft model drafts the forced tokens itself; a tree step takes no grammar drafts (its nodes are masked)
+    assert out.stats.grammar_drafts > 0 or drafter in ("draft_model", "prompt_lookup_trees")
     assert 0 < out.stats.accepted_tokens < out.stats.drafted_tokens
-    assert_same_distribution(joint_counts(new, TINY_VOCAB), exact_masked_joint(target, PROMPT, compiled))
+    assert drafter != "prompt_lookup_trees" or out.stats.tree_steps > 0
+    assert_same_distribution(joint_counts(new, TINY_VOCAB), exact_masked_joint(target, prompt, compiled))
 
 
 # -- doors and errors -----------------------------------------------------------------------------------
