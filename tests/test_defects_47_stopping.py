@@ -318,6 +318,47 @@ def test_a_dead_end_only_a_rejected_draft_reaches_is_no_error(world):
     assert out.stats.drafted_tokens >= 1  # the draft down the dead path was verified
 
 
+class TreeDrafts(CandidateGenerator):
+    """Proposes the same point-mass tree every step: ``nodes`` as (token, parent) pairs."""
+
+    def __init__(self, nodes):
+        self.nodes = nodes
+
+    def drafting(self):
+        return DraftingInfo(max_drafts=None)
+
+    def propose(self, ctx, max_drafts):
+        return Proposal.from_tree([self.nodes[: int(m)] for m in max_drafts.tolist()])
+
+
+def test_a_tree_under_a_grammar_stops_at_a_dead_end_on_its_path_and_not_off_it(world):
+    """Trees: a column that allows no token stops the call with the chain's error where the accepted
+    path reaches it (after "a" under "ab" with "b" forbidden); one only a rejected sibling leads to
+    (under "xc|yd", the sibling the target does not choose, then its forbidden follower) is no
+    error, and the output is generate()'s."""
+    xgr = pytest.importorskip("xgrammar")
+    from specdec.grammar import Grammar, compile_grammar
+
+    target, tok, _, _, prompts, _ = world
+    ids, mask = prompts["single"]
+    decoder = specdec.SpecDecoder(target, TreeDrafts([(ord("a"), -1), (ord("z"), -1), (ord("b"), 0)]), tokenizer=tok)
+    with pytest.raises(ValueError, match="no token is allowed at new token 2 of row 0"):
+        decoder.generate(ids, max_new_tokens=4, grammar=Grammar.regex("ab"), suppress_tokens=[ord("b")])
+    grammar = Grammar.regex("xc|yd")
+    compiled = compile_grammar(grammar, tok, target.config.vocab_size, [tok.eos_token_id])
+    free = target.generate(ids, max_new_tokens=3, do_sample=False,
+                           logits_processor=[xgr.contrib.hf.LogitsProcessor(compiled)])
+    chosen = chr(int(free[0, ids.shape[1]]))
+    other, dead = ("y", "d") if chosen == "x" else ("x", "c")
+    want = target.generate(ids, max_new_tokens=4, do_sample=False, suppress_tokens=[ord(dead)],
+                           logits_processor=[xgr.contrib.hf.LogitsProcessor(compiled)])
+    tree = TreeDrafts([(ord(other), -1), (ord(dead), 0), (ord(chosen), -1)])
+    out = specdec.SpecDecoder(target, tree, tokenizer=tok).generate(ids, max_new_tokens=4, grammar=grammar,
+                                                                     suppress_tokens=[ord(dead)])
+    assert torch.equal(out.sequences, want)
+    assert out.stats.tree_steps >= 1  # the tree, the dead path in it, was verified as a tree
+
+
 # -- 10. a list of grammars that does not fit the batch ------------------------------------------------------
 @pytest.mark.parametrize("site", SITES)
 def test_a_list_of_grammars_must_fit_the_batch_before_any_forward(world, site):
