@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 
 from specdec.generators import (CandidateGenerator, DecodeContext, DraftingInfo, DraftLengthSchedule, Feedback,
-                                Proposal)
+                                Proposal, continuation_trie)
 from specdec.registry import register_candidate_generator
 
 
@@ -142,46 +142,6 @@ def other_continuations(sequence: torch.Tensor, max_ngram: int, min_ngram: int, 
                 if len(found) == limit:
                     return found
     return found
-
-
-def continuation_trie(continuations: list[list[int]], budget: int) -> list[tuple[int, int]]:
-    """Continuations (the first the main copy) -> at most ``budget`` trie nodes ``(token, parent)``
-    (parent -1: the root), parents first, the first continuation's nodes leading (module docstring)."""
-    if not continuations or budget <= 0:
-        return []
-    first, others = continuations[0], continuations[1:]
-    share = max(1, budget // 4)  # the most nodes one other continuation adds
-    plans = []  # (continuation, where it leaves the first, nodes it adds)
-    for other in others:
-        common = next((i for i, (a, b) in enumerate(zip(first, other)) if a != b), min(len(first), len(other)))
-        if common < len(other):
-            plans.append((other, common, min(share, len(other) - common)))
-    extra, kept = 0, []
-    for plan in plans:
-        if extra + plan[2] > budget // 2:
-            break
-        kept.append(plan)
-        extra += plan[2]
-    main = min(len(first), budget - extra)
-    nodes: list[tuple[int, int]] = []
-    child: dict[tuple[int, int], int] = {}
-
-    def insert(tokens: list[int], adds: int) -> None:
-        parent = -1
-        for token in tokens:
-            if (parent, token) not in child:
-                if adds == 0 or len(nodes) == budget:
-                    return
-                child[(parent, token)] = len(nodes)
-                nodes.append((token, parent))
-                adds -= 1
-            parent = child[(parent, token)]
-
-    insert(first[:main], main)
-    for other, common, adds in kept:
-        if common < main:  # it leaves the (shortened) first copy inside the trie: an alternative
-            insert(other, adds)
-    return nodes
 
 
 def ngram_prior(n: int, contested: bool = False) -> float:

@@ -43,6 +43,7 @@ import torch
 from .context import AssistantHandle, CommittedRows, DecodeContext, DraftAdvice
 from .modelinfo import token_id_list, vocab_size
 from .sampling import SamplingParams
+from .tries import continuation_trie
 
 #: drafts per step the cost-aware policy may ask a generator without a schedule for
 DEFAULT_MAX_DRAFTS = 16
@@ -50,7 +51,7 @@ DEFAULT_MAX_DRAFTS = 16
 #: the plugin API (the context's types and the helpers plugins use are re-exported from their modules)
 __all__ = ["DEFAULT_MAX_DRAFTS", "AssistantHandle", "CandidateGenerator", "CommittedRows", "DecodeContext",
            "DraftAdvice", "DraftLengthSchedule", "DraftingInfo", "Feedback", "NoDraft", "Proposal", "SamplingParams",
-           "StepRecord", "TargetHidden", "declared_drafting", "token_id_list", "vocab_size"]
+           "StepRecord", "TargetHidden", "continuation_trie", "declared_drafting", "token_id_list", "vocab_size"]
 
 @dataclass
 class Proposal:

@@ -68,6 +68,26 @@ def test_a_wrong_memory_costs_speed_never_output(target):
 
 
 # -- the memory -----------------------------------------------------------------------------------
+def test_trees_of_both_structures_are_exact_and_verified_as_trees(target):
+    """``tree=True``: a prompt that repeats itself (the call's own trie drafts what followed) and a
+    memory of the same prompt followed by other text: the two chains differ, the row proposes both
+    as a tree, and the output is ``generate``'s, for one row, across calls and for a left-padded batch."""
+    decoder = SpecDecoder(target, "suffix", tree=True, schedule="fixed", num_tokens=6)  # room for a second branch
+    base = torch.randint(3, 250, (8,), generator=torch.Generator().manual_seed(5))
+    ids = torch.cat([base, base[:5]])[None]  # its last five tokens occurred before, followed by base[5:]
+    fake = ids[0].tolist() + torch.randint(0, 250, (NEW,), generator=torch.Generator().manual_seed(3)).tolist()
+    for _ in range(3):
+        decoder.candidate_generator.memory.add(None, [fake])
+    trees = 0
+    for call in [ids, *prompts(3), ids]:
+        out = decoder.generate(call, max_new_tokens=NEW)
+        assert torch.equal(out.sequences, reference(target, call, NEW))
+        trees += out.stats.tree_steps
+        assert memory_stats(out)["trees"] >= (out.stats.tree_steps > 0)
+    assert trees > 0
+    assert_batch_is_exact(decoder, target)
+
+
 def test_a_second_identical_call_drafts_from_memory(target):
     ids = prompts(1, length=16)[0]  # random: the call alone finds little to copy
     decoder = SpecDecoder(target, "suffix")

@@ -22,9 +22,10 @@ store when it ends (its ``report``), every row with its prompt; ``generate(..., 
 serves concurrent calls from several threads. ``save``, ``load``, ``clear`` and the sizes in
 ``out.stats.generator`` are what a service needs (docs/suffix.md).
 
-One deliberate limit: specdec's ``Proposal`` holds one chain per row (token trees are issue 49), so
-a row proposes its single best chain. :meth:`SuffixTrie.children` already ranks every
-continuation, so proposing a tree changes :meth:`SuffixGenerator.propose` only.
+Trees (``tree=True``, default False): where the row's own chain and the memory's differ, the row
+proposes both as one token tree (``specdec.generators.continuation_trie``: the better leading, the
+other from where it leaves it, within the step's budget; docs/trees.md); where they agree, or one
+has nothing, its chain.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import os
 import torch
 
 from specdec.generators import (CandidateGenerator, DecodeContext, DraftingInfo, DraftLengthSchedule, Feedback,
-                                Proposal)
+                                Proposal, continuation_trie)
 from specdec.registry import register_candidate_generator
 
 from .memory import SuffixMemory, check_scope
@@ -60,14 +61,16 @@ class SuffixGenerator(CandidateGenerator):
     """Suffix decoding; see the module docstring. Options: ``max_depth`` (trie depth: the longest
     match is one token less), ``min_match`` (the shortest match that drafts), ``min_prob`` (a chain
     ends at a continuation less frequent than this), ``match_factor`` (drafts per matched token at
-    most), ``memory_bytes`` (the store's bound; 0: no memory across calls), and the draft-length
-    schedule of prompt_lookup (``schedule``, ``num_tokens``, ``max_tokens``)."""
+    most), ``memory_bytes`` (the store's bound; 0: no memory across calls), ``tree`` (both
+    structures' chains as one tree where they differ), and the draft-length schedule of
+    prompt_lookup (``schedule``, ``num_tokens``, ``max_tokens``)."""
 
     #: keyword arguments of ``generate()`` this generator takes per call (SpecDecoder passes them to for_call)
     call_options = ("memory_scope",)
 
     def __init__(self, *, max_depth: int = 24, min_match: int = 2, min_prob: float = 0.1, match_factor: float = 2.0,
-                 memory_bytes: int = 64 << 20, num_tokens: int = 4, schedule: str = "auto", max_tokens: int = 16):
+                 memory_bytes: int = 64 << 20, num_tokens: int = 4, schedule: str = "auto", max_tokens: int = 16,
+                 tree: bool = False):
         if not isinstance(max_depth, int) or max_depth < 2:
             raise ValueError(f"max_depth must be an int >= 2, got {max_depth!r}")
         if not isinstance(min_match, int) or not 1 <= min_match < max_depth:
@@ -78,6 +81,9 @@ class SuffixGenerator(CandidateGenerator):
             raise ValueError(f"match_factor must be > 0, got {match_factor!r}")
         if not isinstance(memory_bytes, int) or memory_bytes < 0:
             raise ValueError(f"memory_bytes must be an int >= 0, got {memory_bytes!r}")
+        if not isinstance(tree, bool):
+            raise TypeError(f"tree must be True or False, got {tree!r}")
+        self.tree = tree
         self.max_depth, self.min_match, self.min_prob, self.match_factor = max_depth, min_match, min_prob, match_factor
         self.schedule = DraftLengthSchedule(num_tokens, schedule, max_tokens)
         self.memory = SuffixMemory(memory_bytes, max_depth)  # the decoder's: every session shares it
@@ -121,33 +127,45 @@ class SuffixGenerator(CandidateGenerator):
         self.active = [trie.extend(trie.start(), row) for trie, row in zip(self.tries, self.rows)]
         self.done: list[list[int]] = []  # rows that left the batch, kept for the memory
         self.counters = {"drafted_call": 0, "drafted_memory": 0, "matched_tokens": 0, "matches": 0}
+        if self.tree:
+            self.counters["trees"] = 0  # steps that proposed a tree
 
-    def branch(self, row: list[int], trie: SuffixTrie, limit: int) -> tuple[Branch, str]:
-        """The better of the row's own chain and the memory's, and which it is."""
+    def branch(self, row: list[int], trie: SuffixTrie, limit: int) -> tuple[Branch, str, Branch]:
+        """The better of the row's own chain and the memory's, which it is, and the other."""
         how = dict(limit=limit, longest=self.max_depth - 1, min_match=self.min_match, min_prob=self.min_prob,
                    factor=self.match_factor)
         own = trie.draft(row, **how)
         remembered = self.memory.draft(self.scope, row, **how) if self.memory.limit else Branch()
         if remembered.score() > own.score():
-            return remembered, "drafted_memory"
-        return own, "drafted_call"
+            return remembered, "drafted_memory", own
+        return own, "drafted_call", remembered
 
     def propose(self, ctx: DecodeContext, max_drafts: torch.Tensor) -> Proposal:
         budget = torch.minimum(self.schedule.current, max_drafts.cpu()).tolist()  # [B]
-        chosen = []
+        chosen, trees = [], []
         for b, row in enumerate(self.rows):
-            branch, where = self.branch(row, self.tries[b], budget[b]) if budget[b] > 0 else (Branch(), "")
+            branch, where, other = self.branch(row, self.tries[b], budget[b]) if budget[b] > 0 else (
+                Branch(), "", Branch())
             if branch.tokens:
                 self.counters[where] += len(branch.tokens)
                 self.counters["matches"] += 1
                 self.counters["matched_tokens"] += branch.match
             chosen.append(branch)
+            if self.tree:
+                trees.append(continuation_trie([branch.tokens, other.tokens] if other.tokens else [branch.tokens],
+                                               budget[b]))
         device = ctx.tokens.device
-        proposal = Proposal.from_rows([b.tokens for b in chosen], device)
+        leads = [len(b.tokens) for b in chosen]  # each row's leading chain: the drafts its confidences describe
+        if any(_lead(nodes) < len(nodes) for nodes in trees):
+            proposal = Proposal.from_tree(trees, device)
+            leads = [_lead(nodes) for nodes in trees]
+            self.counters["trees"] += 1
+        else:
+            proposal = Proposal.from_rows([b.tokens for b in chosen], device)
         k = proposal.token_ids.shape[1]
         confidence = torch.full((len(chosen), k), float("nan"))  # [B, K] each draft's frequency after its context
         for b, branch in enumerate(chosen):
-            confidence[b, : len(branch.probs)] = torch.tensor(branch.probs)
+            confidence[b, : leads[b]] = torch.tensor(branch.probs[: leads[b]])
         proposal.confidence = confidence.to(device)
         proposal.sources = torch.tensor([match_source(b.match) for b in chosen], dtype=torch.long)
         return proposal
@@ -174,3 +192,8 @@ class SuffixGenerator(CandidateGenerator):
         self.memory.add(self.scope, self.done + self.rows)
         self.done, self.rows = [], []
         return {**self.counters, **self.memory.stats()}
+
+
+def _lead(nodes: list[tuple[int, int]]) -> int:
+    """How many of a trie's nodes, in order, form its leading chain (each the child of the one before)."""
+    return next((i for i, (_, parent) in enumerate(nodes) if parent != i - 1), len(nodes))
