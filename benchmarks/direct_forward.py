@@ -1,4 +1,4 @@
-"""The target's forward through its own modules against the direct forward (``specdec.forwards.direct``).
+"""The target's forward through its own modules against the direct forward (``specdec.engines.forwards.direct``).
 
     python benchmarks/direct_forward.py [--threads 2] [--shapes 1x1 1x2 1x3 1x4 1x8 1x16 2x2 4x2 8x2 8x3] [--reps 9]
 
@@ -26,9 +26,10 @@ import torch
 import transformers
 
 from specdec import load_model, machine
-from specdec.forwards.direct import DirectForward
-from specdec.forwards.packed import MAX_ROWS, PackedLinears
+from specdec.engines.forwards.direct import DirectForward
+from specdec.engines.forwards.packed import MAX_ROWS, PackedLinears
 from specdec.kv import CacheSettings, make_kv
+from specdec.model_plan import plan_of
 from specdec.modelinfo import cache_argument
 from specdec.threads import configure_threads
 
@@ -64,7 +65,7 @@ def measure(model, shapes: list[tuple[int, int]], context: int, reps: int) -> di
             times, logits = {"own": [], "direct": []}, {}
             for rep in range(reps + 1):  # the first repetition warms up (and packs)
                 for name in ("own", "direct") if rep % 2 else ("direct", "own"):
-                    DirectForward._decided[model] = direct if name == "direct" else None
+                    plan_of(model).direct = direct if name == "direct" else None
                     started = time.perf_counter()
                     logits[name] = forward(context, tokens)
                     if rep:

@@ -9,8 +9,8 @@ uses (``specdec.kv``), with each variant's first forward at each width (compilin
 variants) timed apart. A variant is ``<weights>-<cache>``:
 
 * weights: ``fp32`` (the target), ``bf16``, ``int8`` (torchao weight-only), ``w8a8`` (int8 x uint8
-  products, ``specdec.forwards.int8``), ``dyn8`` (torch's ``quantize_dynamic``, fbgemm), ``int4``
-  (torchao): the copies of ``specdec.forwards.lowbit.build_copy``;
+  products, ``specdec.engines.forwards.int8``), ``dyn8`` (torch's ``quantize_dynamic``, fbgemm), ``int4``
+  (torchao): the copies of ``specdec.engines.forwards.lowbit.build_copy``;
 * cache: ``dynamic`` (eager, the default path), ``static`` (eager), ``static-compiled``.
 
 Every variant is built and warmed up first; then each round times every (width, variant) once,
@@ -50,7 +50,7 @@ OUT = Path(__file__).parent / "results" / "forward_cost"
 
 def model_for(weights: str, target, built: dict):
     """The target itself or its copy at ``weights`` (built once per weights)."""
-    from specdec.forwards.lowbit import build_copy
+    from specdec.engines.forwards.lowbit import build_copy
 
     if WEIGHTS[weights] is None:
         return target

@@ -1,9 +1,9 @@
-"""The output layer as ``nn.Linear`` against ``W @ h.T`` (``specdec.forwards.head``), alone and in whole forwards.
+"""The output layer as ``nn.Linear`` against ``W @ h.T`` (``specdec.engines.forwards.head``), alone and in whole forwards.
 
     python benchmarks/output_layer.py [--threads 2] [--models smollm2-135m gemma3-270m] [--widths 1 2 4 8 16]
 
 For each packaged model (fp32): the median milliseconds of its output layer on ``w`` hidden
-states as ``nn.Linear`` and as :class:`specdec.forwards.head.FastHead`, and of one whole forward feeding
+states as ``nn.Linear`` and as :class:`specdec.engines.forwards.head.FastHead`, and of one whole forward feeding
 ``w`` tokens after a cached context of ``--context`` tokens (logits for each, as verification
 needs) through specdec's dynamic cache with ``fast_head`` off and on. The two variants take
 turns within every repetition, so a change of the machine's load skews neither. Also whether
@@ -25,7 +25,7 @@ import torch
 import transformers
 
 from specdec import load_model
-from specdec.forwards.head import FastHead
+from specdec.engines.forwards.head import FastHead
 from specdec.kv import CacheSettings, make_kv
 from specdec.modelinfo import cache_argument
 from specdec.threads import configure_threads

@@ -1,4 +1,4 @@
-"""A verification forward with the target's own linear products against packed weights (``specdec.forwards.packed``).
+"""A verification forward with the target's own linear products against packed weights (``specdec.engines.forwards.packed``).
 
     python benchmarks/packed_forward.py [--threads 2] [--shapes 1x1 1x2 1x4 1x8 1x10 1x16 2x2 4x2 8x2 8x3] [--reps 9]
 
@@ -25,7 +25,7 @@ import torch
 import transformers
 
 from specdec import load_model, machine
-from specdec.forwards.packed import MAX_ROWS, MIN_ROWS, PackedLinears
+from specdec.engines.forwards.packed import MAX_ROWS, MIN_ROWS, PackedLinears
 from specdec.kv import CacheSettings, make_kv
 from specdec.modelinfo import cache_argument
 from specdec.threads import configure_threads

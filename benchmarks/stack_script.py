@@ -34,10 +34,10 @@ from transformers import StaticCache
 
 from specdec import load_model, machine
 from specdec.engines import Layout, make_engine
-from specdec.forwards import stack
-from specdec.forwards.direct import DirectForward
-from specdec.forwards.lean import LeanForward
-from specdec.forwards.lowbit import build_copy
+from specdec.engines.forwards import stack
+from specdec.engines.forwards.direct import DirectForward
+from specdec.engines.forwards.lean import LeanForward
+from specdec.engines.forwards.lowbit import build_copy
 from specdec.kv import new_dynamic_cache
 from specdec.modelinfo import cache_argument
 from specdec.threads import configure_threads

@@ -7,7 +7,7 @@ core imports them (``tests/test_layout.py`` checks both rules of the layout). Wh
 
 * all of them: ``specdec.generators`` (the plugin interface) and ``specdec.registry``;
 * the model drafters (``draft_model``, ``cross_tokenizer``; ``self_draft`` through
-  ``draft_model``): ``specdec.sampling`` to draw draft tokens and ``specdec.forwards.lowbit``
+  ``draft_model``): ``specdec.sampling`` to draw draft tokens and ``specdec.copies``
   for low-precision draft copies;
 * ``cross_tokenizer``: ``specdec.alignment`` (text alignment between two tokenizers),
   ``specdec.modelinfo`` and ``specdec.multimodal``; ``self_draft``: ``specdec.modelinfo``.

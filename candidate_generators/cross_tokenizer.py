@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from specdec.alignment import REPLACEMENT, RowText, fast, leading_special_ids, text_after
-from specdec.forwards.lowbit import LowPrecisionDraft
+from specdec.copies import LowPrecisionDraft
 from specdec.generators import (CandidateGenerator, DecodeContext, DraftLengthSchedule, Feedback, Proposal,
                                 token_id_list, vocab_size)
 from specdec.modelinfo import eos_token_ids, pad_token_id
@@ -50,7 +50,7 @@ class CrossTokenizerGenerator(LowPrecisionDraft, CandidateGenerator):
     verified position is expensive (docs/cross_tokenizer.md). ``report()`` counts steps, proposed
     target tokens and how each proposal was aligned (``anchored``, ``unanchored``, ``unaligned``).
     ``weights=`` drafts with a copy of the draft model at lower precision, ``compile_draft`` as
-    for ``draft_model`` (``specdec/forwards/lowbit.py``).
+    for ``draft_model`` (``specdec/engines/forwards/lowbit.py``).
     """
 
     def __init__(self, draft_model, *, num_tokens: int = 6, schedule: str = "auto", max_tokens: int = 16,

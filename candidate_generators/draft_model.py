@@ -15,7 +15,7 @@ the target's scores get them), so its drafts agree with the target's processed c
 Vocabularies may be padded to different sizes; drafts are restricted to the ids both models
 have. A draft with a different tokenizer is refused (that needs a cross-tokenizer generator).
 
-``weights=`` (``"w8a8"``, ``"bfloat16"``, ... see ``specdec/forwards/lowbit.py``) drafts with a copy of the draft at
+``weights=`` (``"w8a8"``, ``"bfloat16"``, ... see ``specdec/engines/forwards/lowbit.py``) drafts with a copy of the draft at
 that precision instead, built once per decoder (the draft model is only read) and stepped
 compiled on a static cache (``compile_draft``): on a CPU a w8a8 copy of a small draft steps
 several times faster than the draft itself.
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.forwards.lowbit import LowPrecisionDraft
+from specdec.copies import LowPrecisionDraft
 from specdec.generators import (CandidateGenerator, DecodeContext, DraftingInfo, DraftLengthSchedule, Feedback,
                                 Proposal, token_id_list, vocab_size)
 from specdec.registry import register_candidate_generator

@@ -8,8 +8,8 @@ row drafts from prompt lookup where an n-gram matches and the policy expects the
 least as well as the copy (``ctx.draft_rate``), from the copy elsewhere; ``lookup=False`` drafts
 from the copy alone.
 
-``weights`` (``specdec/forwards/lowbit.py``): ``"auto"`` (default), for a target on a CPU, is
-the copy measured best on this machine (``specdec/forwards/choose.py``: each candidate's draft
+``weights`` (``specdec/engines/forwards/lowbit.py``): ``"auto"`` (default), for a target on a CPU, is
+the copy measured best on this machine (``specdec/copies/choose.py``: each candidate's draft
 step timed against the target's forward, its agreement with the target on a short text, the
 policy's expected rate; once per machine and model, then read from the cache), and
 ``"bfloat16"`` elsewhere; ``"bfloat16"``, ``"float16"``, ``"int8"``, ``"w8a8"``,
@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import torch
 
-from specdec.forwards.choose import budget_seconds
-from specdec.forwards.lowbit import check_weights
+from specdec.copies import budget_seconds
+from specdec.engines import check_weights
 from specdec.generators import DecodeContext, DraftingInfo, Feedback, Proposal
 from specdec.modelinfo import tensor_bytes
 from specdec.registry import register_candidate_generator
@@ -60,7 +60,7 @@ class SelfDraftGenerator(DraftModelGenerator):
             budget_seconds(choice_budget)  # raises, naming it, for a budget that is not a number >= 0
         if progress is not None:
             check_flag(progress, "self_draft: progress")
-        # no draft yet: setup() builds it from the call's target (once per decoder, see forwards.lowbit.Copies)
+        # no draft yet: setup() builds it from the call's target (once per decoder, see specdec.copies.Copies)
         super().__init__(torch.nn.Module(), num_tokens=num_tokens, schedule=schedule, max_tokens=max_tokens,
                          weights=weights, compile_draft=compile_draft)
         self.choice_budget, self.choice_progress = choice_budget, progress

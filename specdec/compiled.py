@@ -31,20 +31,18 @@ import sys
 import threading
 import time
 import types
-import weakref
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
+from .model_plan import plan_of, planned
+
 _COMPILED: dict[tuple, Any] = {}
-#: compiled functions of models private to their generator (compiled_forward's ``owned``), per model
-_OWNED: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, Any]]" = weakref.WeakKeyDictionary()
 _COMPILED_LOCK = threading.Lock()
-#: compiled (width, cache length) pairs checked against eager forwards, per model
-_CHECKED: "weakref.WeakKeyDictionary[torch.nn.Module, set]" = weakref.WeakKeyDictionary()
-#: models whose compiled forward disagreed with the eager one: never compiled again
-_MISCOMPILED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+# per model, in its plan (specdec.model_plan): the compiled functions of a model private to its
+# generator (compiled_forward's ``owned``), the (width, cache length) graphs checked against eager
+# forwards, and whether a compiled forward disagreed with the eager one (never compiled again)
 #: inductor options that drop the generated code's checks of its kernels' outputs (owned models)
 NO_ASSERTS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
 
@@ -87,7 +85,7 @@ def compiled_forward(model, options: dict, owned: bool = False):
             if key not in _COMPILED:
                 _COMPILED[key] = torch.compile(type(model).forward, **settings)
             return _COMPILED[key]
-        made = _OWNED.setdefault(model, {})
+        made = plan_of(model).compiled
         if key not in made:
             mode = settings.pop("mode", None)  # torch.compile takes a mode or options, not both
             inductor = {**(torch._inductor.list_mode_options(mode) if mode else {}),
@@ -135,12 +133,14 @@ def recompile_room():
 # -- the first-use check --------------------------------------------------------------------------
 def miscompiled(model) -> bool:
     """Whether ``model``'s compiled forward once disagreed with its eager one."""
-    return model in _MISCOMPILED
+    plan = planned(model)
+    return plan is not None and plan.miscompiled
 
 
 def checked(model, key: tuple) -> bool:
     """Whether ``model``'s compiled graph for ``key`` (width, cache length) was checked already."""
-    return key in _CHECKED.get(model, ())
+    plan = planned(model)
+    return plan is not None and key in plan.checked
 
 
 def agrees(model, key: tuple, compiled: torch.Tensor, eager: torch.Tensor) -> bool:
@@ -150,9 +150,9 @@ def agrees(model, key: tuple, compiled: torch.Tensor, eager: torch.Tensor) -> bo
     kernel, say); rounding differences never move a token that far."""
     top = eager.topk(min(5, eager.shape[-1]), dim=-1).values[..., -1:]  # [B, W, 1] 5th-largest logit
     if bool((eager.gather(-1, compiled.argmax(-1, keepdim=True)) >= top).all()):
-        _CHECKED.setdefault(model, set()).add(key)
+        plan_of(model).checked.add(key)
         return True
-    _MISCOMPILED.add(model)
+    plan_of(model).miscompiled = True
     return False
 
 
@@ -169,7 +169,7 @@ def compile_seconds() -> float:
 
 @contextmanager
 def one_time():
-    """Around one-time work inside a forward (packing a model's weights, ``forwards/packed.py``):
+    """Around one-time work inside a forward (packing a model's weights, ``engines/forwards/packed.py``):
     its seconds go on this thread's compile clock, so that the step is reported apart and teaches
     the draft-length policy nothing of a forward's cost."""
     started = time.perf_counter()
@@ -228,4 +228,5 @@ def compiles_now(model) -> bool:
     """Whether a forward that compiles only when warmed up should compile for ``model`` now: in
     ``SpecDecoder.warmup`` (:func:`warming`), or once any of its graphs was compiled and checked
     in this process (a call after a warm-up runs the graphs it made)."""
-    return bool(getattr(_CLOCK, "warming", False) or _CHECKED.get(model))
+    plan = planned(model)
+    return bool(getattr(_CLOCK, "warming", False) or (plan is not None and plan.checked))

@@ -59,7 +59,7 @@ class SpecDecoder:
     ``draft`` is a model (drafts with ``draft_model``), a registered generator name, a
     :class:`CandidateGenerator` instance or class, or None (plain decoding through the same loop).
     ``fast_head`` (default True) computes each model's output layer as ``W @ h.T`` in eager
-    forwards where that is faster on this machine (``specdec.forwards.head``); False keeps the models' own.
+    forwards where that is faster on this machine (``specdec.engines.forwards.head``); False keeps the models' own.
     ``engine`` (``specdec.engines.ENGINE_CHOICES``) says what runs every forward of this decoder's
     models: "auto" (default) and "cpu" specdec's CPU forwards where their probes and timings choose
     them, "eager" the models' own forward and nothing else (docs/engines.md); reported in

@@ -24,8 +24,7 @@ from .cache_settings import IMPLEMENTATIONS, WIDTHS, CacheSettings, static_probl
 from .cache_slots import filled_layers, gather_cache_slots, shift_cache_rows
 from .compiled import compiled_forward
 from .distributed import stage_layout
-from .engines import llama_cpp_kv
-from .forwards.head import model_logits
+from .engines import ChainForward, llama_cpp_kv
 from .growing import new_dynamic_cache
 from .static_kv import LENGTH_STEP, StaticKV, length_ladder
 
@@ -45,6 +44,7 @@ class DynamicKV:
         self.settings, self.batch, self.reach = settings, batch, reach  # reach: slots the call can use
         self.layout = stage_layout(model)  # a pipeline stage: the layers it holds (specdec/distributed/)
         self.cache = new_dynamic_cache(self.layout, reach)
+        self.chain = ChainForward(model, settings.engine, settings.fast_head)  # its causal forwards, on its engine
 
     def forward(self, model, kwargs: dict, *, first_slot: int, width: int, first: bool, mask,
                 needs_mask: bool, direct: bool = False, runner=None, hidden_layers: tuple[int, ...] = ()):
@@ -54,13 +54,12 @@ class DynamicKV:
         where given, runs the forward instead (a tree's, through an engine). -> logits of the first
         ``width`` columns (or fewer, with ``logits_to_keep``); with ``hidden_layers``
         (``output_hidden_states`` indices; not with a runner, which keeps its own) ``(logits,
-        {index: [B, fed, H]})``, through the same fast paths (``head.model_logits``)."""
+        {index: [B, fed, H]})``, through the engine (``engines.ChainForward``)."""
         if needs_mask:
             kwargs["attention_mask"] = mask(first_slot + width)
         if runner is not None:
             return runner(model, kwargs)
-        return model_logits(model, kwargs, direct=direct, fast_head=self.settings.fast_head,
-                            own=self.settings.own_forward, hidden_layers=hidden_layers)
+        return self.chain(kwargs, direct=direct, hidden_layers=hidden_layers)
 
     def gather_slots(self, first: int, sources: torch.Tensor) -> None:
         """Slot ``first + j`` of row b takes what slot ``sources[b, j]`` holds (``sources [B, W]``):

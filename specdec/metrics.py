@@ -40,8 +40,8 @@ class AcceptanceStats:
     #: seconds spent calibrating the forward-cost model (once per model and process)
     calibration_seconds: float = 0.0
     #: seconds of forwards that compiled a graph (the first of each compiled shape in the process),
-    #: packed a model's weights (``forwards/packed.py``, once per model) or decided its direct
-    #: forward (``forwards/direct.py``, once per model)
+    #: packed a model's weights (``engines/forwards/packed.py``, once per model) or decided its direct
+    #: forward (``engines/forwards/direct.py``, once per model)
     compile_seconds: float = 0.0
     #: one-time choices made for the call and why, e.g. {"weights": "w8a8", "weights_choice": "..."}
     choices: dict[str, str] = field(default_factory=dict)

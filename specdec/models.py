@@ -74,7 +74,7 @@ def load_model(name: str, *, dtype: torch.dtype = torch.float32, device: str | t
     with weights in ``dtype``, moved to ``device`` when given (else where ``transformers`` put them:
     the CPU)."""
     check_model_name(name)
-    from .forwards.lowbit import import_torchao_quietly
+    from .engines import import_torchao_quietly
 
     import_torchao_quietly()  # transformers' modeling code imports it, with messages of no use here
     if name.startswith("tiny-random:"):

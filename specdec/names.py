@@ -20,7 +20,7 @@ ENTRY_POINT_GROUP = "specdec.candidate_generators"
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 #: the engines a decoder's forwards run on (``specdec.engines``)
 ENGINE_CHOICES = ("auto", "cpu", "eager", "llama_cpp")
-#: the weights a draft copy of the target may have (``specdec.forwards.lowbit``)
+#: the weights a draft copy of the target may have (``specdec.engines.forwards.lowbit``)
 WEIGHTS = ("auto", "bfloat16", "float16", "int8", "w8a8", "int4", "dynamic_int8")
 
 class ModelNotAvailableError(RuntimeError):

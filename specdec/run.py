@@ -50,8 +50,8 @@ import torch
 
 from .assistant import Assistant
 from .compiled import compile_seconds
-from .forwards.packed import PackedLinears
 from .device import synchronize
+from .engines import call_begins
 from .generators import CandidateGenerator, DecodeContext, StepRecord, TargetHidden, declared_drafting
 from .kv import CacheSettings, static_problem
 from .metrics import AcceptanceStats
@@ -85,7 +85,7 @@ class DecodeRun(DraftSteps, TreeSteps, ScoreSteps, CommitSteps, OutputSteps):
         # lagging rows' cache; docs/performance.md, "Batches")
         self.target.refeed_limit = 0
         if not settings.cache.own_forward:  # engine="eager" is no sign of use: another decoder's packing is its own
-            PackedLinears.calling(target)  # a model called again gets its weights packed (forwards/packed.py)
+            call_begins(target)  # a model called again gets its weights packed (the CPU engine)
         if prompt.prefix is not None:
             self.target.continue_from(prompt.prefix)
         self.followers: list[ModelState] = []  # assistants in the target's token space
@@ -122,7 +122,7 @@ class DecodeRun(DraftSteps, TreeSteps, ScoreSteps, CommitSteps, OutputSteps):
     def _hidden_layers(self, target) -> tuple[int, ...]:
         """The target's hidden states the generator reads, checked, read after its ``setup`` (a
         generator may learn them there, from the head it loads): every target forward returns them
-        (specdec.forwards on a CPU, a tree's engine)."""
+        (specdec.engines.forwards on a CPU, a tree's engine)."""
         layers = self.session.drafting().hidden_layers
         if layers and not self.target.kv.returns_hidden:
             raise ValueError(f"{self.plugin} reads the target's hidden states, which engine={self._engine!r} does not "

@@ -12,8 +12,7 @@ import time
 
 import torch
 
-from .engines import engine_report
-from .forwards.packed import PackedLinears
+from .engines import engine_report, packed_weights_report
 from .outputs import SpecOutput
 from .state import ModelState
 
@@ -52,7 +51,7 @@ class OutputSteps:
         report = self.session.report()  # counters; words (a choice and its reason) go to stats.choices
         self.stats.generator = {k: v for k, v in report.items() if not isinstance(v, str)}
         self.stats.choices.update({k: v for k, v in report.items() if isinstance(v, str)})
-        packed = None if self.settings.cache.own_forward else PackedLinears.decision(self.target.model)
+        packed = None if self.settings.cache.own_forward else packed_weights_report(self.target.model)
         if packed is not None:
             self.stats.choices["packed_weights"] = packed
         self.stats.choices["engine"] = self._engine_report()

@@ -14,7 +14,7 @@ import dataclasses
 import torch
 
 from .distributed import Solo
-from .engines import Layout, LayoutNotSupported, make_engine
+from .engines import Layout, LayoutNotSupported
 from .generators import Proposal
 from .verify import TreeVerdict, leaf_chains, tree_greedy_verify, tree_point_mass_sample, tree_speculative_sample
 
@@ -57,10 +57,8 @@ class TreeSteps:
             return "a distributed call"
         if not self.target.kv.trees:
             return f"engine={self._engine!r} verifies chains"
-        if self._tree_engine is None:  # the CPU engine runs a tree through its stack where it serves the model
-            settings = self.target.kv.settings
-            self._tree_engine = (make_engine("eager", self.target.model) if settings.own_forward else
-                                 make_engine("cpu", self.target.model, fast_head=settings.fast_head))
+        if self._tree_engine is None:  # the engine of the target's chain forwards: the CPU engine runs
+            self._tree_engine = self.target.kv.chain.engine()  # a tree through its stack where it serves the model
         try:
             self._tree_engine.check_tree_support(self.target.kv.cache)
         except LayoutNotSupported as error:

@@ -43,7 +43,7 @@ from .cache_pool import POOL
 from .cache_settings import CacheSettings
 from .cache_slots import filled_layers, gather_cache_slots, shift_cache_rows
 from .compiled import agrees, checked, compiled_forward, compiling, miscompiled, run_compiled
-from .forwards.head import model_logits
+from .engines import ChainForward
 
 #: a static cache's length is a multiple of this (a compiled graph is specific to the length)
 LENGTH_STEP = 256
@@ -65,6 +65,7 @@ class StaticKV:
         compiles = settings.compile and not miscompiled(model)
         # compiler: make_kv passes ``specdec.kv.compiled_forward``, so tests may patch it there
         self.compiled = compiler(model, settings.options, owned=settings.owned) if compiles else None
+        self.chain = ChainForward(model, settings.engine, settings.fast_head)  # its eager causal forwards, on its engine
 
     def forward(self, model, kwargs: dict, *, first_slot: int, width: int, first: bool, mask,
                 needs_mask: bool, direct: bool = False, runner=None, hidden_layers: tuple[int, ...] = ()):
@@ -84,8 +85,7 @@ class StaticKV:
             return runner(model, kwargs)
         # a compiled graph returns logits only: a forward that asks for hidden states runs eagerly
         if self.compiled is None or first or fed not in self.settings.widths or hidden_layers:
-            return model_logits(model, kwargs, direct=direct, fast_head=self.settings.fast_head,
-                                own=self.settings.own_forward, hidden_layers=hidden_layers)
+            return self.chain(kwargs, direct=direct, hidden_layers=hidden_layers)
         kwargs.pop("logits_to_keep", None)  # an int argument would compile one graph per value
         if checked(model, (fed, self.length)):
             return run_compiled(self.compiled, model, kwargs, width)  # [B, width, V]

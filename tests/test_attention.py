@@ -1,4 +1,4 @@
-"""Grouped-query attention without copies of the cache (specdec/forwards/attention.py): the same
+"""Grouped-query attention without copies of the cache (specdec/engines/forwards/attention.py): the same
 numbers as transformers' ``sdpa``, used only inside specdec's own eager forwards on a CPU."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from specdec import SpecDecoder
-from specdec.forwards.attention import GROUPED_SDPA, folded_sdpa, grouped_attention, grouped_sdpa
+from specdec.engines.forwards.attention import GROUPED_SDPA, folded_sdpa, grouped_attention, grouped_sdpa
 from specdec.models import tiny_random
 
 from helpers import DRAFTING_PAYS, pin_costs, repetitive_prompt

@@ -1,4 +1,4 @@
-"""``weights="auto"``: the copy's precision chosen by measurement (``specdec/forwards/choose.py``).
+"""``weights="auto"``: the copy's precision chosen by measurement (``specdec/copies/choose.py``).
 
 The choice follows the policy's model (the expected rate from each candidate's measured step
 and agreement: the first candidate expected to reach ``ENOUGH``, else the best), a candidate
@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from specdec import SpecDecoder
-from specdec.forwards import choose
-from specdec.forwards.lowbit import Copies, build_copy
+from specdec.copies import choose
+from specdec.copies import Copies
+from specdec.engines.forwards.lowbit import build_copy
 from specdec.metrics import AcceptanceStats
 from specdec.policy.costs import COST_GRID, CostModel
 from specdec.models import tiny_random
@@ -246,7 +247,7 @@ def test_the_key_names_the_machine_and_the_model(target, monkeypatch):
 def test_copies_build_the_chosen_copy_once_whichever_name_asks(target, own_cache, monkeypatch):
     build = fake_timings(monkeypatch, {"bfloat16": 0.004}, {"bfloat16": 0.95})
     monkeypatch.setattr(choose, "candidates", lambda model: ("bfloat16",))
-    monkeypatch.setattr("specdec.forwards.lowbit.build_copy", build)
+    monkeypatch.setattr("specdec.copies.drafts.build_copy", build)
     copies = Copies()
     made = copies.get(target, "auto", torch.arange(5, 40)[None, :])
     assert copies.get(target, "bfloat16") is made and copies.choice(target).weights == "bfloat16"

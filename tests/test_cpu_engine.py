@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specdec.engines import CAUSAL, Layout, LayoutNotSupported, make_engine
-from specdec.forwards.direct import DirectForward
+from specdec.engines.forwards.direct import DirectForward
 from specdec.kv import new_dynamic_cache
 from specdec.modelinfo import cache_argument
 from specdec.prompts import left_pad
@@ -77,13 +77,23 @@ def test_a_tree_runs_through_the_stack_as_the_eager_engine_computes_it(llama, ba
         torch.testing.assert_close(mine.hidden[layer], theirs.hidden[layer], rtol=1e-5, atol=1e-5, msg=str(layer))
 
 
-def test_what_the_stack_does_not_serve_is_the_eager_engines_forward_bit_for_bit(llama):
+def test_a_causal_forward_takes_the_fast_paths_and_what_the_stack_does_not_serve_the_eager_engine(llama):
+    from specdec.engines.forwards.head import model_logits
+
     cache, fed, positions, layout, keys = _tree_inputs(llama, 2)
     twin, *_ = _tree_inputs(llama, 2)
-    with torch.no_grad():  # a causal layout: the eager engine's forward
-        got = make_engine("cpu", llama).forward(fed, positions, cache=cache, attention_mask=keys, layout=CAUSAL)
-        want = make_engine("eager", llama).forward(fed, positions, cache=twin, attention_mask=keys, layout=CAUSAL)
-    assert torch.equal(got.logits, want.logits)
+    third, *_ = _tree_inputs(llama, 2)
+    with torch.no_grad():  # a causal layout: the fast paths' forward, the model's logits up to rounding
+        got = make_engine("cpu", llama).forward(fed, positions, cache=cache, attention_mask=keys, layout=CAUSAL,
+                                                hidden_layers=(1,))
+        want = make_engine("eager", llama).forward(fed, positions, cache=twin, attention_mask=keys, layout=CAUSAL,
+                                                   hidden_layers=(1,))
+        fast, hidden = model_logits(llama, {"input_ids": fed, "position_ids": positions, "past_key_values": third,
+                                            "use_cache": True, "attention_mask": keys}, hidden_layers=(1,))
+    assert torch.equal(got.logits, fast) and torch.equal(got.hidden[1], hidden[1])  # model_logits, bit for bit
+    real = keys[:, -fed.shape[1]:].bool()  # a padding column's logits are anything
+    torch.testing.assert_close(got.logits[real], want.logits[real], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got.hidden[1][real], want.hidden[1][real], atol=1e-5, rtol=1e-4)
     other = tiny_random("qwen3", seed=4)[0]  # query and key norms: not the stack's layout, trees through eager
     engine = make_engine("cpu", other)
     assert not engine.serves_trees()

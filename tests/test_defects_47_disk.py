@@ -5,7 +5,7 @@ work is bounded.
   bytes in the weights, an edited config or generation config, a damaged tokenizer, a file added),
   or a folder without its marker, is said, naming the file, and rebuilt from the GGUF file once;
   a folder's tokenizer that does not load is said, not taken for a checkpoint without one;
-* the ``auto`` weights choice file (``specdec.forwards.choose``): one that parses but has another
+* the ``auto`` weights choice file (``specdec.copies.choose``): one that parses but has another
   shape, or other contents than were written, is said, naming it, measured again and replaced;
 * measuring the choice stops at a time budget with the best copy so far, said; it shows progress
   where asked; and its key is the model's and the machine's only, so that ``specdec generate``
@@ -27,8 +27,8 @@ import pytest
 import torch
 
 from specdec import SpecDecoder, models
-from specdec.forwards import choose
-from specdec.forwards.lowbit import build_copy
+from specdec.copies import choose
+from specdec.engines.forwards.lowbit import build_copy
 from specdec.models import PackagedModel, load_model, tiny_random
 
 from helpers import repetitive_prompt
@@ -231,8 +231,8 @@ def counting_build(built: list):
 def resign(data):
     """The file's digest made to match its edited contents (where the file has one), so that its
     shape is what is checked."""
-    if isinstance(data, dict) and importlib.util.find_spec("specdec.forwards.choice_file") is not None:
-        from specdec.forwards.choice_file import _contents_digest
+    if isinstance(data, dict) and importlib.util.find_spec("specdec.copies.choice_file") is not None:
+        from specdec.copies.choice_file import _contents_digest
 
         data["digest"] = _contents_digest(data)
     return data
@@ -415,6 +415,6 @@ def test_the_command_line_reads_the_choice_the_api_made(own_cache, monkeypatch, 
 def test_the_choice_files_candidate_check_covers_every_field_of_a_candidate():
     import dataclasses
 
-    from specdec.forwards.choice_file import _CANDIDATE_FIELDS
+    from specdec.copies.choice_file import _CANDIDATE_FIELDS
 
     assert set(_CANDIDATE_FIELDS) == {f.name for f in dataclasses.fields(choose.Candidate)}

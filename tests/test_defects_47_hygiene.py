@@ -30,7 +30,7 @@ from transformers import DynamicCache
 
 import specdec
 from specdec import SpecDecoder
-from specdec.forwards.head import FastHead, model_logits
+from specdec.engines.forwards.head import FastHead, model_logits
 from specdec.integration import DRAFTERS, MAX_DRAFTERS
 from specdec.models import byte_tokenizer, tiny_random
 from specdec.tiny import TINY_ARCHS
@@ -195,7 +195,7 @@ def _deprecations(record) -> list[str]:
 
 def test_a_cache_given_as_past_key_values_reaches_the_forward_as_cache():
     """transformers 5.25 warns ``past_key_values is deprecated ... Use cache instead`` from
-    specdec/forwards/head.py when a caller names the cache the old way: specdec renames it."""
+    specdec/engines/forwards/head.py when a caller names the cache the old way: specdec renames it."""
     model = tiny_random("llama", seed=5)[0]
     ids = repetitive_prompt(5, seed=3)
     with torch.no_grad():
@@ -213,7 +213,7 @@ def test_a_cache_given_as_past_key_values_reaches_the_forward_as_cache():
 
 def test_a_forward_that_declares_only_past_key_values_gets_it():
     """The fallback is read from the forward's signature, not from the model's class name."""
-    from specdec.forwards.head import with_current_cache_keyword
+    from specdec.engines.forwards.head import with_current_cache_keyword
 
     model = tiny_random("llama", seed=5)[0]
 
@@ -250,7 +250,7 @@ def test_decoding_runs_no_forward_by_a_deprecated_name(arch):
 
 
 @pytest.mark.parametrize("category", [DeprecationWarning, FutureWarning])
-@pytest.mark.parametrize("module", ["specdec.forwards.head", "specdec", "candidate_generators.draft_model"])
+@pytest.mark.parametrize("module", ["specdec.engines.forwards.head", "specdec", "candidate_generators.draft_model"])
 def test_a_deprecation_warning_from_specdecs_code_fails_the_test(category, module):
     with pytest.raises(category, match="from specdec's code"):
         warnings.warn_explicit("a deprecated argument, from specdec's code", category, f"{module}.py", 1,

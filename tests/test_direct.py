@@ -1,4 +1,4 @@
-"""The target's decoder stack as one scripted function (``specdec/forwards/direct.py``).
+"""The target's decoder stack as one scripted function (``specdec/engines/forwards/direct.py``).
 
 For one token it gives the model's own logits bit for bit (so plain steps stay ``generate``'s),
 and for several tokens or a padded batch the model's own up to rounding, with the same keys and
@@ -12,9 +12,9 @@ import torch
 
 from specdec import SpecDecoder
 from specdec.kv import new_dynamic_cache
-from specdec.forwards import direct as direct_module
-from specdec.forwards.direct import DirectForward, layout_problem
-from specdec.forwards.head import model_logits
+from specdec.engines.forwards import direct as direct_module
+from specdec.engines.forwards.direct import DirectForward, layout_problem
+from specdec.engines.forwards.head import model_logits
 from specdec.modelinfo import ForwardTimer
 from specdec.models import tiny_random
 
@@ -93,7 +93,7 @@ def test_several_tokens_and_padded_rows_are_the_models_own_up_to_rounding(rows, 
 
 def test_products_through_packed_weights_are_the_models_own_up_to_rounding(pin):
     """In a forward that ``packed.py`` packs weights for, the direct products go through them."""
-    from specdec.forwards.packed import PackedLinears, available
+    from specdec.engines.forwards.packed import PackedLinears, available
 
     if not available():
         pytest.skip("this torch has no MKL packed products")

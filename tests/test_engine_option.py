@@ -19,11 +19,12 @@ from specdec import SpecDecoder
 from specdec.bench.config import ConfigError, load_config, parse_config
 from specdec.bench.report import _cache_words
 from specdec.bench.runner import config_hash, row_fingerprints
-from specdec.forwards import packed
-from specdec.forwards.direct import DirectForward
-from specdec.forwards.head import FastHead
-from specdec.forwards.packed import PackedLinears
+from specdec.engines.forwards import packed
+from specdec.engines.forwards.direct import DirectForward
+from specdec.engines.forwards.head import FastHead
+from specdec.engines.forwards.packed import PackedLinears
 from specdec.kv import CacheSettings
+from specdec.model_plan import UNDECIDED, planned
 from specdec.models import tiny_random
 from specdec.policy.costs import CostModel
 from specdec.prompts import left_pad
@@ -157,8 +158,9 @@ def test_eager_decides_counts_and_packs_nothing_for_the_model(paths):
             SpecDecoder(target, drafter, engine="eager").generate(ids, max_new_tokens=NEW)
         assert paths["decide"] == 0
         for model in (target, draft):
-            assert model not in DirectForward._decided and model not in FastHead._decided
-            assert model not in PackedLinears._state  # not even a call counted: auto's packing is its own
+            plan = planned(model)  # the costs pinned above made the target's
+            assert plan is None or (plan.direct is UNDECIDED and plan.head is UNDECIDED)
+            assert plan is None or plan.packed is None  # not even a call counted: auto's packing is its own
         out = SpecDecoder(target, draft).generate(ids, max_new_tokens=NEW)
         assert PackedLinears.of(target).calls == 1  # the first call auto counts is its own
         assert "assistant 0: cpu (auto)" in out.stats.choices["engine"]

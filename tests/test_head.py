@@ -1,4 +1,4 @@
-"""The output layer as ``W @ h.T`` (``specdec.forwards.head``).
+"""The output layer as ``W @ h.T`` (``specdec.engines.forwards.head``).
 
 Its logits match the model's own on every tiny architecture (Gemma 2's soft-capping included);
 decoding with it is token for token ``target.generate``; a model that changes its logits in any
@@ -14,8 +14,8 @@ import torch
 from transformers import LlamaForCausalLM
 
 from specdec import SpecDecoder
-import specdec.forwards.head as head_module
-from specdec.forwards.head import FastHead, model_logits
+import specdec.engines.forwards.head as head_module
+from specdec.engines.forwards.head import FastHead, model_logits
 from specdec.modelinfo import ForwardTimer
 from specdec.models import TINY_ARCHS, tiny_config, tiny_random
 

@@ -1,8 +1,8 @@
 """Hidden states asked by a generator (``DraftingInfo.hidden_layers``) come from the fast paths.
 
 A causal target forward that keeps hidden states runs where one that does not would
-(``specdec/forwards/head.py`` ``model_logits``): the scripted decoder stack
-(``specdec/forwards/direct.py``), the model with the fast output layer, or the model's own call;
+(``specdec/engines/forwards/head.py`` ``model_logits``): the scripted decoder stack
+(``specdec/engines/forwards/direct.py``), the model with the fast output layer, or the model's own call;
 never the eager engine's. Whichever runs, the states a generator hears (``feedback.hidden``) are
 ``model(seq, output_hidden_states=True).hidden_states[i]`` of the committed sequence (index 0 the
 embeddings, the last one after the final norm), greedy output stays ``generate``'s, and a
@@ -17,9 +17,9 @@ from helpers import left_pad, reference
 from specdec import SpecDecoder
 from specdec.kv import new_dynamic_cache
 from specdec.engines import EagerEngine
-from specdec.forwards.direct import DirectForward
-from specdec.forwards.stack import scripted_layers
-from specdec.forwards.head import FastHead, model_logits
+from specdec.engines.forwards.direct import DirectForward
+from specdec.engines.forwards.stack import scripted_layers
+from specdec.engines.forwards.head import FastHead, model_logits
 from specdec.generators import CandidateGenerator, DraftingInfo, Proposal
 from specdec.growing import GrowingLayer
 from specdec.tiny import tiny_random

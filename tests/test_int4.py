@@ -1,4 +1,4 @@
-"""Int4 weights with bfloat16 activations for a CPU draft copy (``specdec/forwards/int4.py``): the
+"""Int4 weights with bfloat16 activations for a CPU draft copy (``specdec/engines/forwards/int4.py``): the
 product is the de-quantized weights' up to bfloat16 rounding, stacking keeps each part's product,
 and a copy of them drafts through the lean forward with the target's output unchanged."""
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from specdec import SpecDecoder
-from specdec.forwards import int4, lean
-from specdec.forwards.int4 import Bfloat16Head, Int4Linear, quantize, quantize_linears, stack_int4
-from specdec.forwards.lowbit import build_copy
+from specdec.engines.forwards import int4, lean
+from specdec.engines.forwards.int4 import Bfloat16Head, Int4Linear, quantize, quantize_linears, stack_int4
+from specdec.engines.forwards.lowbit import build_copy
 from specdec.models import tiny_random
 
 from helpers import repetitive_prompt

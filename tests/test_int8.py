@@ -10,9 +10,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from specdec.forwards import int8 as int8_module
-from specdec.forwards.int8 import Int8Linear, int8_product, quantize_linears, rotate_input
-from specdec.forwards.rotation import kron_orthogonal
+from specdec.engines.forwards import int8 as int8_module
+from specdec.engines.forwards.int8 import Int8Linear, int8_product, quantize_linears, rotate_input
+from specdec.engines.forwards.rotation import kron_orthogonal
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -77,7 +77,7 @@ def test_a_quantized_copy_keeps_its_shape_and_stores_a_quarter_of_the_bytes():
 
 
 def test_quantizing_in_chunks_of_rows_is_quantizing_whole(monkeypatch):
-    from specdec.forwards import int8
+    from specdec.engines.forwards import int8
 
     linear = torch.nn.Linear(16, 10)
     whole = Int8Linear(linear)

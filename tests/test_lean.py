@@ -1,4 +1,4 @@
-"""The lean eager forward of a w8a8 copy (``specdec/forwards/lean.py``).
+"""The lean eager forward of a w8a8 copy (``specdec/engines/forwards/lean.py``).
 
 It must compute what the copy's own forward computes: with exact products (the int8 layers'
 product replaced by a float one over their de-quantized weights, so that no rounding of a
@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.forwards import int8, lean, stack
-from specdec.forwards.int8 import Int8Linear, stack_linears
-from specdec.forwards.lowbit import build_copy
+from specdec.engines.forwards import int8, lean, stack
+from specdec.engines.forwards.int8 import Int8Linear, stack_linears
+from specdec.engines.forwards.lowbit import build_copy
 from specdec.kv import CacheSettings, make_kv
 from specdec.models import tiny_random
 from specdec.modelinfo import cache_argument

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from candidate_generators.draft_model import DraftModelGenerator
-from specdec.forwards.int8 import Int8Linear
+from specdec.engines.forwards.int8 import Int8Linear
 from specdec import SpecDecoder
 from specdec.generators import Proposal
 from specdec.models import tiny_random

@@ -1,4 +1,4 @@
-"""Packed weights in multi-token forwards (specdec/forwards/packed.py): the layers' own products up
+"""Packed weights in multi-token forwards (specdec/engines/forwards/packed.py): the layers' own products up
 to rounding, used only inside specdec's forwards of a few rows, once enough have run, where they
 fit and timed faster; the model as it was outside them."""
 
@@ -11,8 +11,8 @@ import torch
 
 from specdec import SpecDecoder
 from specdec.compiled import compile_seconds
-from specdec.forwards import packed
-from specdec.forwards.packed import MAX_ROWS, MIN_ROWS, PACK_AFTER, PackedLinears, packed_linears
+from specdec.engines.forwards import packed
+from specdec.engines.forwards.packed import MAX_ROWS, MIN_ROWS, PACK_AFTER, PackedLinears, packed_linears
 from specdec.models import tiny_random
 
 from helpers import DRAFTING_PAYS, pin_costs, repetitive_prompt
@@ -152,7 +152,7 @@ def test_forwards_that_time_the_model_do_not_count_towards_packing(model):
 
 
 def test_choosing_a_copy_and_calibrating_do_not_count_towards_packing(model):
-    from specdec.forwards.choose import StepTimer
+    from specdec.copies.choose import StepTimer
     from specdec.kv import CacheSettings
     from specdec.policy.costs import calibrate
 

@@ -6,7 +6,7 @@ prompts of 48+ tokens (summarization, rag, coding), with ``prompt_lookup``, with
 ``draft_model`` (SmolLM2 drafting for itself: same tokenizer, every draft accepted) and with the
 EAGLE-3 head shipped for it (chains and trees, three drafts a step); and the
 three prompts (56 to 769 tokens) decoded as one left-padded batch give, per row, what each row
-gives alone; the same with the output layer computed as ``W @ h.T`` (``specdec.forwards.head``).
+gives alone; the same with the output layer computed as ``W @ h.T`` (``specdec.engines.forwards.head``).
 
 ``load_model``: an unknown name lists what is known; a packaged model whose package is missing
 names the install command; ``tiny-random:<arch>`` builds every listed architecture; a local
@@ -94,7 +94,7 @@ def test_the_fast_output_layer_is_token_identical(smollm2, smollm2_prompts, refe
     machine's to decide) matches its own logits, and decoding with it is token-identical: with
     prompt lookup on the three prompts, and without drafts on the shortest (the long prompts'
     prefills keep the model's own head, which the prompt-lookup runs cover already)."""
-    from specdec.forwards.head import FastHead
+    from specdec.engines.forwards.head import FastHead
 
     target, tokenizer = smollm2
     shortest = min(range(len(smollm2_prompts)), key=lambda i: smollm2_prompts[i].shape[1])

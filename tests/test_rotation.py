@@ -1,4 +1,4 @@
-"""The residual-stream rotation of a ``self_draft`` copy (``specdec/forwards/rotation.py``).
+"""The residual-stream rotation of a ``self_draft`` copy (``specdec/engines/forwards/rotation.py``).
 
 Rotated in full precision the copy computes the target's logits (norm scales folded, weights
 rotated, head untied); layouts it does not know are left alone; a copy whose rotated logits differ
@@ -12,9 +12,9 @@ import copy
 import pytest
 import torch
 
-from specdec.forwards.int8 import quantize_linears
-from specdec.forwards.lowbit import build_copy
-from specdec.forwards.rotation import kron_orthogonal, rotatable, rotate_residual
+from specdec.engines.forwards.int8 import quantize_linears
+from specdec.engines.forwards.lowbit import build_copy
+from specdec.engines.forwards.rotation import kron_orthogonal, rotatable, rotate_residual
 from specdec.models import tiny_random
 
 
@@ -98,7 +98,7 @@ def test_the_rotation_is_orthogonal(size):
 def test_rotating_in_chunks_of_rows_is_rotating_whole(monkeypatch):
     """Large weights are rotated a few rows at a time (``CHUNK_ROWS``): the product over the whole
     weight, up to rounding (the norm's scale folded in), into ``out`` or in place."""
-    from specdec.forwards import rotation
+    from specdec.engines.forwards import rotation
 
     a, b = kron_orthogonal(12)
     weight = torch.randn(10, 12, generator=torch.Generator().manual_seed(0))

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from candidate_generators.draft_model import DraftModelGenerator
-from specdec.forwards.int8 import Int8Linear
-from specdec.forwards.attention import GROUPED_SDPA
-from specdec.forwards.lowbit import build_copy
+from specdec.engines.forwards.int8 import Int8Linear
+from specdec.engines.forwards.attention import GROUPED_SDPA
+from specdec.engines.forwards.lowbit import build_copy
 from candidate_generators.self_draft import merge, tensor_bytes
 from specdec import SpecDecoder
 from specdec.generators import Proposal

@@ -65,7 +65,7 @@ class StepTimer:
         self.prefilled = [None] * self.start if per_tensor else logits[0].argmax(-1).tolist()
 
     def _forward(self, start: int, width: int, first: bool = False, keep: int | None = None) -> torch.Tensor:
-        from .packed import measuring
+        from ..engines import measuring
 
         with measuring():  # no sign of use: these forwards do not get the target's weights packed
             return self._fed(start, width, first, width if keep is None else keep)

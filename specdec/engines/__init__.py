@@ -26,19 +26,31 @@ given its file by :func:`attach_gguf`, or :func:`export_gguf` writes one).
 Choosing one (``SpecDecoder(..., engine=...)``, docs/engines.md, "Choosing an engine"):
 :data:`ENGINE_CHOICES` are the names ``engine=`` takes, checked by :func:`resolve_engine_name`
 before any forward; :func:`engine_report` says what a call ran (``out.stats.choices["engine"]``).
-"auto" and "cpu" still run specdec's CPU forwards where they are (``specdec/forwards/``, decided
-per model by probes and timings); "eager" runs none of them for that decoder alone.
+"auto" and "cpu" run the CPU engine's forwards where they serve (``forwards/``, each decided per
+model by a probe and a timing and kept in the model's plan, ``specdec.model_plan``); "eager" runs
+none of them for that decoder alone.
+
+What the core and the plugins use of the CPU engine's parts is re-exported here, and nothing else:
+:func:`model_logits` (a cache backend's causal forward through the fast paths), :func:`measuring`,
+:func:`call_begins` and :func:`packed_weights_report` (the packed weights), :func:`build_copy`
+with :func:`check_weights` and :func:`resolve_weights` (a low-precision copy, ``weights=``), and
+:func:`import_torchao_quietly`.
 """
 
 from __future__ import annotations
 
 import os
 
+from ..modelinfo import cache_argument
 from ..names import ENGINE_CHOICES
-from .base import CAUSAL, Engine, EngineOutput, Layout, LayoutNotSupported
+from .base import CAUSAL, Engine, EngineOutput, Layout, LayoutNotSupported, forward_kwargs
 from .cpu import CpuEngine
 from .cpu import decisions as _cpu_decisions
 from .eager import EagerEngine
+from .forwards.head import model_logits
+from .forwards.lowbit import EAGER_ONLY as EAGER_ONLY_WEIGHTS
+from .forwards.lowbit import build_copy, check_weights, import_torchao_quietly, resolve_weights
+from .forwards.packed import PackedLinears, measuring
 from .llama_cpp import (LlamaCppKV, attach_gguf, export_gguf, gguf_for, gguf_source, gguf_twin, missing_gguf,
                         requantize)
 from .llama_cpp import library as llama_cpp_library  # its contexts and checks, for tests and diagnostics
@@ -89,6 +101,57 @@ def check_engine(name: str, model) -> None:
         raise ValueError(missing_gguf(model))
 
 
+def engine_for(model, name: str, *, fast_head: bool = True, hooks: bool = True) -> Engine:
+    """The engine that runs ``model``'s chain forwards under ``engine=name`` (checked): the eager
+    engine for "eager" and for a model off the CPU, the CPU engine otherwise (under "llama_cpp" too,
+    for the models llama.cpp does not run: the assistants). ``hooks=False``: forwards that run no
+    module hooks (timed ones, which specdec's forward counters must not count)."""
+    param = next(model.parameters(), None)
+    on_cpu = param is None or param.device.type == "cpu"
+    if name == "eager" or not on_cpu:
+        return EagerEngine(model, hooks=hooks)
+    return CpuEngine(model, fast_head=fast_head, hooks=hooks)
+
+
+class ChainForward:
+    """How a cache backend runs one model's chain (causal) forwards: through the engine that
+    ``engine=name`` picks for the model (:func:`engine_for`), made at its first forward; one with
+    module hooks and, for timed forwards (``direct``), one without.
+
+    ``chain(kwargs, direct=False, hidden_layers=())`` takes the keywords of the model's forward
+    (the cache under its own keyword) -> the logits, or ``(logits, {layer: [B, T, H]})`` where
+    ``hidden_layers`` asks for hidden states; :meth:`engine` is the engine itself (a tree step's
+    forward runs on it too)."""
+
+    def __init__(self, model, name: str, fast_head: bool = True):
+        self.model, self.name, self.fast_head = model, name, fast_head
+        self.cache_key = cache_argument(model)
+        self._engines: dict[bool, Engine] = {}
+
+    def engine(self, direct: bool = False) -> Engine:
+        engine = self._engines.get(direct)
+        if engine is None:
+            engine = self._engines[direct] = engine_for(self.model, self.name, fast_head=self.fast_head,
+                                                        hooks=not direct)
+        return engine
+
+    def __call__(self, kwargs: dict, *, direct: bool = False, hidden_layers: tuple[int, ...] = ()):
+        out = forward_kwargs(self.engine(direct), kwargs, self.cache_key, hidden_layers=hidden_layers)
+        return (out.logits, out.hidden) if hidden_layers else out.logits
+
+
+def call_begins(model) -> None:
+    """A decoding call of ``model`` begins: the CPU engine packs the weights of a model called
+    again (``forwards/packed.py``). Not under ``engine="eager"``, whose calls are no sign of use."""
+    PackedLinears.calling(model)
+
+
+def packed_weights_report(model) -> str | None:
+    """What the CPU engine decided about packing ``model``'s weights, and why (``stats.choices
+    ["packed_weights"]``), or None before it decided."""
+    return PackedLinears.decision(model)
+
+
 def llama_cpp_kv(model, batch: int, capacity: int, settings, reach: int = 0):
     """llama.cpp's cache backend for ``model`` (``engine="llama_cpp"``), or None where no GGUF file serves it."""
     path = gguf_for(model)
@@ -118,4 +181,6 @@ def engine_report(model, name: str, fast_head: bool = True) -> str:
 __all__ = ["CAUSAL", "ENGINES", "CpuEngine", "EagerEngine", "Engine", "EngineOutput", "Layout", "LayoutNotSupported",
            "ENGINE_CHOICES", "check_engine", "engine_report", "make_engine", "resolve_engine_name",
            "LLAMA_CPP_INSTALL", "attach_gguf", "export_gguf", "gguf_for", "gguf_source", "gguf_twin", "llama_cpp_kv",
-           "llama_cpp_library", "missing_gguf", "requantize"]
+           "llama_cpp_library", "missing_gguf", "requantize",
+           "ChainForward", "call_begins", "engine_for", "forward_kwargs", "measuring", "model_logits", "packed_weights_report",
+           "EAGER_ONLY_WEIGHTS", "build_copy", "check_weights", "import_torchao_quietly", "resolve_weights"]

@@ -215,3 +215,36 @@ class Engine(Protocol):
         the model's forward as they are (a first iteration's pixel values and the like).
         Raises :class:`LayoutNotSupported` for a layout it cannot run on this model."""
         ...
+
+
+def model_kwargs(input_ids: torch.Tensor, positions: torch.Tensor, cache_key: str, cache: Any = None,
+                 attention_mask: torch.Tensor | None = None, logits_to_keep: int | None = None,
+                 model_inputs: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The protocol's arguments as the keywords a ``transformers`` model's forward takes (the
+    cache under ``cache_key``, ``modelinfo.cache_argument``)."""
+    kwargs: dict[str, Any] = dict(model_inputs or {})
+    kwargs.update(input_ids=input_ids, position_ids=positions, use_cache=cache is not None)
+    if cache is not None:
+        kwargs[cache_key] = cache
+    if attention_mask is not None:
+        kwargs["attention_mask"] = attention_mask
+    if logits_to_keep is not None:
+        kwargs["logits_to_keep"] = logits_to_keep
+    return kwargs
+
+
+#: the keywords of a model's forward that are the protocol's own arguments (the cache's is the model's)
+_PROTOCOL_KEYWORDS = ("input_ids", "position_ids", "use_cache", "attention_mask", "logits_to_keep")
+
+
+def forward_kwargs(engine: Engine, kwargs: Mapping[str, Any], cache_key: str, *, layout: Layout = CAUSAL,
+                   hidden_layers: Sequence[int] = ()) -> EngineOutput:
+    """``engine.forward`` on the keywords of a model's forward (the inverse of :func:`model_kwargs`):
+    what a cache backend holds as it prepares a forward. Keywords other than the protocol's go as
+    ``model_inputs``."""
+    cache_keys = (cache_key, "past_key_values")  # the old name too: a caller may still pass it
+    cache = next((kwargs[k] for k in cache_keys if k in kwargs), None)
+    return engine.forward(kwargs["input_ids"], kwargs["position_ids"], layout=layout, cache=cache,
+                          attention_mask=kwargs.get("attention_mask"), hidden_layers=hidden_layers,
+                          logits_to_keep=kwargs.get("logits_to_keep"),
+                          model_inputs={k: v for k, v in kwargs.items() if k not in _PROTOCOL_KEYWORDS + cache_keys})

@@ -1,9 +1,10 @@
 """The CPU engine: specdec's faster forwards of a model on a CPU, and what it decided for a model.
 
-Its forwards live in ``specdec/forwards/``: the decoder layers as one scripted stack
+Its forwards are this package's ``forwards/``: the decoder layers as one scripted stack
 (``forwards/stack.py``, through ``forwards/direct.py`` for the target), the linear layers through
 weights packed for MKL (``forwards/packed.py``) and the output layer as ``W @ h.T``
-(``forwards/head.py``), each decided per model by a probe and a timing. ``engine="auto"`` and
+(``forwards/head.py``), each decided per model by a probe and a timing and kept in the
+model's plan (``specdec.model_plan``). ``engine="auto"`` and
 ``engine="cpu"`` let them run where those decisions choose them; ``engine="eager"`` turns all of
 them off for one decoder's forwards (``CacheSettings.engine``, read by ``forwards.head.model_logits``).
 
@@ -11,10 +12,10 @@ them off for one decoder's forwards (``CacheSettings.engine``, read by ``forward
 the tree's boolean mask (:func:`~specdec.engines.base.tree_visibility`) where the stack serves the
 model and the call (the direct forward decided for it, specdec's dynamic cache, no prefill-only
 inputs), and through :class:`~specdec.engines.eager.EagerEngine` otherwise; a causal layout runs
-as the eager engine's (a decoder's causal forwards reach these fast paths through its cache
-backend, ``kv.py``).
+through ``forwards.head.model_logits``, which takes each fast path that serves the forward (a
+decoder's chain forwards come here from its cache backends, ``kv.py``).
 
-:func:`decisions` only reads what was decided: it never probes, times or packs, so reporting a
+:func:`decisions` only reads the plan: it never probes, times or packs, so reporting a
 choice changes nothing another decoder of the same model does.
 """
 
@@ -24,18 +25,15 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ..forwards.direct import DirectForward
-from ..forwards.head import FastHead, model_logits
-from ..forwards.packed import PackedLinears
+from ..model_plan import UNDECIDED, planned
 from ..modelinfo import cache_argument
-from .base import CAUSAL, EngineOutput, Layout, tree_visibility
+from .forwards.direct import DirectForward
+from .forwards.head import model_logits
+from .base import CAUSAL, EngineOutput, Layout, model_kwargs, tree_visibility
 from .eager import EagerEngine
 
-_UNDECIDED = object()
-
-
 def _said(decided, used: str = "used") -> str:
-    return "not decided yet" if decided is _UNDECIDED else (used if decided is not None else "not used")
+    return "not decided yet" if decided is UNDECIDED else (used if decided is not None else "not used")
 
 
 def decisions(model) -> str:
@@ -43,14 +41,14 @@ def decisions(model) -> str:
     stack, the packed weights and the fast output layer, each "used", "not used" or "not decided
     yet" (each is decided at its first use; the packed weights' reason is ``stats.choices
     ["packed_weights"]``)."""
-    with DirectForward._lock:
-        direct = DirectForward._decided.get(model, _UNDECIDED)
-    with FastHead._lock:
-        head = FastHead._decided.get(model, _UNDECIDED)
-    with PackedLinears._lock:
-        state = PackedLinears._state.get(model)
-    packed = _UNDECIDED if state is None or state.decided is None else (state if state.decided else None)
-    rows = "used for forwards of %d-%d rows" % state.rows if packed not in (None, _UNDECIDED) else ""
+    plan = planned(model)
+    if plan is None:
+        direct = head = packed = UNDECIDED
+    else:
+        with plan.lock:
+            direct, head, state = plan.direct, plan.head, plan.packed
+        packed = UNDECIDED if state is None or state.decided is None else (state if state.decided else None)
+    rows = "used for forwards of %d-%d rows" % packed.rows if packed not in (None, UNDECIDED) else ""
     return (f"scripted Llama stack {_said(direct)}; packed weights {_said(packed, rows)}; "
             f"fast output layer {_said(head)}")
 
@@ -60,21 +58,28 @@ class CpuEngine:
 
     name = "cpu"
 
-    def __init__(self, model, fast_head: bool = True):
+    def __init__(self, model, fast_head: bool = True, hooks: bool = True):
         self.model, self.fast_head = model, fast_head  # fast_head: the output layer as W @ h.T where it pays
-        self.eager = EagerEngine(model)
+        self.hooks = hooks  # False: no module hooks run (forwards a timer must not count)
+        self.eager = EagerEngine(model, hooks=hooks)
         self._cache_kwarg = cache_argument(model)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *, layout: Layout = CAUSAL,
                 cache: Any = None, attention_mask: torch.Tensor | None = None,
                 hidden_layers: Sequence[int] = (), logits_to_keep: int | None = None,
                 model_inputs: Mapping[str, Any] | None = None) -> EngineOutput:
-        kwargs = self._stack_inputs(input_ids, positions, layout, cache, attention_mask, logits_to_keep, model_inputs)
-        if kwargs is None:
-            return self.eager.forward(input_ids, positions, layout=layout, cache=cache, attention_mask=attention_mask,
-                                      hidden_layers=hidden_layers, logits_to_keep=logits_to_keep,
-                                      model_inputs=model_inputs)
-        out = model_logits(self.model, kwargs, fast_head=self.fast_head, hidden_layers=tuple(hidden_layers))
+        if layout.is_tree:
+            kwargs = self._stack_inputs(input_ids, positions, layout, cache, attention_mask, logits_to_keep,
+                                        model_inputs)
+            if kwargs is None:
+                return self.eager.forward(input_ids, positions, layout=layout, cache=cache,
+                                          attention_mask=attention_mask, hidden_layers=hidden_layers,
+                                          logits_to_keep=logits_to_keep, model_inputs=model_inputs)
+        else:
+            kwargs = model_kwargs(input_ids, positions, self._cache_kwarg, cache, attention_mask, logits_to_keep,
+                                  model_inputs)
+        out = model_logits(self.model, kwargs, direct=not self.hooks, fast_head=self.fast_head,
+                           hidden_layers=tuple(hidden_layers))
         logits, hidden = out if hidden_layers else (out, {})
         return EngineOutput(logits=logits, hidden=hidden)
 
@@ -97,17 +102,14 @@ class CpuEngine:
     def _stack_inputs(self, input_ids, positions, layout: Layout, cache, attention_mask, logits_to_keep,
                       model_inputs) -> dict | None:
         """The keyword arguments of a tree forward through the stack (its mask boolean, [B, 1, T, N]),
-        or None where the eager engine runs it (a causal layout, other inputs, a model or cache the
-        stack does not serve)."""
-        if not layout.is_tree or model_inputs or positions.dim() != 2 or not self.serves_trees(cache):
+        or None where the eager engine runs it (other inputs, a model or cache the stack does not
+        serve)."""
+        if model_inputs or positions.dim() != 2 or not self.serves_trees(cache):
             return None
         batch, width = input_ids.shape
         layout.check(width, batch)
         cached = int(cache.get_seq_length())
         mask = tree_visibility(layout, cached, attention_mask, batch, width, input_ids.device)[:, None]
-        kwargs = {"input_ids": input_ids, "position_ids": positions, self._cache_kwarg: cache, "use_cache": True,
-                  "attention_mask": mask}
-        if logits_to_keep is not None:
-            kwargs["logits_to_keep"] = logits_to_keep
+        kwargs = model_kwargs(input_ids, positions, self._cache_kwarg, cache, mask, logits_to_keep)
         direct = DirectForward.of(self.model)
-        return kwargs if direct.plan(self.model, kwargs, direct=False) is not None else None
+        return kwargs if direct.plan(self.model, kwargs, direct=not self.hooks) is not None else None

@@ -34,7 +34,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ..modelinfo import cache_argument
-from .base import CAUSAL, EngineOutput, Layout, LayoutNotSupported, tree_visibility
+from .base import CAUSAL, EngineOutput, Layout, LayoutNotSupported, model_kwargs, tree_visibility
 
 #: attention implementations that apply an arbitrary 4-D additive mask
 MASKED_ATTENTION = ("eager", "sdpa")
@@ -47,8 +47,9 @@ class EagerEngine:
 
     name = "eager"
 
-    def __init__(self, model):
+    def __init__(self, model, hooks: bool = True):
         self.model = model
+        self.hooks = hooks  # False: ``model.forward``, no module hooks (forwards a timer must not count)
         self._cache_kwarg = cache_argument(model)  # ``cache`` where declared (past_key_values is deprecated there)
         self._tree_refusal: str | None = None
         self._probed = False
@@ -71,17 +72,11 @@ class EagerEngine:
             if not probing:
                 self.check_tree_support(cache)
             attention_mask = self._tree_mask(layout, cache, attention_mask, batch, width, input_ids.device)
-        kwargs: dict[str, Any] = dict(model_inputs or {})
-        kwargs.update(input_ids=input_ids, position_ids=positions, use_cache=cache is not None)
-        if cache is not None:
-            kwargs[self._cache_kwarg] = cache
-        if attention_mask is not None:
-            kwargs["attention_mask"] = attention_mask
-        if logits_to_keep is not None:
-            kwargs["logits_to_keep"] = logits_to_keep
+        kwargs = model_kwargs(input_ids, positions, self._cache_kwarg, cache, attention_mask, logits_to_keep,
+                              model_inputs)
         if layers:
             kwargs["output_hidden_states"] = True
-        out = self.model(**kwargs)
+        out = (self.model if self.hooks else self.model.forward)(**kwargs)
         hidden = {layer: out.hidden_states[layer] for layer in layers}
         return EngineOutput(logits=out.logits, hidden=hidden)
 

@@ -19,17 +19,16 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import threading
 import time
-import weakref
 
 import torch
 
 from ..compiled import say
 from ..device import synchronize
 from ..distributed import sharding
-from ..forwards.packed import measuring
+from ..engines import measuring
 from ..kv import CacheSettings, make_kv
+from ..model_plan import plan_of
 from ..modelinfo import cache_argument
 
 #: token counts at which a forward's cost is tracked
@@ -77,8 +76,6 @@ class CostModel:
     one-token step over time. Plain Python numbers inside: the loop asks it twice per step.
     """
 
-    _shared: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, CostModel]]" = weakref.WeakKeyDictionary()
-    _lock = threading.Lock()
 
     def __init__(self, seconds: list, rate: float = SHAPE_RATE, contexts: tuple[int, ...] = (0,),
                  anchored: tuple[int, ...] | None = None):
@@ -127,15 +124,16 @@ class CostModel:
         before its first forward). Returns (model, seconds spent calibrating now)."""
         cache = cache or CacheSettings()
         key = _cost_key(model, cache)
-        with cls._lock:
-            found = cls._shared.get(model, {}).get(key)
+        plan = plan_of(model)
+        with plan.lock:
+            found = plan.costs.get(key)
         if found is not None:
             return found, 0.0
         started = time.perf_counter()
         made = calibrate(model, calibrate_with, cache, slots, kv=kv)
         spent = time.perf_counter() - started
-        with cls._lock:
-            return cls._shared.setdefault(model, {}).setdefault(key, made), spent
+        with plan.lock:
+            return plan.costs.setdefault(key, made), spent
 
     def predict(self, tokens: torch.Tensor | float, context: float = 0.0) -> torch.Tensor:
         """Seconds for forwards feeding ``tokens`` (any shape) after ``context`` cached tokens."""
@@ -165,18 +163,18 @@ class CostModel:
     def pin(cls, model, costs: "CostModel", cache: CacheSettings | None = None) -> None:
         """Use ``costs`` for ``model`` (on its device and dtype, with this cache kind) from now on,
         e.g. a curve measured offline, or a known one in a test."""
-        with cls._lock:
-            cls._shared.setdefault(model, {})[_cost_key(model, cache or CacheSettings())] = costs
+        plan = plan_of(model)
+        with plan.lock:
+            plan.costs[_cost_key(model, cache or CacheSettings())] = costs
 
     @classmethod
     def offer(cls, model, costs: "CostModel", cache: CacheSettings | None = None) -> bool:
         """Use ``costs`` for ``model`` with this cache kind where the process has no model for it
         yet (forwards timed elsewhere, e.g. while ``weights="auto"`` chose a copy: the call then
         times none of its own). Returns whether it was taken."""
-        with cls._lock:
-            models = cls._shared.setdefault(model, {})
-            key = _cost_key(model, cache or CacheSettings())
-            return models.setdefault(key, costs) is costs
+        plan = plan_of(model)
+        with plan.lock:
+            return plan.costs.setdefault(_cost_key(model, cache or CacheSettings()), costs) is costs
 
     def observe(self, tokens: int, seconds: float, context: float = 0.0) -> None:
         """One forward that fed ``tokens`` after ``context`` cached tokens took ``seconds`` (counts

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import threading
-import weakref
-
-import torch
+from ..model_plan import plan_of, planned
 
 
 class DraftingMemory:
@@ -13,20 +10,16 @@ class DraftingMemory:
     its last measured drafting cost per token, as a share of the target's one-token forward at
     the batch and context it was measured at. A later call of the same assistant starts from it
     instead of the bytes prior (its own measurements then correct it), and does not try the
-    assistant in a short block as if its drafts were of unknown worth. Kept per model object,
-    forgotten with it."""
-
-    _shares: "weakref.WeakKeyDictionary[torch.nn.Module, float]" = weakref.WeakKeyDictionary()
-    _lock = threading.Lock()
+    assistant in a short block as if its drafts were of unknown worth. Kept in the model's plan
+    (``specdec.model_plan``), forgotten with it."""
 
     @classmethod
     def share(cls, assistant) -> float | None:
-        with cls._lock:
-            return cls._shares.get(assistant) if assistant is not None else None
+        plan = planned(assistant) if assistant is not None else None
+        return None if plan is None else plan.drafting_share
 
     @classmethod
     def learn(cls, assistant, share: float) -> None:
         if assistant is not None:
-            with cls._lock:
-                cls._shares[assistant] = share
+            plan_of(assistant).drafting_share = share
 

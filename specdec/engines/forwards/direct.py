@@ -1,4 +1,4 @@
-"""The target's forward of a few tokens through :class:`~specdec.forwards.stack.LlamaStack`.
+"""The target's forward of a few tokens through :class:`~specdec.engines.forwards.stack.LlamaStack`.
 
 The stack runs the decoder layers in the model's own operations and order, without its modules
 (``stack.py``, ``"float"`` linears). For one token and no padding it gives the model's own logits
@@ -31,16 +31,16 @@ The model is only read: its weights are used in place, nothing is stacked or cop
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 import weakref
 from typing import Sequence
 
 import torch
 
-from ..compiled import one_time
-from ..growing import GrowingLayer, new_dynamic_cache
-from ..modelinfo import cache_argument
+from ...compiled import one_time
+from ...growing import GrowingLayer, new_dynamic_cache
+from ...modelinfo import cache_argument
+from ...model_plan import UNDECIDED, plan_of
 from .packed import MAX_ROWS, PackedLinears
 from .stack import LlamaStack
 from .stack import layout_problem as stack_problem
@@ -87,15 +87,26 @@ def _hooked(model, direct: bool) -> bool:
 def _capturing(hook) -> bool:
     """Whether ``hook`` is one of the hooks ``transformers`` leaves on a model's layers once a
     forward asked for hidden states or attentions: they record only inside such a forward of the
-    model's own, and do nothing otherwise."""
-    return getattr(hook, "__qualname__", "").startswith(("install_output_capuring_hook.", "install_output_capturing_hook."))
+    model's own (``capture_outputs`` sets their collector), and do nothing otherwise. Known by the
+    module that defines them, not by a function's name; where that module is gone (another
+    ``transformers``), no hook is taken for one, and a model with any runs its own forward."""
+    return _CAPTURE_MODULE is not None and getattr(hook, "__module__", None) == _CAPTURE_MODULE
+
+
+def _capture_module() -> str | None:
+    try:
+        from transformers.utils import output_capturing
+    except ImportError:
+        return None
+    return output_capturing.__name__ if hasattr(output_capturing, "capture_outputs") else None
+
+
+_CAPTURE_MODULE = _capture_module()
 
 
 class DirectForward:
     """One model's direct forward (see the module doc)."""
 
-    _decided: "weakref.WeakKeyDictionary[torch.nn.Module, DirectForward | None]" = weakref.WeakKeyDictionary()
-    _lock = threading.Lock()
 
     def __init__(self, model):
         self.stack = LlamaStack(model, "float")
@@ -109,12 +120,15 @@ class DirectForward:
     @classmethod
     def of(cls, model) -> "DirectForward | None":
         """The model's direct forward, or None where it runs its own (decided once per model)."""
-        with cls._lock:
-            if model in cls._decided:
-                return cls._decided[model]
+        plan = plan_of(model)
+        with plan.lock:
+            if plan.direct is not UNDECIDED:
+                return plan.direct
         direct = cls._decide(model)
-        with cls._lock:
-            return cls._decided.setdefault(model, direct)
+        with plan.lock:
+            if plan.direct is UNDECIDED:  # another thread may have decided meanwhile: the first stands
+                plan.direct = direct
+            return plan.direct
 
     @classmethod
     def pin(cls, model, use: bool) -> "DirectForward | None":
@@ -123,14 +137,16 @@ class DirectForward:
         direct = cls._candidate(model) if use else None
         if direct is not None and not direct._matches(model):
             direct = None
-        with cls._lock:
-            cls._decided[model] = direct
+        plan = plan_of(model)
+        with plan.lock:
+            plan.direct = direct
         return direct
 
     @classmethod
     def forget(cls, model) -> None:
-        with cls._lock:
-            cls._decided.pop(model, None)
+        plan = plan_of(model)
+        with plan.lock:
+            plan.direct = UNDECIDED
 
     @classmethod
     def _candidate(cls, model) -> "DirectForward | None":

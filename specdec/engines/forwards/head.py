@@ -32,13 +32,12 @@ from __future__ import annotations
 import functools
 import inspect
 import statistics
-import threading
 import time
-import weakref
 from typing import Sequence
 
 import torch
 
+from ...model_plan import UNDECIDED, plan_of
 from .attention import grouped_attention
 from .direct import DirectForward
 from .packed import packed_linears
@@ -61,8 +60,6 @@ _NO_LOGITS = torch.zeros(0, dtype=torch.long)
 class FastHead:
     """``W @ h.T`` (+ bias, then soft-capping) for one model's output layer."""
 
-    _decided: "weakref.WeakKeyDictionary[torch.nn.Module, FastHead | None]" = weakref.WeakKeyDictionary()
-    _lock = threading.Lock()
 
     def __init__(self, layer: torch.nn.Linear, softcap: float | None):
         self.layer, self.softcap = layer, softcap
@@ -83,12 +80,15 @@ class FastHead:
     @classmethod
     def of(cls, model) -> "FastHead | None":
         """The model's fast head, or None where it runs its own (decided once per model)."""
-        with cls._lock:
-            if model in cls._decided:
-                return cls._decided[model]
+        plan = plan_of(model)
+        with plan.lock:
+            if plan.head is not UNDECIDED:
+                return plan.head
         head = cls._decide(model)
-        with cls._lock:
-            return cls._decided.setdefault(model, head)
+        with plan.lock:
+            if plan.head is UNDECIDED:  # another thread may have decided meanwhile: the first stands
+                plan.head = head
+            return plan.head
 
     @classmethod
     def pin(cls, model, use: bool) -> "FastHead | None":
@@ -98,15 +98,17 @@ class FastHead:
         head = cls._candidate(model, min_elements=0) if use else None
         if head is not None and not head._matches(model):
             head = None
-        with cls._lock:
-            cls._decided[model] = head
+        plan = plan_of(model)
+        with plan.lock:
+            plan.head = head
         return head
 
     @classmethod
     def forget(cls, model) -> None:
         """Decide again at ``model``'s next forward."""
-        with cls._lock:
-            cls._decided.pop(model, None)
+        plan = plan_of(model)
+        with plan.lock:
+            plan.head = UNDECIDED
 
     @classmethod
     def _candidate(cls, model, min_elements: int = MIN_ELEMENTS) -> "FastHead | None":

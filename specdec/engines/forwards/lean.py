@@ -4,7 +4,7 @@ A draft step of a small model on a CPU runs thousands of tensor operations of a 
 each; run eagerly through ``transformers``' modules, that dispatching, not the int8 products,
 is most of the step (docs/self_draft.md, "How the copy drafts"). Compiling removes it, but
 compiling takes minutes on a small CPU, which a first call must not spend. This forward runs the
-copy's decoder layers through :class:`~specdec.forwards.stack.LlamaStack` with ``"int8"`` or
+copy's decoder layers through :class:`~specdec.engines.forwards.stack.LlamaStack` with ``"int8"`` or
 ``"int4"`` linears: query-key-value and gate-up stacked into one product each (the copy's own
 layers keep views of the stacked weights, so no weight is stored twice; products per output
 channel are unchanged by stacking), the rotary embedding applied to queries and keys at once, keys
@@ -44,8 +44,8 @@ KNOWN = {"input_ids", "position_ids", "cache", "past_key_values", "attention_mas
 
 def lean_problem(model) -> str | None:
     """Why :func:`install` cannot serve ``model`` (a copy whose linear layers are all
-    :class:`~specdec.forwards.int8.Int8Linear`, or all :class:`~specdec.forwards.int4.Int4Linear`
-    but an output layer that may be a :class:`~specdec.forwards.int4.Bfloat16Head`),
+    :class:`~specdec.engines.forwards.int8.Int8Linear`, or all :class:`~specdec.engines.forwards.int4.Int4Linear`
+    but an output layer that may be a :class:`~specdec.engines.forwards.int4.Bfloat16Head`),
     or None where it can: rotation's layout, and no sliding window, partial rotary embedding or
     extra part of attention or MLP (and, for int4, output widths that stack: multiples of 64)."""
     problems = [rotatable(model, Int8Linear), rotatable(model, Int4Linear, head=(Int4Linear, int4.Bfloat16Head))]

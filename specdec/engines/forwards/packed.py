@@ -36,12 +36,12 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-import weakref
 from contextlib import contextmanager
 
 import torch
 
-from ..compiled import flagged, one_time
+from ...compiled import flagged, one_time
+from ...model_plan import plan_of, planned
 
 #: fewest rows (tokens x batch rows) a forward may feed for the packed products: fewer run as a
 #: matrix-vector product or close to one, which packing does not speed up (2-3 rows: slower here)
@@ -113,9 +113,6 @@ class _Packed:
 class PackedLinears:
     """A model's float32 linear layers with packed weights (see the module doc)."""
 
-    _state: "weakref.WeakKeyDictionary[torch.nn.Module, PackedLinears]" = weakref.WeakKeyDictionary()
-    _lock = threading.Lock()
-
     def __init__(self, model: torch.nn.Module):
         self.layers = [m for m in model.modules() if _eligible(m)]
         self.forwards = 0  # eligible forwards seen
@@ -127,11 +124,11 @@ class PackedLinears:
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "PackedLinears":
-        with cls._lock:
-            state = cls._state.get(model)
-            if state is None:
-                state = cls._state[model] = cls(model)
-            return state
+        plan = plan_of(model)
+        with plan.lock:
+            if plan.packed is None:
+                plan.packed = cls(model)
+            return plan.packed
 
     @classmethod
     def pin(cls, model: torch.nn.Module, use: bool) -> "PackedLinears":
@@ -152,14 +149,15 @@ class PackedLinears:
     @classmethod
     def decision(cls, model: torch.nn.Module) -> str | None:
         """What was decided for ``model`` and why, or None before deciding (or with no state)."""
-        with cls._lock:
-            state = cls._state.get(model)
+        plan = planned(model)
+        state = None if plan is None else plan.packed
         return None if state is None else state.report()
 
     @classmethod
     def forget(cls, model: torch.nn.Module) -> None:
-        with cls._lock:
-            cls._state.pop(model, None)
+        plan = plan_of(model)
+        with plan.lock:
+            plan.packed = None
 
     def extra_bytes(self) -> int:
         """What the packed copies are expected to take: twice the weights (MKL pads small ones)."""
