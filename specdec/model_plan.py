@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 #: a decision not made yet (``ModelPlan.direct`` and ``ModelPlan.head``; None means "decided: not used")
 UNDECIDED: Any = type("Undecided", (), {"__repr__": lambda self: "UNDECIDED", "__bool__": lambda self: False})()
@@ -51,6 +51,24 @@ class ModelPlan:
             self.miscompiled = False  # a compiled forward disagreed once: never compiled again
             self.costs: dict[tuple, Any] = {}  # cost key -> the policy's CostModel
             self.drafting_share: float | None = None  # as an assistant: drafting cost / target step
+
+    def decided(self, name: str, decide: Callable[[], Any]) -> Any:
+        """The decision ``name`` (``direct``, ``head``), made by ``decide()`` where still UNDECIDED:
+        outside the lock (it may probe and time), the first one stored standing."""
+        with self.lock:
+            if getattr(self, name) is not UNDECIDED:
+                return getattr(self, name)
+        made = decide()
+        with self.lock:
+            if getattr(self, name) is UNDECIDED:  # another thread may have decided meanwhile
+                setattr(self, name, made)
+            return getattr(self, name)
+
+    def set(self, name: str, value: Any) -> Any:
+        """Set the field ``name`` (a decision pinned, or UNDECIDED to decide again); returns ``value``."""
+        with self.lock:
+            setattr(self, name, value)
+        return value
 
 
 _PLANS: "weakref.WeakKeyDictionary[Any, ModelPlan]" = weakref.WeakKeyDictionary()

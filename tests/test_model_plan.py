@@ -30,7 +30,7 @@ def test_each_decision_and_measurement_is_a_field_of_the_one_plan():
     assert plan.direct is UNDECIDED and plan.head is UNDECIDED and plan.packed is None
 
     direct = DirectForward.pin(model, True)
-    head = FastHead.pin(model, False)
+    FastHead.pin(model, False)
     packed = PackedLinears.pin(model, False)
     costs = CostModel(list(TINY_COSTS))
     CostModel.pin(model, costs)

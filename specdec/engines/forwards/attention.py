@@ -4,9 +4,8 @@ transformers' ``sdpa`` attention repeats each key/value head for its group of qu
 (``repeat_kv``) whenever a forward feeds several tokens with a mask, or is compiled with one:
 every verification of drafts, and every compiled draft step, copies the whole cache ``groups``
 times over, layer by layer, before attending. On a CPU that copy costs more than the attention
-itself, and grows with the batch and the context (SmolLM2-135M, 3 query heads per key/value
-head, a 16-row batch of 400-token contexts: a verification of 2 tokens a row 387 ms, 129 ms
-without it; docs/performance.md, "Grouped-query attention in verification forwards").
+itself, and grows with the batch and the context (the measurements: docs/performance.md,
+"Grouped-query attention in verification forwards").
 
 :func:`grouped_sdpa` computes the same attention without the copy:
 

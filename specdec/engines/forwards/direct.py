@@ -120,15 +120,7 @@ class DirectForward:
     @classmethod
     def of(cls, model) -> "DirectForward | None":
         """The model's direct forward, or None where it runs its own (decided once per model)."""
-        plan = plan_of(model)
-        with plan.lock:
-            if plan.direct is not UNDECIDED:
-                return plan.direct
-        direct = cls._decide(model)
-        with plan.lock:
-            if plan.direct is UNDECIDED:  # another thread may have decided meanwhile: the first stands
-                plan.direct = direct
-            return plan.direct
+        return plan_of(model).decided("direct", lambda: cls._decide(model))
 
     @classmethod
     def pin(cls, model, use: bool) -> "DirectForward | None":
@@ -137,16 +129,11 @@ class DirectForward:
         direct = cls._candidate(model) if use else None
         if direct is not None and not direct._matches(model):
             direct = None
-        plan = plan_of(model)
-        with plan.lock:
-            plan.direct = direct
-        return direct
+        return plan_of(model).set("direct", direct)
 
     @classmethod
     def forget(cls, model) -> None:
-        plan = plan_of(model)
-        with plan.lock:
-            plan.direct = UNDECIDED
+        plan_of(model).set("direct", UNDECIDED)
 
     @classmethod
     def _candidate(cls, model) -> "DirectForward | None":

@@ -80,15 +80,7 @@ class FastHead:
     @classmethod
     def of(cls, model) -> "FastHead | None":
         """The model's fast head, or None where it runs its own (decided once per model)."""
-        plan = plan_of(model)
-        with plan.lock:
-            if plan.head is not UNDECIDED:
-                return plan.head
-        head = cls._decide(model)
-        with plan.lock:
-            if plan.head is UNDECIDED:  # another thread may have decided meanwhile: the first stands
-                plan.head = head
-            return plan.head
+        return plan_of(model).decided("head", lambda: cls._decide(model))
 
     @classmethod
     def pin(cls, model, use: bool) -> "FastHead | None":
@@ -98,17 +90,12 @@ class FastHead:
         head = cls._candidate(model, min_elements=0) if use else None
         if head is not None and not head._matches(model):
             head = None
-        plan = plan_of(model)
-        with plan.lock:
-            plan.head = head
-        return head
+        return plan_of(model).set("head", head)
 
     @classmethod
     def forget(cls, model) -> None:
         """Decide again at ``model``'s next forward."""
-        plan = plan_of(model)
-        with plan.lock:
-            plan.head = UNDECIDED
+        plan_of(model).set("head", UNDECIDED)
 
     @classmethod
     def _candidate(cls, model, min_elements: int = MIN_ELEMENTS) -> "FastHead | None":

@@ -5,11 +5,8 @@ linear layer's weights as 4-bit integers, a scale and an offset (bfloat16) for e
 :data:`GROUP` consecutive weights of an output channel, and multiplies through torch's own int4
 kernel for CPUs (``torch._weight_int4pack_mm_for_cpu``, with bfloat16 activations; no extra
 package): an eighth of the fp32 bytes, half of an int8 copy's. A copy's output layer stays in
-bfloat16 (:class:`Bfloat16Head`). On an AMD EPYC with AVX2 only, where int8 x uint8 products
-(``int8.py``) cost more than fp32 ones, SmolLM2-135M's int4 copy steps at 0.3 of the target's
-step; on an AMX Xeon, with its output layer in int4, it stepped a quarter faster than the w8a8
-copy but agreed with the target less, for 1.49x against 1.59x on Spec-Bench (docs/self_draft.md,
-"Measured on Spec-Bench").
+bfloat16 (:class:`Bfloat16Head`). It pays most on a CPU where int8 x uint8 products (``int8.py``)
+cost more than fp32 ones (the measurements: docs/self_draft.md, "Measured on Spec-Bench").
 
 The weights are quantized to their group's own range (``lo + scale * q``, q in 0..15), the
 kernel's layout: it computes ``x @ ((q - 8) * scale + zero)^T`` with ``zero = lo + 8 scale``.
@@ -114,11 +111,8 @@ class Bfloat16Head(torch.nn.Module):
     """An int4 copy's output layer, ``y = x W^T + b`` with W in bfloat16 (its input cast to
     bfloat16, its output back to the input's dtype). The output layer decides which token a draft
     is, among tens of thousands whose logits lie close together, and int4 rounding of it turned
-    many of the copy's top tokens: SmolLM2-135M's int4 copy agreed with the fp32 target at 90.5%
-    of 685 teacher-forced positions with an int4 output layer and at 98.3% with this one, for the
-    same step time (25.0 against 24.8 ms on an AMD EPYC with AVX2; the head alone 3.5 against
-    4.9 ms: docs/self_draft.md, "How the copy drafts"). The weights are a copy: a tied input
-    embedding keeps its own dtype."""
+    many of the copy's top tokens, for about the same step time (docs/self_draft.md, "How the copy
+    drafts"). The weights are a copy: a tied input embedding keeps its own dtype."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()

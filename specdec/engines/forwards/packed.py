@@ -3,12 +3,11 @@
 A verification forward feeds a few tokens a row (a batch: a few rows more). On a CPU, torch runs
 a float32 ``nn.Linear`` of 4-20 rows as MKL's ``sgemm``, which repacks the whole weight matrix on
 every call before multiplying; for one row it runs a matrix-vector product, which does not. So a
-10-token forward of SmolLM2-135M cost about twice a one-token step (66 against 34 ms), most of it
-in that repacking. MKL can pack a matrix once and multiply by it many times
-(``cblas_sgemm_pack`` / ``cblas_sgemm_compute``, which torch exposes as
-``torch.ops.mkl._mkl_reorder_linear_weight`` and ``torch.ops.mkl._mkl_linear``, the ops its own
-inductor uses for frozen float32 linear layers): the same forward then cost 51 ms (the
-measurements: docs/performance.md, "Packed weights in verification forwards").
+several-token forward costs far more than a one-token step, much of it in that repacking. MKL can
+pack a matrix once and multiply by it many times (``cblas_sgemm_pack`` / ``cblas_sgemm_compute``,
+which torch exposes as ``torch.ops.mkl._mkl_reorder_linear_weight`` and
+``torch.ops.mkl._mkl_linear``, the ops its own inductor uses for frozen float32 linear layers)
+(the measurements: docs/performance.md, "Packed weights in verification forwards").
 
 :class:`PackedLinears` keeps a packed copy of each float32 ``nn.Linear`` weight of one model on a
 CPU, and :func:`packed_linears` routes the layers' calls to it inside specdec's own forwards that
@@ -155,9 +154,7 @@ class PackedLinears:
 
     @classmethod
     def forget(cls, model: torch.nn.Module) -> None:
-        plan = plan_of(model)
-        with plan.lock:
-            plan.packed = None
+        plan_of(model).set("packed", None)
 
     def extra_bytes(self) -> int:
         """What the packed copies are expected to take: twice the weights (MKL pads small ones)."""
