@@ -182,5 +182,6 @@ __all__ = ["CAUSAL", "ENGINES", "CpuEngine", "EagerEngine", "Engine", "EngineOut
            "ENGINE_CHOICES", "check_engine", "engine_report", "make_engine", "resolve_engine_name",
            "LLAMA_CPP_INSTALL", "attach_gguf", "export_gguf", "gguf_for", "gguf_source", "gguf_twin", "llama_cpp_kv",
            "llama_cpp_library", "missing_gguf", "requantize",
-           "ChainForward", "call_begins", "engine_for", "forward_kwargs", "measuring", "model_logits", "packed_weights_report",
+           "ChainForward", "call_begins", "engine_for", "forward_kwargs", "measuring", "model_logits",
+           "packed_weights_report",
            "EAGER_ONLY_WEIGHTS", "build_copy", "check_weights", "import_torchao_quietly", "resolve_weights"]
