@@ -7,7 +7,7 @@ from specdec import Proposal, SpecDecoder
 from specdec.generators import CandidateGenerator
 from specdec.models import tiny_random
 
-from helpers import ForwardRecorder, repetitive_prompt
+from helpers import repetitive_prompt
 
 
 def test_draft_with_a_smaller_padded_vocabulary():

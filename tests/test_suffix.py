@@ -14,7 +14,7 @@ from specdec.generators import CandidateGenerator, Proposal
 from specdec.models import tiny_random
 from specdec.sampling import SamplingParams
 
-from candidate_generators.suffix import SuffixGenerator, SuffixMemory, SuffixTrie
+from candidate_generators.suffix import SuffixMemory, SuffixTrie
 from helpers import assert_batch_is_exact, pin_costs, reference, repetitive_prompt
 from test_sampling_lossless import (N, PROMPT, TINY_VOCAB, assert_same_distribution, exact_three_token_joint,
                                     joint_counts, tiny_vocab_llama)
