@@ -318,17 +318,11 @@ def test_a_dead_end_only_a_rejected_draft_reaches_is_no_error(world):
     assert out.stats.drafted_tokens >= 1  # the draft down the dead path was verified
 
 
-class TreeDrafts(CandidateGenerator):
-    """Proposes the same point-mass tree every step: ``nodes`` as (token, parent) pairs."""
-
-    def __init__(self, nodes):
-        self.nodes = nodes
-
-    def drafting(self):
-        return DraftingInfo(max_drafts=None)
+class TreeDrafts(Drafts):
+    """Proposes the same point-mass tree every step: ``drafts`` as (token, parent) pairs."""
 
     def propose(self, ctx, max_drafts):
-        return Proposal.from_tree([self.nodes[: int(m)] for m in max_drafts.tolist()])
+        return Proposal.from_tree([self.drafts[: int(m)] for m in max_drafts.tolist()])
 
 
 def test_a_tree_under_a_grammar_stops_at_a_dead_end_on_its_path_and_not_off_it(world):

@@ -251,16 +251,23 @@ class Siblings(CandidateGenerator):
         return Proposal.from_tree([nodes] * ctx.batch_size)
 
 
-def test_tree_sampling_end_to_end_samples_the_target_distribution():
+def _sample_three_tokens(generator: CandidateGenerator, seed: int):
+    """N samples of three new tokens with ``generator``'s trees -> (the output, the new tokens'
+    joint counts, the target's exact joint distribution)."""
     target = tiny_vocab_llama(0)
     prompt = torch.tensor([[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]])
     params = SamplingParams(True, 0.8, top_k=6)
-    out = SpecDecoder(target, Siblings()).generate(
+    out = SpecDecoder(target, generator).generate(
         prompt.repeat(N, 1), max_new_tokens=3, do_sample=True, temperature=params.temperature, top_k=params.top_k,
-        generator=torch.Generator().manual_seed(0))
+        generator=torch.Generator().manual_seed(seed))
     new = out.sequences[:, prompt.shape[1]:]
+    return out, joint_counts(new, TINY_VOCAB), exact_three_token_joint(target, prompt, params)
+
+
+def test_tree_sampling_end_to_end_samples_the_target_distribution():
+    out, counts, exact = _sample_three_tokens(Siblings(), seed=0)
     assert out.stats.tree_steps >= N and 0 < out.stats.tree_depth < out.stats.tree_nodes
-    assert_same_distribution(joint_counts(new, TINY_VOCAB), exact_three_token_joint(target, prompt, params))
+    assert_same_distribution(counts, exact)
 
 
 class DrawnSiblings(CandidateGenerator):
@@ -292,15 +299,9 @@ class DrawnSiblings(CandidateGenerator):
 
 
 def test_a_tree_of_drawn_siblings_samples_the_target_distribution_end_to_end():
-    target = tiny_vocab_llama(0)
-    prompt = torch.tensor([[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]])
-    params = SamplingParams(True, 0.8, top_k=6)
-    out = SpecDecoder(target, DrawnSiblings()).generate(
-        prompt.repeat(N, 1), max_new_tokens=3, do_sample=True, temperature=params.temperature, top_k=params.top_k,
-        generator=torch.Generator().manual_seed(1))
-    new = out.sequences[:, prompt.shape[1]:]
+    out, counts, exact = _sample_three_tokens(DrawnSiblings(), seed=1)
     assert out.stats.tree_steps >= N and out.stats.tree_depth > 0
-    assert_same_distribution(joint_counts(new, TINY_VOCAB), exact_three_token_joint(target, prompt, params))
+    assert_same_distribution(counts, exact)
 
 
 # -- refusals ---------------------------------------------------------------------------------------
