@@ -11,9 +11,9 @@
   cache itself in temporary folders. ``smollm2`` and ``gemma3`` are session fixtures: each real
   model is loaded once per process.
 * **Two processes.** The tests are single-threaded, so on a machine of two or more cores the
-  session runs the long tests that depend on nothing else, the real-model tests and the modules
-  that compile (those using ``fresh_dynamo``, but for those marked ``split_first``, kept here so
-  that both processes end at about the same time), in a second pytest process started as soon
+  session runs the long tests that depend on nothing else (the real-model tests, the modules that
+  compile, those using ``fresh_dynamo``, and the modules marked ``split_second``, chosen so that
+  both processes end at about the same time) in a second pytest process started as soon
   as the tests are collected, while this one runs the rest. They are ordered last here, and when this
   process reaches them it reports what the second one reported (pytest's own report
   serialization), so selection, ``-x``, ``--durations`` and the exit status work as in one
@@ -73,11 +73,10 @@ def _is_real(item) -> bool:
 
 
 def _goes_second(item) -> bool:
-    """Long, and independent of the other modules: a real model, or a module that compiles, unless
-    marked ``split_first`` (kept in the first process so that both end at about the same time)."""
-    if _is_real(item):
-        return True
-    return "fresh_dynamo" in getattr(item, "fixturenames", ()) and item.get_closest_marker("split_first") is None
+    """Long, and independent of the other modules: a real model, a module that compiles, or one
+    marked ``split_second``."""
+    return (_is_real(item) or "fresh_dynamo" in getattr(item, "fixturenames", ())
+            or item.get_closest_marker("split_second") is not None)
 
 
 def pytest_configure(config):

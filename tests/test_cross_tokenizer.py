@@ -465,13 +465,6 @@ REAL_PROMPTS = ["The capital of France is", "Question: Why is the sky blue?\nAns
 REAL_NEW_TOKENS = 16
 
 
-@pytest.fixture(scope="module")
-def gemma3():
-    from specdec import load_model
-
-    return load_model("gemma3-270m")
-
-
 def _fingerprint(model) -> tuple:
     """Cheap exact fingerprint of a model's weights, configs and head (no 1 GB copy)."""
     with torch.no_grad():

@@ -45,6 +45,9 @@ from pathlib import Path
 import pytest
 import torch
 
+# two torchrun launches (about 50 s): balanced into the second process of a split session (tests/conftest.py)
+pytestmark = pytest.mark.split_second
+
 TIMEOUT = 300  # seconds a launch may take before the test fails (a hang fails, it does not block the suite)
 ROWS = 20_000
 PROMPT = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]]

@@ -29,8 +29,7 @@ from specdec.state import ModelState
 from helpers import DRAFTING_PAYS, FAST_COMPILE, assert_batch_is_exact, left_pad, pin_costs, repetitive_prompt, tiny_llava
 
 
-# split_first: this module's 25 s balance the two processes of a split session (tests/conftest.py)
-pytestmark = [pytest.mark.usefixtures("fresh_dynamo"), pytest.mark.split_first]
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 # int8 and w8a8 copies need torchao: the test command installs the quant extra
 
 
