@@ -157,6 +157,10 @@ class DraftingInfo:
     * ``stepwise``: ``propose`` drafts one token at a time, asks ``ctx.keep_drafting`` after each
       and returns each draft's probability in ``Proposal.confidence``: wherever drafting pays it
       is asked for all a row may take, and its own probabilities end each block.
+    * ``free``: making drafts costs nothing worth pricing (a lookup's reads): the policy asks each
+      row for all it may take, and verifies what each row's own source and drafts' confidence
+      (``Proposal.sources``, ``Proposal.confidence``) say pays, instead of sizing the ask by source
+      0 before the proposal.
     * ``hidden_layers``: the target's hidden states the generator reads (``output_hidden_states``
       indices: 0 the embeddings, i the output of layer i): every target forward returns them
       (on its fast path where it has one), and each step's record carries those of the tokens it
@@ -167,6 +171,7 @@ class DraftingInfo:
     priors: tuple[float, ...] | float = (0.5,)
     max_drafts: int | None = DEFAULT_MAX_DRAFTS
     stepwise: bool = False
+    free: bool = False
     hidden_layers: tuple[int, ...] = ()
 
     def __post_init__(self):

@@ -265,6 +265,25 @@ def test_the_policy_verifies_each_source_by_its_own_acceptance():
     assert all(oracle > random for _, _, oracle, random, cap in later if cap > 0), log
 
 
+def test_a_free_generator_is_asked_for_all_and_verified_by_each_proposals_source():
+    """Source 0 barely accepted, source 1 mostly: sized by source 0 before the proposal, nothing is
+    asked for; a generator whose drafts are free (``DraftingInfo.free``) is asked for all a row may
+    take, and admit() verifies a source-1 proposal's drafts and no source-0 proposal's."""
+    costs = CostModel([1 + x / 8 for x in COST_GRID], rate=0.0)
+    remaining = torch.tensor([6])
+
+    def policy(free: bool) -> DraftPolicy:
+        return DraftPolicy(costs, AcceptanceTracker(1, 8, prior=(0.02, 0.95)), 8, 0.0, measured=False, free=free)
+
+    assert policy(False).plan(remaining, 1, 0, []).tolist() == [0]
+    verified = []
+    for source in (0, 1):
+        free = policy(True)
+        assert free.plan(remaining, 1, 0, []).tolist() == [6]
+        verified += free.admit(torch.tensor([6]), torch.tensor([source]), None).tolist()
+    assert verified[0] == 0 and verified[1] >= 3, verified
+
+
 def test_draft_rate_is_none_without_the_policy_and_checks_its_source():
     target, _ = tiny_random("llama", seed=3)
     seen = []

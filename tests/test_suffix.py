@@ -14,7 +14,7 @@ from specdec.generators import CandidateGenerator, Proposal
 from specdec.models import tiny_random
 from specdec.sampling import SamplingParams
 
-from candidate_generators.suffix import SuffixMemory, SuffixTrie
+from candidate_generators.suffix import SuffixGenerator, SuffixMemory, SuffixTrie
 from helpers import assert_batch_is_exact, pin_costs, reference, repetitive_prompt
 from test_sampling_lossless import (N, PROMPT, TINY_VOCAB, assert_same_distribution, exact_three_token_joint,
                                     joint_counts, tiny_vocab_llama)
@@ -207,6 +207,18 @@ def test_a_damaged_file_is_refused_naming_it(target, tmp_path):
         with pytest.raises(ValueError, match=f"{name}.suffix"):
             decoder.candidate_generator.load(bad)
     assert decoder.candidate_generator.memory.stats() == kept  # a refused file changes nothing
+
+
+def test_a_one_token_match_drafts_by_default_and_not_under_min_match_2():
+    """The last token seen once before, followed by 9 then 7: a match of one token drafts up to
+    match_factor (2) drafts, from the call's own trie; ``min_match=2`` drafts nothing there."""
+    row = [5, 9, 7, 3, 5]
+    for generator, drafts in ((SuffixGenerator(), [9, 7]), (SuffixGenerator(min_match=2), [])):
+        trie = SuffixTrie(generator.max_depth)
+        trie.extend(trie.start(), row)
+        branch, where, _ = generator.branch(row, trie, limit=8)
+        assert branch.tokens == drafts and (where == "drafted_call" or not drafts)
+        assert branch.match == (1 if drafts else 0)
 
 
 def test_the_byte_bound_holds_after_1000_calls():

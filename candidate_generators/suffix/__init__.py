@@ -68,7 +68,7 @@ class SuffixGenerator(CandidateGenerator):
     #: keyword arguments of ``generate()`` this generator takes per call (SpecDecoder passes them to for_call)
     call_options = ("memory_scope",)
 
-    def __init__(self, *, max_depth: int = 24, min_match: int = 2, min_prob: float = 0.1, match_factor: float = 2.0,
+    def __init__(self, *, max_depth: int = 24, min_match: int = 1, min_prob: float = 0.1, match_factor: float = 2.0,
                  memory_bytes: int = 64 << 20, num_tokens: int = 4, schedule: str = "auto", max_tokens: int = 16,
                  tree: bool = False):
         if not isinstance(max_depth, int) or max_depth < 2:
@@ -116,8 +116,9 @@ class SuffixGenerator(CandidateGenerator):
 
     # -- one call --------------------------------------------------------------------------------
     def drafting(self) -> DraftingInfo:
-        """One source per bucket of match lengths (:data:`SOURCE_MATCH`), the longest first."""
-        return DraftingInfo(SOURCE_PRIOR, self.schedule.policy_drafts)
+        """One source per bucket of match lengths (:data:`SOURCE_MATCH`), the longest first; drafts
+        are free (dict reads), so each row's own source and frequencies size what is verified."""
+        return DraftingInfo(SOURCE_PRIOR, self.schedule.policy_drafts, free=True)
 
     def setup(self, ctx: DecodeContext) -> None:
         self.schedule.reset(ctx.batch_size)

@@ -81,6 +81,8 @@ class DraftPolicy:
     calibration: ConfidenceCalibration | None = None
     #: the generator drafts one token at a time and its own probabilities end each block
     stepwise: bool = False
+    #: drafts cost nothing to make: every row is asked for all it may take, admit() decides
+    free: bool = False
     #: per attached assistant (in the run's order): the bytes its step reads relative to the target's
     weights: tuple[float, ...] = ()
     #: (pending, context) of the step planned last: what admit, step_rate and step_keep price
@@ -113,7 +115,7 @@ class DraftPolicy:
             return None
         acceptance = AcceptanceTracker(batch, info.max_drafts, prior=info.priors, untried=UNTRIED)
         return cls(CostModel.fixed(device_type), acceptance, info.max_drafts, measured=not do_sample,
-                   stepwise=info.stepwise, plugin=plugin, priced=False)
+                   stepwise=info.stepwise, free=info.free, plugin=plugin, priced=False)
 
     def price(self, target, assistants: list, rows: torch.Tensor, lengths: torch.Tensor,
               cache: CacheSettings, slots: int, kv=None) -> float:
@@ -150,6 +152,8 @@ class DraftPolicy:
         :meth:`price`'s order) the tokens it has yet to prefill (0: none owed)."""
         self.shape = (pending, context)
         self.value = self.row_values(remaining, pending, context)
+        if self.free:  # what each row offers is priced by its own source and confidence (admit)
+            return remaining.clamp(0, self.max_drafts)
         # an assistant's prefill still to come is paid once, so it is spread over the steps left;
         # and drafting starts only where a later step (one token pending) would draft too
         setup = self._setup_seconds(prefills) / max(int(remaining.max()), 1)
