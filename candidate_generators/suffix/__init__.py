@@ -12,7 +12,8 @@ Draft lengths: a chain stops where its next token followed the match less than `
 the time, and at ``match_factor`` times the match's length; each draft's frequency is its
 ``Proposal.confidence`` and the match length picks its source (four buckets, longest first), so
 the core's cost-aware policy learns how often such drafts are accepted and verifies only the part
-of a block that pays (docs/draft_length.md).
+of a block that pays (docs/draft_length.md); drafts are free (``DraftingInfo.free``), so a row is
+asked for all it may take and that part is sized by its own source.
 
 Memory: the instance the user built (the decoder's configuration) holds the store; ``session()``
 gives each call its own per-call state and the same store, so the calls of one decoder share it
