@@ -71,9 +71,9 @@ def test_static_cache_is_exact(pairs, arch, drafter):
 @pytest.mark.parametrize("drafter", ["prompt_lookup", "draft_model"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_compiled_static_path_is_exact(pairs, arch, drafter):
-    target, draft, _ = pairs[arch]
     """A left-padded batch whose rows accept different drafts (each batch size and width compiles
     its own graphs: batch 1 runs compiled in test_no_graph_compiles_after_warmup)."""
+    target, draft, _ = pairs[arch]
     decoder = SpecDecoder(target, draft if drafter == "draft_model" else drafter, cache_implementation="static",
                           compile=FAST_COMPILE, schedule="fixed", num_tokens=3)
     out = check_rows(decoder, target, batch_rows(3))  # 30 new tokens: longer than every sliding window
