@@ -32,12 +32,11 @@ from transformers import AutoTokenizer
 
 from specdec.bench.config import load_config
 from specdec.bench.results import default_out_dir
-from specdec.bench.runner import build_messages, load_selected_questions
+from specdec.bench.questions import recorded_prompts
 from specdec.generators import StepRecord
 from specdec.metrics import AcceptanceStats
 from specdec.models import packaged_location
 from specdec.policy import COST_GRID, UNTRIED, AcceptanceTracker, CostModel, DraftPolicy
-from specdec.prompts import encode_chat
 
 NO_MATCH = Match(0, False, torch.zeros(0, dtype=torch.long))  # no lookup this step
 
@@ -94,10 +93,9 @@ def main() -> None:
     base = config.methods[0].name
     folder, gguf = packaged_location(config.target)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
-    questions = {q.question_id: q for q in load_selected_questions(config, Path(args.config).parent)}
     costs, overhead = measured_curve(rows), args.overhead_ms / 1000
     turns = [r for r in rows if r["method"] == base]
-    answers = {(r["question_id"], r["turn"]): r["text"] for r in turns}
+    prompts = recorded_prompts(config, Path(args.config).parent, turns, tokenizer)
     default = PromptLookupGenerator()  # auto: the defaults, two sources per match length
     policies = {"auto": (None, (default.max_ngram, default.min_ngram)),
                 "adaptive from 4": (("adaptive", 4), (3, 2)),  # the earlier default
@@ -105,10 +103,7 @@ def main() -> None:
     for name, (fixed, ngrams) in policies.items():
         by_subtask: dict[str, list[float]] = {}
         total = AcceptanceStats()
-        for r in turns:
-            q = questions[r["question_id"]]
-            previous = [answers[(q.question_id, t)] for t in range(1, r["turn"])]
-            prompt = encode_chat(tokenizer, build_messages(q.turns[: r["turn"]], previous))[0].tolist()
+        for r, prompt in zip(turns, prompts):
             policy = None if fixed else DraftPolicy(
                 costs, AcceptanceTracker(1, 10, prior=default.drafting().priors, untried=UNTRIED), 10,
                 step_overhead=overhead, measured=False)

@@ -30,10 +30,9 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from specdec.bench.config import load_config
-from specdec.bench.questions import build_messages, load_selected_questions
+from specdec.bench.questions import recorded_prompts
 from specdec.bench.results import default_out_dir, is_batched
 from specdec.models import packaged_location
-from specdec.prompts import encode_chat
 
 
 class Occurrences:
@@ -117,17 +116,11 @@ def main() -> None:
     rows = [json.loads(line) for line in (run / "results.jsonl").read_text().splitlines() if line.strip()]
     folder, gguf = packaged_location(config.target)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
-    questions = {q.question_id: q for q in load_selected_questions(config, Path(args.config).parent)}
     reference = config.methods[0].name
     turns = sorted((r for r in rows if r["method"] == reference and not is_batched(r)),
                    key=lambda r: (r["question_id"], r["turn"]))
-    answers = {(r["question_id"], r["turn"]): r["text"] for r in turns}
-    calls = []
-    for r in turns:
-        q = questions[r["question_id"]]
-        previous = [answers[(q.question_id, t)] for t in range(1, r["turn"])]
-        prompt = encode_chat(tokenizer, build_messages(q.turns[: r["turn"]], previous))[0].tolist()
-        calls.append((r["category"], prompt, r["output_ids"]))
+    prompts = recorded_prompts(config, Path(args.config).parent, turns, tokenizer)
+    calls = [(r["category"], prompt, r["output_ids"]) for r, prompt in zip(turns, prompts)]
     totals = replay(calls, args.longest, args.skip_first)
     print(f"{reference}'s {len(calls)} turns of {run}, the first {args.skip_first} left out; the longest suffix "
           f"matched: {args.longest} tokens")

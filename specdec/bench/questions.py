@@ -95,6 +95,20 @@ def build_messages(turns: tuple[str, ...] | list[str], answers: list[str]) -> li
     return messages
 
 
+def recorded_prompts(config: BenchConfig, config_dir: Path, turns: list[dict], tokenizer) -> list[list[int]]:
+    """The prompt ids each of one method's recorded turns (``results.jsonl`` rows) was called with:
+    its question's turns so far, with the method's own recorded answers to the earlier ones (a
+    run replayed without a model: ``benchmarks/replay_policy.py``, ``benchmarks/suffix_ceiling.py``)."""
+    questions = {q.question_id: q for q in load_selected_questions(config, config_dir)}
+    answers = {(r["question_id"], r["turn"]): r["text"] for r in turns}
+    prompts = []
+    for r in turns:
+        q = questions[r["question_id"]]
+        previous = [answers[(q.question_id, t)] for t in range(1, r["turn"])]
+        prompts.append(encode_chat(tokenizer, build_messages(q.turns[: r["turn"]], previous))[0].tolist())
+    return prompts
+
+
 def question_seed(seed: int, question_id: int, turn: int) -> int:
     """Sampling seed of one (question, turn), the same for every method, stable across reruns."""
     digest = hashlib.sha256(f"{seed}:{question_id}:{turn}".encode()).digest()

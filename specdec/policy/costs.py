@@ -76,7 +76,6 @@ class CostModel:
     one-token step over time. Plain Python numbers inside: the loop asks it twice per step.
     """
 
-
     def __init__(self, seconds: list, rate: float = SHAPE_RATE, contexts: tuple[int, ...] = (0,),
                  anchored: tuple[int, ...] | None = None):
         table = torch.tensor(seconds, dtype=torch.float64)

@@ -21,5 +21,5 @@ class DraftingMemory:
     @classmethod
     def learn(cls, assistant, share: float) -> None:
         if assistant is not None:
-            plan_of(assistant).drafting_share = share
+            plan_of(assistant).set("drafting_share", share)
 
