@@ -221,6 +221,36 @@ def _quiet_transformers():
         hf_logging.set_verbosity(verbosity)
 
 
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """For the duration, each GGUF file is parsed once and each tensor-name map built once.
+
+    ``transformers`` reads a GGUF file's header anew for the config, the tokenizer and the weights,
+    and builds ``gguf``'s tensor-name map once per module of the model; both take seconds for a
+    model with a large vocabulary, and give the same read-only result each time. ``gguf``'s
+    ``GGUFReader`` and ``get_tensor_name_map`` are looked up at call time, so the memoized stand-ins
+    set here are what those calls get; the originals are restored after."""
+    try:
+        import gguf
+    except ImportError:  # pragma: no cover - transformers will say that GGUF needs the package
+        yield
+        return
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict = {}
+
+    def read_once(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = read_once, functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+
+
 def _load_packaged(name: str, dtype: torch.dtype):
     """A packaged model from the weight cache, else de-quantized from its GGUF file (and cached)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -232,8 +262,9 @@ def _load_packaged(name: str, dtype: torch.dtype):
             found = load_cached(name, cache, dtype, load=_load_cached_folder)
             if found is not None:
                 return found
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=dtype).eval()
+        with _gguf_parsed_once():
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=dtype).eval()
         if cache is not None:
             write_weight_cache(name, model, tokenizer, cache, dtype, load=_load_cached_folder)
     return model, tokenizer
