@@ -2,9 +2,9 @@
 
 Tiny models are saved to a temporary folder; this file, run by ``torchrun`` (the ``__main__``
 part below), loads the target with ``DistributedConfig(tp_size=2)`` or ``(pp_size=2)`` on two
-CPU processes (gloo) and runs every case of its launch in one go, each rank writing what it saw
-to a JSON file; the tests compare that with single-process references computed here. Two
-launches (tensor, then pipeline parallelism) keep the file quick.
+CPU processes (gloo) and runs every case in one launch (pipeline parallelism first: the tensor
+cases end by aborting the process groups), each rank writing what it saw to a JSON file per
+kind; the tests compare that with single-process references computed here.
 
 * greedy output equals the single-process ``model.generate()``: prompt lookup and a draft model
   (on one rank, and replicated), batch 1 and a left-padded batch, the static cache (tensor
@@ -45,7 +45,7 @@ from pathlib import Path
 import pytest
 import torch
 
-# two torchrun launches (about 50 s): balanced into the second process of a split session (tests/conftest.py)
+# one torchrun launch (about 20 s, two processes): balanced into the second process of a split session (tests/conftest.py)
 pytestmark = pytest.mark.split_second
 
 TIMEOUT = 300  # seconds a launch may take before the test fails (a hang fails, it does not block the suite)
@@ -137,25 +137,29 @@ def references(saved) -> dict:
     return out
 
 
-def _launch(kind: str, saved: Path, out: Path) -> list[dict]:
-    """Run this file under torchrun (2 processes) for ``kind``; the two ranks' results."""
-    out.mkdir(exist_ok=True)
+KINDS = ("pipeline", "tensor")  # in launch order
+
+
+@pytest.fixture(scope="module")
+def launched(saved, tmp_path_factory) -> dict[str, list[dict]]:
+    """Run this file under torchrun (2 processes); each kind's two ranks' results."""
+    out = tmp_path_factory.mktemp("launch_out")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               __file__, kind, str(saved), str(out)]
+               __file__, str(saved), str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
     done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return {kind: [json.loads((out / f"{kind}_rank{r}.json").read_text()) for r in range(2)] for kind in KINDS}
 
 
 @pytest.fixture(scope="module")
-def tensor(saved, tmp_path_factory) -> list[dict]:
-    return _launch("tensor", saved, tmp_path_factory.mktemp("tensor_out"))
+def tensor(launched) -> list[dict]:
+    return launched["tensor"]
 
 
 @pytest.fixture(scope="module")
-def pipeline(saved, tmp_path_factory) -> list[dict]:
-    return _launch("pipeline", saved, tmp_path_factory.mktemp("pipeline_out"))
+def pipeline(launched) -> list[dict]:
+    return launched["pipeline"]
 
 
 # -- the tests -------------------------------------------------------------------------------------
@@ -397,7 +401,7 @@ def _worker(kind: str, folder: str, out: str) -> None:
             SpecDecoder(target, "prompt_lookup", cache_implementation="static")
         except ValueError as exc:
             result["static_refused"] = str(exc)
-    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    Path(out, f"{kind}_rank{rank}.json").write_text(json.dumps(result))
 
 
 def _one_rank_things(target, folder: str, result: dict) -> None:
@@ -616,4 +620,5 @@ def _breaker(rank: int):
 
 
 if __name__ == "__main__":
-    _worker(*sys.argv[1:4])
+    for launched_kind in KINDS:
+        _worker(launched_kind, *sys.argv[1:3])
