@@ -14,6 +14,9 @@ from specdec.models import TINY_ARCHS
 
 from helpers import left_pad, reference, repetitive_prompt
 
+# balanced into the second process of a split session (tests/conftest.py)
+pytestmark = pytest.mark.split_second
+
 ARCHS = list(TINY_ARCHS)  # llama, mistral (sliding), qwen2, gemma2 & gemma3 (sliding), gpt2, opt, phi3
 
 
