@@ -34,7 +34,7 @@ from .compiled import warming
 from .distributed import Ranks, call_fingerprint, coordinated
 from .engines import check_engine, resolve_engine_name
 from .generation import Resolved, build_processors, resolve_config, resolved, split_settings
-from .generators import CandidateGenerator
+from .generators import CandidateGenerator, declared_drafting, most_drafts
 from .grammar import GrammarConstraint, compile_grammar
 from .kv import CacheSettings, length_ladder, static_problem
 from .modelinfo import UNSET, pad_token_id, token_id_list, vocab_size
@@ -228,8 +228,10 @@ class SpecDecoder:
 
     def warmup(self, batch_size: int = 1, max_length: int = 1024) -> float:
         """Compile every forward a call can run (``compile=True``, or a generator whose draft
-        compiles, like ``self_draft``): the target's and each assistant's, at every padded width,
-        for ``batch_size`` rows and static caches of each length of ``kv.length_ladder`` up to
+        compiles, like ``self_draft``): the target's and each assistant's, at every padded width a
+        step can feed (up to the one that holds the generator's most drafts and the pending token,
+        ``generators.most_drafts``: a fixed ``num_tokens=3`` compiles widths 1, 2 and 4, and a
+        wider forward, which only a grammar's forced tokens make, runs eagerly), for ``batch_size`` rows and static caches of each length of ``kv.length_ladder`` up to
         ``max_length`` tokens (prompt + new tokens) and the call margin (1024 -> caches of 256,
         512, 1024 and 1280 slots), and calibrate the draft-length policy.
         From then on each call takes the shortest warmed-up cache it fits in (attention reads every
@@ -244,6 +246,12 @@ class SpecDecoder:
         ids = torch.arange(8).remainder(vocab)[None, :].repeat(batch_size, 1)
         prompt = self._prompt(ids, None, {}, None)
         compiled = False
+        generator = self.candidate_generator
+        most = most_drafts(generator, declared_drafting(generator, generator.name or type(generator).__name__))
+        if most is not None:  # only the widths a step can feed compile; a wider forward (a grammar's) runs eagerly
+            widths = self.cache.widths
+            self.cache = replace(self.cache, widths=widths[: next(
+                (i + 1 for i, w in enumerate(widths) if w >= 1 + most), len(widths))])
         # generators that compile only when warmed up (self_draft's copy) compile here; in inference
         # mode, as every call's forwards run (a graph compiled under no_grad would be compiled again)
         with warming(), torch.inference_mode():

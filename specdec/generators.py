@@ -343,6 +343,23 @@ def _deprecated_value(generator: CandidateGenerator, hook: str):
     return bool(generator.drafts_stepwise)
 
 
+def most_drafts(generator: CandidateGenerator, info: DraftingInfo) -> int | None:
+    """The most drafts (tree nodes) the generator ``generator``, which declared ``info``, proposes
+    a step, or None when nothing bounds them: ``info.max_drafts`` where the policy sizes
+    the drafts; else none for :class:`NoDraft`, and on a :class:`DraftLengthSchedule` its
+    ``num_tokens`` (fixed) or ``max_tokens`` (adaptive). ``SpecDecoder.warmup`` compiles the
+    widths up to the one that holds this many and the pending token (a grammar may add forced
+    tokens past them: those forwards run eagerly)."""
+    if info.max_drafts is not None:
+        return info.max_drafts
+    if isinstance(generator, NoDraft):
+        return 0
+    schedule = getattr(generator, "schedule", None)
+    if isinstance(schedule, DraftLengthSchedule):
+        return schedule.initial if schedule.kind == "fixed" else schedule.max_tokens
+    return None
+
+
 class NoDraft(CandidateGenerator):
     """Proposes nothing: the loop degenerates to plain decoding (mean accepted length 1.0)."""
 

@@ -121,6 +121,35 @@ def test_no_graph_compiles_after_warmup(pairs, drafter):
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+def test_warmup_compiles_the_widths_a_call_can_feed():
+    """A fixed schedule of 3 drafts feeds at most 4 tokens a step: its warm-up compiles widths 1,
+    2 and 4, not 8 and 16, and a call whose grammar forces long runs of tokens (drafts the
+    grammar adds past the generator's, verified eagerly) compiles nothing new; drafting nothing:
+    width 1."""
+    from specdec.compiled import planned
+    from specdec.generators import NoDraft
+    from specdec.grammar import Grammar
+    from specdec.tiny import tiny_random
+
+    for draft, options, widths in (("prompt_lookup", dict(schedule="fixed", num_tokens=3), {1, 2, 4}),
+                                   (NoDraft(), {}, {1})):
+        target, tokenizer = tiny_random("llama", seed=11)  # a model of its own: no graph checked yet
+        decoder = SpecDecoder(target, draft, tokenizer=tokenizer, cache_implementation="static",
+                              compile=FAST_COMPILE, **options)
+        assert decoder.warmup(max_length=100) > 0
+        assert {width for width, _ in planned(target).checked} == widths, options
+    ids = tokenizer("say abababab", return_tensors="pt").input_ids
+    decoder = SpecDecoder(target, "prompt_lookup", tokenizer=tokenizer, cache_implementation="static",
+                          compile=FAST_COMPILE, schedule="fixed", num_tokens=3)
+    decoder.warmup(max_length=100)
+    graphs = counters["stats"]["unique_graphs"]
+    out = decoder.generate(ids, max_new_tokens=40, grammar=Grammar.regex("(abcdefgh){6}"))
+    assert tokenizer.decode(out.sequences[0, ids.shape[1]:]) == "abcdefgh" * 5
+    assert out.stats.grammar_drafts > 20 and out.stats.steps < 5  # forced runs verified whole
+    assert {width for width, _ in planned(target).checked} == {1, 2, 4}
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 def test_rollback_moves_the_write_position_and_never_reallocates(pairs):
     """Every forward of a call sees the same StaticCache tensors; rejected blocks only move the
     position the next forward writes at."""
