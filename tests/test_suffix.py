@@ -19,6 +19,9 @@ from helpers import assert_batch_is_exact, pin_costs, reference, repetitive_prom
 from test_sampling_lossless import (N, PROMPT, TINY_VOCAB, assert_same_distribution, exact_three_token_joint,
                                     joint_counts, tiny_vocab_llama)
 
+# balanced into the second process of a split session (tests/conftest.py)
+pytestmark = pytest.mark.split_second
+
 NEW = 32
 
 
