@@ -229,9 +229,10 @@ class SpecDecoder:
     def warmup(self, batch_size: int = 1, max_length: int = 1024) -> float:
         """Compile every forward a call can run (``compile=True``, or a generator whose draft
         compiles, like ``self_draft``): the target's and each assistant's, at every padded width a
-        step can feed (up to the one that holds the generator's most drafts and the pending token,
-        ``generators.most_drafts``: a fixed ``num_tokens=3`` compiles widths 1, 2 and 4, and a
-        wider forward, which only a grammar's forced tokens make, runs eagerly), for ``batch_size`` rows and static caches of each length of ``kv.length_ladder`` up to
+        step can feed (up to the one that holds the generator's most drafts and the pending
+        token, ``generators.most_drafts``: a fixed ``num_tokens=3`` compiles widths 1, 2 and 4;
+        a wider forward, which only a grammar's forced tokens make, runs eagerly), for
+        ``batch_size`` rows and static caches of each length of ``kv.length_ladder`` up to
         ``max_length`` tokens (prompt + new tokens) and the call margin (1024 -> caches of 256,
         512, 1024 and 1280 slots), and calibrate the draft-length policy.
         From then on each call takes the shortest warmed-up cache it fits in (attention reads every
