@@ -34,7 +34,7 @@ from .compiled import warming
 from .distributed import Ranks, call_fingerprint, coordinated
 from .engines import check_engine, resolve_engine_name
 from .generation import Resolved, build_processors, resolve_config, resolved, split_settings
-from .generators import CandidateGenerator, declared_drafting, most_drafts
+from .generators import CandidateGenerator, declared_drafting, most_drafts, plugin_name
 from .grammar import GrammarConstraint, compile_grammar
 from .kv import CacheSettings, length_ladder, static_problem
 from .modelinfo import UNSET, pad_token_id, token_id_list, vocab_size
@@ -219,7 +219,7 @@ class SpecDecoder:
     def _fingerprint(self, prompt: Prompt, call: Resolved, processors, criteria, generator, stream_prompt: bool):
         """The parts of a call every rank of a sharded target must be given alike
         (``specdec/distributed/fingerprint.py``)."""
-        plugin = self.candidate_generator.name or type(self.candidate_generator).__name__
+        plugin = plugin_name(self.candidate_generator)
         return call_fingerprint(
             prompt.input_ids, prompt.mask(), call.max_new_tokens, call.sampling, call.eos, call.pad, call.stop_strings,
             call.return_dict, call.output_scores, call.output_logits, stream_prompt, plugin, self.cache,
@@ -248,11 +248,12 @@ class SpecDecoder:
         prompt = self._prompt(ids, None, {}, None)
         compiled = False
         generator = self.candidate_generator
-        most = most_drafts(generator, declared_drafting(generator, generator.name or type(generator).__name__))
-        if most is not None:  # only the widths a step can feed compile; a wider forward (a grammar's) runs eagerly
-            widths = self.cache.widths
-            self.cache = replace(self.cache, widths=widths[: next(
-                (i + 1 for i, w in enumerate(widths) if w >= 1 + most), len(widths))])
+        most = most_drafts(generator, declared_drafting(generator, plugin_name(generator)))
+        # the padded width of a step's pending token and most drafts: only widths up to it compile
+        # (a wider forward, a grammar's, runs eagerly)
+        widest = None if most is None else next((w for w in self.cache.widths if w >= 1 + most), None)
+        if widest is not None:
+            self.cache = replace(self.cache, widths=tuple(w for w in self.cache.widths if w <= widest))
         # generators that compile only when warmed up (self_draft's copy) compile here; in inference
         # mode, as every call's forwards run (a graph compiled under no_grad would be compiled again)
         with warming(), torch.inference_mode():

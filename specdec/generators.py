@@ -343,13 +343,15 @@ def _deprecated_value(generator: CandidateGenerator, hook: str):
     return bool(generator.drafts_stepwise)
 
 
+def plugin_name(generator: CandidateGenerator) -> str:
+    """How errors and reports name ``generator``: its registered ``name``, else its class's."""
+    return generator.name or type(generator).__name__
+
+
 def most_drafts(generator: CandidateGenerator, info: DraftingInfo) -> int | None:
-    """The most drafts (tree nodes) the generator ``generator``, which declared ``info``, proposes
-    a step, or None when nothing bounds them: ``info.max_drafts`` where the policy sizes
-    the drafts; else none for :class:`NoDraft`, and on a :class:`DraftLengthSchedule` its
-    ``num_tokens`` (fixed) or ``max_tokens`` (adaptive). ``SpecDecoder.warmup`` compiles the
-    widths up to the one that holds this many and the pending token (a grammar may add forced
-    tokens past them: those forwards run eagerly)."""
+    """The most drafts (tree nodes) ``generator``, which declared ``info``, proposes a step, None if
+    unbounded: ``info.max_drafts`` under the policy, else 0 for :class:`NoDraft`, a fixed schedule's
+    ``num_tokens``, an adaptive one's ``max_tokens`` (the widths ``SpecDecoder.warmup`` compiles)."""
     if info.max_drafts is not None:
         return info.max_drafts
     if isinstance(generator, NoDraft):

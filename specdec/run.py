@@ -52,7 +52,7 @@ from .assistant import Assistant
 from .compiled import compile_seconds
 from .device import synchronize
 from .engines import call_begins
-from .generators import CandidateGenerator, DecodeContext, StepRecord, TargetHidden, declared_drafting
+from .generators import CandidateGenerator, DecodeContext, StepRecord, TargetHidden, declared_drafting, plugin_name
 from .kv import CacheSettings, static_problem
 from .metrics import AcceptanceStats
 from .modelinfo import kv_layout, vocab_size
@@ -93,7 +93,7 @@ class DecodeRun(DraftSteps, TreeSteps, ScoreSteps, CommitSteps, OutputSteps):
         self.borrowers: list[ModelState] = []  # followers whose cache mirrors the target's
         self.ranks = settings.ranks  # specdec/distributed/: the decisions ranks share
         self.session = self.ranks.session(generator)
-        self.plugin = generator.name or type(generator).__name__
+        self.plugin = plugin_name(generator)
         self.drafting = declared_drafting(self.session, self.plugin)  # priors, max drafts, stepwise
         self.policy = DraftPolicy.for_call(self.drafting, prompt.rows.shape[0], settings.sampling.do_sample,
                                            target.device.type, self.plugin)  # None: the generator's own lengths

@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from ..generators import CandidateGenerator, Proposal
+from ..generators import CandidateGenerator, Proposal, plugin_name
 from ..verify import Verdict
 from .fingerprint import Fingerprint, digest
 from .messages import Messenger, agreed, error_text
@@ -174,7 +174,7 @@ class RankCall(Messenger):
         """The generator's session on this rank: a :class:`Relay` where it does not draft, else the
         session with its hooks between messages deferred."""
         session = generator.session()
-        plugin = generator.name or type(generator).__name__
+        plugin = plugin_name(generator)
         if self.decides or self.replicated:
             return DeferringSession(session, plugin, self)
         return Relay(session, plugin)
