@@ -13,13 +13,14 @@
 * **Two processes.** The tests are single-threaded, so on a machine of two or more cores the
   session runs the long tests that depend on nothing else (the real-model tests, the modules that
   compile, those using ``fresh_dynamo``, and the modules marked ``split_second``, chosen so that
-  both processes end at about the same time) in a second pytest process started as soon
-  as the tests are collected, while this one runs the rest. They are ordered last here, and when this
-  process reaches them it reports what the second one reported (pytest's own report
-  serialization), so selection, ``-x``, ``--durations`` and the exit status work as in one
-  process. ``SPECDEC_TEST_PROCESSES=1`` runs everything in this process (as do a one-core
-  machine, ``-s``, ``--pdb`` and ``--trace``, and a selection with nothing, or nothing but, for
-  the second process).
+  both processes end at about the same time) in a second pytest process, while this one runs the
+  rest. The second process starts with the session, on the same arguments, and collects while
+  this one does; it runs nothing until this one, once collected, hands it the ids of its tests
+  (or stops it). They are ordered last here, and when this process reaches them it reports what
+  the second one reported (pytest's own report serialization), so selection, ``-x``,
+  ``--durations`` and the exit status work as in one process. ``SPECDEC_TEST_PROCESSES=1`` runs
+  everything in this process (as do a one-core machine, ``-s``, ``--pdb`` and ``--trace``, and a
+  selection with nothing, or nothing but, for the second process).
 * **Prefetch.** When the process that runs the real-model tests finds their models not cached
   yet, it starts one more subprocess at collection that de-quantizes them into that folder while
   the other tests run; the real-model tests run last and each waits for it before it starts (if
@@ -34,6 +35,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -48,6 +50,8 @@ os.environ["SPECDEC_CACHE"] = os.environ.get("SPECDEC_TEST_CACHE") or str(ROOT /
 REPORTS_ENV = "SPECDEC_TEST_REPORTS"
 #: "1": run every test in this process
 PROCESSES_ENV = "SPECDEC_TEST_PROCESSES"
+#: the file, beside the reports, in which the first process hands the second its tests (JSON)
+HANDED = "handed.json"
 #: session fixture -> the packaged model it loads
 REAL_MODELS = {"smollm2": "smollm2-135m", "gemma3": "gemma3-270m"}
 #: what the prefetch subprocess runs: load (de-quantize and cache) each model named on its command line
@@ -64,6 +68,7 @@ class _Session:
     second: subprocess.Popen | None = None
     folder: Path | None = None
     second_ids: set[str] = set()
+    handed: bool = False
     reports: dict[str, list[TestReport]] | None = None
     prefetch: subprocess.Popen | None = None
 
@@ -83,21 +88,33 @@ def pytest_configure(config):
     _Session.config = config
 
 
+def pytest_sessionstart(session):
+    if _may_split(session.config):
+        _start_second(session.config)
+
+
 @pytest.hookimpl(trylast=True)  # after pytest's own reordering (parametrized fixtures) and deselection
 def pytest_collection_modifyitems(session, config, items):
     """Real-model tests last; in a split session, everything the second process runs last
-    (stable sorts: the order among those is kept). Then start the other processes."""
+    (stable sorts: the order among those is kept), and the second process told which those are.
+    In the second process, only those are kept. Then start the prefetch where it is needed."""
     items.sort(key=_is_real)
-    if config.option.collectonly:
-        return
-    if _split(config, items):
-        items.sort(key=_goes_second)
-        _start_second(config, [item for item in items if _goes_second(item)])
-    else:
+    if os.environ.get(REPORTS_ENV):
+        _keep_only_handed(config, items)
+    elif _Session.second is not None:
+        second = [item for item in items if _goes_second(item)]
+        split = 0 < len(second) < len(items)
+        _hand_over(second if split else None)
+        if split:
+            items.sort(key=_goes_second)
+            return
+    if not config.option.collectonly:
         _start_prefetch([item for item in items if _is_real(item)])
 
 
 def pytest_sessionfinish(session, exitstatus):
+    if _Session.second is not None and not _Session.handed:
+        _hand_over(None)  # collection failed or was interrupted: nothing to hand over
     for process in (_Session.second, _Session.prefetch):
         if process is not None and process.poll() is None:  # stopped early (-x, Ctrl-C)
             process.terminate()
@@ -107,26 +124,52 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 # -- the second process ------------------------------------------------------------------------
-def _split(config, items) -> bool:
-    """Whether this session runs some of ``items`` in a second process: not in the second process
-    itself, on one core, when asked not to, or when a test's output or debugger is wanted here
-    (``-s``, ``--pdb``, ``--trace``)."""
+def _may_split(config) -> bool:
+    """Whether this session may run some tests in a second process: not in the second process
+    itself, on one core, when asked not to, when only collecting, or when a test's output or
+    debugger is wanted here (``-s``, ``--pdb``, ``--trace``)."""
     if os.environ.get(REPORTS_ENV) or os.environ.get(PROCESSES_ENV) == "1" or (os.cpu_count() or 1) < 2:
         return False
-    if config.getvalue("capture") == "no" or config.getvalue("usepdb") or config.getvalue("trace"):
+    if config.option.collectonly or config.getvalue("capture") == "no":
         return False
-    second = sum(map(_goes_second, items))
-    return 0 < second < len(items)
+    return not (config.getvalue("usepdb") or config.getvalue("trace"))
 
 
-def _start_second(config, items) -> None:
+def _start_second(config) -> None:
+    """The second process, on this session's arguments (with a cache folder of its own, if the
+    cache is on): it collects while this one does."""
     _Session.folder = Path(tempfile.mkdtemp(prefix="specdec-tests-"))
-    _Session.second_ids = {item.nodeid for item in items}
     env = {**os.environ, REPORTS_ENV: str(_Session.folder / "reports.jsonl")}
+    own_cache = ["-o", f"cache_dir={_Session.folder / 'cache'}"] if config.pluginmanager.has_plugin("cacheprovider") else []
+    command = [sys.executable, "-m", "pytest", *config.invocation_params.args, *own_cache]
     with open(_Session.folder / "output.log", "w") as log:
-        _Session.second = subprocess.Popen(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *[item.nodeid for item in items]],
-            cwd=config.rootpath, env=env, stdout=log, stderr=subprocess.STDOUT)
+        _Session.second = subprocess.Popen(command, cwd=config.invocation_params.dir, env=env, stdout=log,
+                                           stderr=subprocess.STDOUT)
+
+
+def _hand_over(items) -> None:
+    """Hand the second process the tests ``items`` (it waits for them); or, with None, stop it."""
+    _Session.handed = True
+    if items is None:
+        _Session.second.terminate()  # it has started nothing before it is handed its tests
+        _Session.second.wait()
+        return
+    _Session.second_ids = {item.nodeid for item in items}
+    handed = _Session.folder / HANDED
+    handed.with_suffix(".tmp").write_text(json.dumps(sorted(_Session.second_ids)))
+    handed.with_suffix(".tmp").replace(handed)  # whole, or not there
+
+
+def _keep_only_handed(config, items) -> None:
+    """In the second process: wait for the tests the first one hands over, and keep only those."""
+    handed, parent = Path(os.environ[REPORTS_ENV]).with_name(HANDED), os.getppid()
+    while not handed.is_file():
+        if os.getppid() != parent:  # the first process is gone
+            pytest.exit("the first test process ended before it handed over any test", returncode=1)
+        time.sleep(0.02)
+    wanted = set(json.loads(handed.read_text()))
+    config.hook.pytest_deselected(items=[item for item in items if item.nodeid not in wanted])
+    items[:] = [item for item in items if item.nodeid in wanted]
 
 
 def pytest_runtest_logreport(report):
@@ -248,13 +291,14 @@ def gemma3():
 def smollm2_prompts(smollm2):
     """Three real Spec-Bench prompts of 48+ tokens through the chat template: the shortest
     summarization question (193 tokens; the first is 769, and every real-model test prefills each
-    prompt), the first rag question (660) and the first coding question (56)."""
+    prompt), the first extraction question (210: a document to copy from, as rag's, which are 650+)
+    and the first coding question (56)."""
     from specdec.prompts import encode_chat, load_questions
 
     _, tokenizer = smollm2
     questions = load_questions()
     picked = [min((q for q in questions if q["category"] == "summarization"), key=lambda q: len(q["turns"][0]))]
-    picked += [next(q for q in questions if q["category"] == c) for c in ("rag", "coding")]
+    picked += [next(q for q in questions if q["category"] == c) for c in ("extraction", "coding")]
     prompts = [encode_chat(tokenizer, [{"role": "user", "content": q["turns"][0]}]) for q in picked]
     assert all(p.shape[1] >= 48 for p in prompts)
     return prompts

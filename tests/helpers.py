@@ -39,6 +39,21 @@ def perturbed_copy(model, scale: float = 0.3, seed: int = 0):
     return draft
 
 
+_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def weights_checksum(model) -> dict:
+    """Name -> (dtype, shape, the sum of the tensor's bit patterns as integers, wrapping) of every
+    parameter and buffer: any change of any one element changes it, and a 1 GB model takes a tenth
+    of a second (a float64 sum takes eight times as long, and can miss a change below its rounding)."""
+    sums = {}
+    with torch.no_grad():
+        for name, t in model.state_dict(keep_vars=True).items():
+            bits = t.detach().contiguous().view(_SAME_SIZE_INT[t.element_size()])
+            sums[name] = (t.dtype, tuple(t.shape), int(bits.sum(dtype=bits.dtype)))
+    return sums
+
+
 def repetitive_prompt(length: int, seed: int = 0, vocab: int = 256) -> torch.Tensor:
     """[1, ~2*length] random ids with repeats, so prompt lookup finds matches."""
     g = torch.Generator().manual_seed(seed)

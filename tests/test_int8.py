@@ -62,7 +62,7 @@ def test_the_compiled_layer_equals_the_eager_one_for_one_row():
     assert all(isinstance(m, Int8Linear) for m in (model[0], model[2])) and model[2].rotation() is not None
     compiled = torch.compile(model, fullgraph=True)  # inductor: the backend that lays out the operands
     with torch.no_grad():
-        for shape in [(1, 1, 64), (1, 3, 64), (2, 1, 64)]:
+        for shape in [(1, 1, 64), (2, 3, 64)]:  # one row, then several (each shape compiles for seconds)
             x = torch.randn(shape)
             torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
 

@@ -19,7 +19,7 @@ from specdec.models import tiny_random
 from specdec.policy import COST_GRID, CostModel, DraftPolicy
 from specdec.run import CATCH_UP
 
-from helpers import FAST_COMPILE, assert_batch_is_exact, perturbed_copy, repetitive_prompt
+from helpers import FAST_COMPILE, assert_batch_is_exact, perturbed_copy, repetitive_prompt, weights_checksum
 
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -31,21 +31,17 @@ def pair():
     return target, perturbed_copy(target, 0.05, seed=12)
 
 
-def checksum(model) -> list[float]:
-    return [float(p.detach().double().sum()) for p in model.parameters()]
-
-
 @pytest.mark.parametrize("weights", ["bfloat16", "w8a8"])
 def test_a_low_precision_draft_model_is_exact_and_leaves_the_draft_alone(pair, weights):
     target, draft = pair
-    before = checksum(draft)
+    before = weights_checksum(draft)
     decoder = SpecDecoder(target, draft, weights=weights, compile_draft=FAST_COMPILE, schedule="fixed", num_tokens=4)
     ids = repetitive_prompt(10)
     out = decoder.generate(ids, max_new_tokens=40)
     assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=40, do_sample=False))
     assert 0 < out.stats.accepted_tokens < out.stats.drafted_tokens  # it drafts, and is sometimes wrong
     assert_batch_is_exact(decoder, target)
-    assert checksum(draft) == before
+    assert weights_checksum(draft) == before
     copies = decoder.candidate_generator._copies
     assert list(copies._made[draft]) == [weights]  # the calls built one copy, in the decoder's store
     copy_ = copies.get(draft, weights)

@@ -3,10 +3,10 @@
 Greedy speculative output (32 new tokens: at one thread a SmolLM2 step takes about 70 ms, and the
 suite's time is mostly these decodes) on SmolLM2-135M-Instruct (loaded once per session from its PyPI
 package, fp32) is token-identical to ``target.generate(do_sample=False)`` on three Spec-Bench
-prompts of 48+ tokens (summarization, rag, coding), with ``prompt_lookup``, with
+prompts of 48+ tokens (summarization, extraction, coding), with ``prompt_lookup``, with
 ``draft_model`` (SmolLM2 drafting for itself: same tokenizer, every draft accepted) and with the
 EAGLE-3 head shipped for it (chains and trees, three drafts a step); and the
-three prompts (56 to 660 tokens) decoded as one left-padded batch give, per row, what each row
+three prompts (56 to 210 tokens) decoded as one left-padded batch give, per row, what each row
 gives alone; the same with the output layer computed as ``W @ h.T`` (``specdec.engines.forwards.head``).
 
 ``load_model``: an unknown name lists what is known; a packaged model whose package is missing

@@ -26,7 +26,8 @@ from specdec.models import tiny_random
 from specdec.policy import COST_GRID
 from specdec.state import ModelState
 
-from helpers import DRAFTING_PAYS, FAST_COMPILE, assert_batch_is_exact, left_pad, pin_costs, repetitive_prompt, tiny_llava
+from helpers import (DRAFTING_PAYS, FAST_COMPILE, assert_batch_is_exact, left_pad, pin_costs, repetitive_prompt, tiny_llava,
+                     weights_checksum)
 
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -54,21 +55,17 @@ def flat_target():
     return model
 
 
-def checksum(model) -> dict:
-    return {k: (v.dtype, float(v.double().sum()), float(v.double().abs().sum())) for k, v in model.state_dict().items()}
-
-
 @pytest.mark.parametrize("lookup", [False, True])
 @pytest.mark.parametrize("weights", ["bfloat16", "int8", "w8a8"])
 def test_self_draft_is_exact(target, weights, lookup):
-    before = checksum(target)
+    before = weights_checksum(target)
     decoder = SpecDecoder(target, "self_draft", weights=weights, lookup=lookup, compile_draft=FAST_COMPILE)
     ids = repetitive_prompt(12)
     out = decoder.generate(ids, max_new_tokens=40)
     assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=40, do_sample=False))
     assert out.stats.accepted_tokens > 0
     assert_batch_is_exact(decoder, target)
-    assert checksum(target) == before  # the user's model is only read
+    assert weights_checksum(target) == before  # the user's model is only read
 
 
 def test_the_w8a8_copy_compiles_with_inductor_and_stays_exact(target):
