@@ -47,10 +47,9 @@ def weights_checksum(model) -> dict:
     parameter and buffer: any change of any one element changes it, and a 1 GB model takes a tenth
     of a second (a float64 sum takes eight times as long, and can miss a change below its rounding)."""
     sums = {}
-    with torch.no_grad():
-        for name, t in model.state_dict(keep_vars=True).items():
-            bits = t.detach().contiguous().view(_SAME_SIZE_INT[t.element_size()])
-            sums[name] = (t.dtype, tuple(t.shape), int(bits.sum(dtype=bits.dtype)))
+    for name, t in model.state_dict().items():  # detached tensors
+        bits = t.contiguous().view(_SAME_SIZE_INT[t.element_size()])
+        sums[name] = (t.dtype, tuple(t.shape), int(bits.sum(dtype=bits.dtype)))
     return sums
 
 

@@ -243,9 +243,8 @@ def test_cached_smollm2_loads_identical_to_the_gguf(tmp_path, monkeypatch, capfd
     assert cache.parent == tmp_path / "weights" and not cache.exists()
     import gguf
 
-    parsed = []
+    parsed, reader = [], gguf.GGUFReader
     counting = lambda *args, **kw: parsed.append(args[0]) or reader(*args, **kw)  # noqa: E731
-    reader = gguf.GGUFReader
     monkeypatch.setattr(gguf, "GGUFReader", counting)
     fresh, fresh_tok = load_model("smollm2-135m")  # from the GGUF file, writing the cache
     assert len(parsed) == 1 and gguf.GGUFReader is counting  # parsed once (not once per part), then restored

