@@ -13,8 +13,8 @@ heads: 8 KiB of cache a slot and row in fp32), static cache, ``prompt_lookup``, 
 2. One call with ``max_new_tokens=2_000_000`` that stops at EOS after a few tokens, on the static
    and on the dynamic cache (and, for reference, the static call asking only for the tokens it
    made): the cache bytes each allocates (static: the layers ``StaticLayer`` allocates; dynamic:
-   the largest ``DynamicCache`` the call held, and the bytes all its ``torch.cat`` growth
-   allocated), the peak RSS over the RSS before, and the seconds (the median of 5 calls, the
+   the largest ``DynamicCache`` the call held, and the bytes all its growth allocated: specdec's
+   ``GrowingLayer`` buffers, or a plain ``DynamicLayer``'s ``torch.cat`` s), the peak RSS over the RSS before, and the seconds (the median of 5 calls, the
    process warmed up).
 
     python benchmarks/cache_memory.py                       # the default limit, 50 calls
@@ -41,6 +41,7 @@ from transformers.generation import StoppingCriteria, StoppingCriteriaList
 
 from specdec import SpecDecoder, cache_pool_limit, pooled_bytes, set_cache_pool_limit
 from specdec.cache_pool import POOL, parse_bytes
+from specdec.growing import GrowingLayer
 from specdec.machine import describe
 from specdec.tiny import tiny_random
 
@@ -64,15 +65,22 @@ def reset_peak() -> None:
 
 
 class CacheBytes:
-    """Bytes of cache a call allocates, by spying on transformers' cache layers."""
+    """Bytes of cache a call allocates, by spying on the cache layers: transformers' static and
+    dynamic ones, and specdec's ``GrowingLayer`` (a dynamic layer that grows buffers in place)."""
 
     def __init__(self):
         self.static = 0  # bytes of StaticLayer tensors allocated
         self.dynamic_peak = 0  # the largest DynamicCache held (all layers)
-        self.dynamic_total = 0  # bytes every torch.cat of DynamicLayer.update allocated
+        self.dynamic_total = 0  # bytes every growth of a dynamic layer allocated
         self._held: dict[int, int] = {}
         self._static_init = StaticLayer.lazy_initialization
         self._dynamic_update = DynamicLayer.update
+        self._regrow = GrowingLayer._regrow
+
+    def _grown(self, layer, size: int) -> None:
+        self.dynamic_total += size
+        self._held[id(layer)] = size
+        self.dynamic_peak = max(self.dynamic_peak, sum(self._held.values()))
 
     def __enter__(self):
         spy = self
@@ -84,17 +92,21 @@ class CacheBytes:
 
         def update(layer, key_states, value_states, *args, **kwargs):
             out = spy._dynamic_update(layer, key_states, value_states, *args, **kwargs)
-            size = 2 * layer.keys.numel() * layer.keys.element_size()
-            spy.dynamic_total += size
-            spy._held[id(layer)] = size
-            spy.dynamic_peak = max(spy.dynamic_peak, sum(spy._held.values()))
+            spy._grown(layer, 2 * layer.keys.numel() * layer.keys.element_size())
             return out
 
-        StaticLayer.lazy_initialization, DynamicLayer.update = init, update
+        def regrow(layer, *args, **kwargs):
+            out = spy._regrow(layer, *args, **kwargs)
+            buffers = (layer._key_buffer, layer._value_buffer)
+            spy._grown(layer, sum(b.numel() * b.element_size() for b in buffers))
+            return out
+
+        StaticLayer.lazy_initialization, DynamicLayer.update, GrowingLayer._regrow = init, update, regrow
         return self
 
     def __exit__(self, *exc):
         StaticLayer.lazy_initialization, DynamicLayer.update = self._static_init, self._dynamic_update
+        GrowingLayer._regrow = self._regrow
 
 
 class StopAfter(StoppingCriteria):

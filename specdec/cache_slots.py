@@ -28,10 +28,15 @@ def gather_cache_slots(cache, first: int, sources: torch.Tensor) -> None:
 
 def shift_cache_rows(cache, shifts: torch.Tensor) -> None:
     """Move row b's cached entries right by ``shifts[b]`` slots inside the same tensors; the slots
-    it leaves are zeroed (a static cache masks them anyway)."""
-    moves = [(b, int(n)) for b, n in enumerate(shifts.tolist()) if n > 0]
+    it leaves are zeroed (a static cache masks them anyway). One gather per tensor over the rows
+    that move, whatever the batch."""
+    moving = (shifts > 0).nonzero().flatten()  # [M] the rows that move
+    if moving.numel() == 0:
+        return
     for layer in filled_layers(cache):
         for tensor in (layer.keys, layer.values):  # [B, heads, slots, dim]
-            for b, n in moves:
-                tensor[b, :, n:] = tensor[b, :, : tensor.shape[2] - n].clone()
-                tensor[b, :, :n] = 0
+            rows, by = moving.to(tensor.device), shifts.to(tensor.device)[moving.to(shifts.device)]
+            source = torch.arange(tensor.shape[2], device=tensor.device)[None, :] - by[:, None]  # [M, slots]
+            index = source.clamp_min(0)[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
+            moved = tensor[rows].gather(2, index)  # [M, heads, slots, dim]
+            tensor[rows] = moved.masked_fill((source < 0)[:, None, :, None], 0)

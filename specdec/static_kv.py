@@ -27,8 +27,8 @@ allocated for all of it up front: it starts at the shortest length that holds th
 little headroom, and grows (copying what it holds) when a forward needs more. Lengths are taken
 from a ladder, so that few distinct lengths exist (each is a compiled graph, and the pool reuses
 a cache only at its exact length): a length ``SpecDecoder.warmup`` compiled if one holds the
-slots, else the shortest doubling of ``LENGTH_STEP`` that does, never past ``reach`` (rounded up
-to ``LENGTH_STEP``). Growth at least doubles the length (up to ``reach``), so a call copies its
+slots, else the shortest doubling of ``LENGTH_STEP`` (``EAGER_LENGTH_STEP`` where the forwards
+are not compiled) that does, never past ``reach`` (rounded up to that step). Growth at least doubles the length (up to ``reach``), so a call copies its
 cache O(log n) times and O(n) slots in all.
 """
 
@@ -45,8 +45,10 @@ from .cache_slots import filled_layers, gather_cache_slots, shift_cache_rows
 from .compiled import agrees, checked, compiled_forward, compiling, miscompiled, run_compiled
 from .engines import ChainForward
 
-#: a static cache's length is a multiple of this (a compiled graph is specific to the length)
+#: a compiled static cache's length is a multiple of this (a compiled graph is specific to the length)
 LENGTH_STEP = 256
+#: an eager static cache's: no graph depends on it, and a big batch of short rows holds less
+EAGER_LENGTH_STEP = 64
 
 
 class StaticKV:
@@ -122,10 +124,11 @@ class StaticKV:
         warmed = next((n for n in sorted(self.settings.lengths) if n >= slots), None)
         if warmed is not None:
             return warmed
-        rung = LENGTH_STEP
+        step = LENGTH_STEP if self.settings.compile else EAGER_LENGTH_STEP
+        rung = step
         while rung < slots:
             rung *= 2
-        return max(min(rung, _round_up(self.reach, LENGTH_STEP)), _round_up(slots, LENGTH_STEP))
+        return max(min(rung, _round_up(self.reach, step)), _round_up(slots, step))
 
     def _reserve(self, model, slots: int) -> None:
         """Grow the cache (copying what it holds) if ``slots`` do not fit: to at least twice its

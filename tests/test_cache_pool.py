@@ -4,8 +4,8 @@ The pool: idle caches only, least recently used out first, never more than the l
 (a cache larger than the limit is not kept), a model's caches released on demand or when the
 model goes away; the limit set by ``SPECDEC_CACHE_POOL_BYTES`` or ``set_cache_pool_limit``.
 
-Lengths: a call's cache starts short and grows along the ladder (doublings of 256, or the
-lengths ``warmup`` compiled), never past what the call can reach; output stays exact across
+Lengths: a call's cache starts short and grows along the ladder (doublings of 256 for compiled
+forwards, of 64 for eager ones, or the lengths ``warmup`` compiled), never past what the call can reach; output stays exact across
 growth (eager, compiled, batches whose rows shift, a copy that mirrors the target's cache), and
 calls after ``warmup`` that grow compile nothing new. A fast version of the memory goal: calls of
 random shapes, a huge ``max_new_tokens`` stopping early, the pool under its limit after each.
@@ -147,11 +147,14 @@ def static_kv(model, capacity: int, reach: int, lengths=()) -> StaticKV:
 
 
 def test_lengths_follow_the_ladder_and_stop_at_the_reach(llama):
-    kv = static_kv(llama, 100, 10**9)
-    assert kv.length == 256
+    kv = static_kv(llama, 100, 10**9)  # eager forwards: doublings of 64
+    assert kv.length == 128
     assert [kv._length_for(n) for n in (257, 513, 1100, 5000)] == [512, 1024, 2048, 8192]
-    near = static_kv(llama, 100, 600)  # a call that can reach 600 slots never takes more than 768
-    assert [near._length_for(n) for n in (257, 513)] == [512, 768]
+    near = static_kv(llama, 100, 600)  # a call that can reach 600 slots never takes more than 640
+    assert [near._length_for(n) for n in (257, 513)] == [512, 640]
+    compiled = StaticKV(llama, 1, 100, CacheSettings.make("static", compile=True), 600,
+                        compiler=lambda *args, **kwargs: None)  # each length a graph: doublings of 256
+    assert compiled.length == 256 and [compiled._length_for(n) for n in (257, 513)] == [512, 768]
     warmed = static_kv(llama, 100, 10**9, lengths=(256, 512, 768))
     assert [warmed._length_for(n) for n in (100, 300, 700, 800)] == [256, 512, 768, 1024]
 
@@ -176,8 +179,8 @@ def test_output_stays_exact_as_the_cache_grows(llama, drafter, limit):
         out = decoder.generate(ids, mask, max_new_tokens=400)
     finally:
         handle.remove()
-    # 200 prompt slots start on 512; 633 reachable (400 new tokens and the margin): grown to 768, not 1024
-    assert set(seen) == {512, 768}
+    # 200 prompt slots start on 512; 633 reachable (400 new tokens and the margin): grown to 640, not 1024
+    assert set(seen) == {512, 640}
     for b, row in enumerate(rows):
         want = llama.generate(row[None, :], max_new_tokens=400, do_sample=False)[0, row.numel():]
         assert torch.equal(out.sequences[b, ids.shape[1]: ids.shape[1] + want.numel()], want), b

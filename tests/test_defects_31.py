@@ -83,7 +83,7 @@ def test_a_huge_max_new_tokens_that_stops_early_allocates_one_short_cache(llama,
     out = SpecDecoder(llama, "prompt_lookup", cache_implementation="static").generate(
         ids, max_new_tokens=2_000_000, eos_token_id=eos)
     assert out.sequences[0, ids.shape[1]:].tolist() == [eos]
-    assert static_slots and max(slots for _, slots in static_slots) == 256  # the first rung of the ladder
+    assert static_slots and max(slots for _, slots in static_slots) == 128  # the eager ladder's rung holding the prompt and 64 new tokens
 
 
 def test_calibration_reuses_the_calls_cache(static_slots):
@@ -96,7 +96,7 @@ def test_calibration_reuses_the_calls_cache(static_slots):
     out = SpecDecoder(target, "prompt_lookup", cache_implementation="static").generate(
         ids, max_new_tokens=100_000, eos_token_id=eos)
     assert out.stats.calibration_seconds > 0
-    assert static_slots == [(1, 256)] * layers
+    assert static_slots == [(1, 128)] * layers
 
 
 # -- 2. mirroring the target's cache --------------------------------------------------------------

@@ -6,6 +6,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from transformers.cache_utils import DynamicLayer
 
+from specdec.cache_slots import shift_cache_rows
 from specdec.kv import new_dynamic_cache
 from specdec.growing import GrowingLayer
 
@@ -88,3 +89,22 @@ def test_a_crop_keeps_the_buffers():
     assert not layer._still_handed()
     keys, _ = layer.update(new, new)
     assert keys.shape[-2] == 10 and torch.equal(keys[:, :, 8:], new)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 6), min_size=1, max_size=5), st.integers(0, 10_000))
+def test_shifting_rows_moves_each_row_right_in_place(shifts, seed):
+    """shift_cache_rows moves row b's slots right by shifts[b] in the tensors the cache holds,
+    zeroes the slots it leaves, and leaves other rows alone: what a per-row copy does."""
+    g = torch.Generator().manual_seed(seed)
+    batch, slots = len(shifts), 8
+    cache = new_dynamic_cache()
+    cache.update(torch.randn(batch, 2, slots, 4, generator=g), torch.randn(batch, 2, slots, 4, generator=g), 0)
+    layer = cache.layers[0]
+    held, before = (layer.keys, layer.values), (layer.keys.clone(), layer.values.clone())
+    shift_cache_rows(cache, torch.tensor(shifts))
+    assert layer.keys is held[0] and layer.values is held[1]
+    for tensor, old in zip(held, before):
+        for b, n in enumerate(shifts):
+            n = min(n, slots)
+            assert torch.equal(tensor[b, :, n:], old[b, :, : slots - n]) and not tensor[b, :, :n].any()
