@@ -27,9 +27,10 @@ import torch
 
 from specdec.copies import LowPrecisionDraft
 from specdec.generators import (CandidateGenerator, DecodeContext, DraftingInfo, DraftLengthSchedule, Feedback,
-                                Proposal, token_id_list, vocab_size)
+                                Proposal, plugin_name, token_id_list, vocab_size)
 from specdec.registry import register_candidate_generator
 from specdec.sampling import sample
+from specdec.validation import check_flag
 
 #: vocabularies whose sizes differ by more than this are not "the same tokenizer, padded"
 MAX_VOCAB_PADDING = 1024
@@ -53,12 +54,18 @@ def tokenizer_mismatch(target, draft, tokenizer, draft_tokenizer) -> str | None:
 @register_candidate_generator("draft_model")
 class DraftModelGenerator(LowPrecisionDraft, CandidateGenerator):
     def __init__(self, draft, *, num_tokens: int = 5, schedule: str = "auto", max_tokens: int = 16,
-                 weights: str | None = None, compile_draft: bool | dict | None = None):
+                 weights: str | None = None, compile_draft: bool | dict | None = None, tree: bool = False,
+                 tree_width: int = 2):
         if not isinstance(draft, torch.nn.Module):
             raise TypeError("draft_model needs a draft model: SpecDecoder(target, draft_model)")
+        check_flag(tree, f"{plugin_name(self)}: tree")
+        if isinstance(tree_width, bool) or not isinstance(tree_width, int) or tree_width < 2:
+            raise ValueError(f"{plugin_name(self)}: tree_width must be an int >= 2 (the chain's token and at "
+                             f"least one alternative a depth), got {tree_width!r}")
         self.draft = draft
         self.schedule = DraftLengthSchedule(num_tokens, schedule, max_tokens)
         self.assistant = None
+        self.tree, self.tree_width = tree, tree_width
         self._init_precision(weights, compile_draft)
 
     def drafting(self) -> DraftingInfo:
@@ -91,7 +98,7 @@ class DraftModelGenerator(LowPrecisionDraft, CandidateGenerator):
         k = int(lengths.max())
         if k == 0:
             return Proposal.empty(ctx.batch_size, max_drafts.device)
-        ids, probs, confidence = [], [], []
+        ids, probs, confidence, depths = [], [], [], []
         for i in range(k):
             logits = self.assistant.next_logits()[:, : self.shared_vocab].float()  # [B, V]
             logits = ctx.scores(logits, torch.stack(ids, dim=1) if ids else None)  # the target's processors
@@ -103,17 +110,91 @@ class DraftModelGenerator(LowPrecisionDraft, CandidateGenerator):
             else:  # the argmax (the first of equal maxima) and its softmax probability, without the softmax
                 top, token = logits.max(dim=-1)
                 confidence.append(torch.exp(logits - top[:, None]).sum(dim=-1, keepdim=True).reciprocal())
+            if self.tree:
+                depths.append(probs[-1] if ctx.sampling.do_sample else logits)
             ids.append(token)
             if i + 1 < k and not ctx.keep_drafting(torch.stack(ids, dim=1), torch.cat(confidence, dim=1), lengths):
                 break
             if i + 1 < k:  # the last draft is fed next step, and only if the target accepts it
                 self.assistant.feed(token)
         token_ids = torch.stack(ids, dim=1)  # [B, k']
-        return Proposal(token_ids, lengths.clamp(max=len(ids)), torch.stack(probs, dim=1) if probs else None,
-                        confidence=torch.cat(confidence, dim=1))
+        chain = Proposal(token_ids, lengths.clamp(max=len(ids)), torch.stack(probs, dim=1) if probs else None,
+                         confidence=torch.cat(confidence, dim=1))
+        if not self.tree:
+            return chain
+        return with_siblings(chain, depths, max_drafts, self.tree_width, ctx.generator if ctx.sampling.do_sample else None)
 
     def observe(self, ctx: DecodeContext, feedback: Feedback) -> None:
         self.schedule.update(feedback)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.schedule.select_rows(rows)
+
+
+def with_siblings(chain: Proposal, depths: list[torch.Tensor], budget: torch.Tensor, width: int,
+                  generator: torch.Generator | None) -> Proposal:
+    """A chain and, at each depth d, what the draft gave there (``depths[d] [B, V]``: its processed
+    scores under greedy decoding, its distribution ``chain.probs[:, d]`` when sampling) -> the chain
+    with up to ``width - 1`` alternatives at each of its depths, as one token tree within ``budget
+    [B]`` nodes a row: the drafts the chain left of the step's budget go to the depths where the
+    draft itself expects the chain to fail first (the chain reaches depth d and its token there is
+    wrong, ``prod(c_<d) * (1 - c_d)`` by its own probabilities ``c``). Each alternative is a leaf,
+    a child of the chain's node before it; the chain leads (node order: the chain, then the
+    alternatives by depth). Greedy: the next-best tokens by the draft's scores. Sampling (``generator``
+    given): drawn without replacement from the draft's distribution without the chain's token, each
+    with the distribution it was drawn from (``probs``), so recursive rejection verifies it exactly
+    (docs/trees.md). A row with no room stays a chain; a step where every row does, a chain proposal."""
+    batch, n = chain.token_ids.shape
+    device = chain.token_ids.device
+    depth_of = torch.arange(n, device=device)
+    chain_len = chain.lengths.to(device)
+    confidence = chain.confidence.to(device).float()  # [B, n]
+    reach = torch.cumprod(torch.cat([torch.ones_like(confidence[:, :1]), confidence[:, :-1]], dim=1), dim=1)
+    value = (reach * (1 - confidence)).masked_fill(depth_of[None, :] >= chain_len[:, None], 0)  # [B, n]
+    others = width - 1
+    room = (budget.to(device) - chain_len).clamp_min(0)  # [B] nodes left for alternatives
+    if not bool((room > 0).any()) or not bool((value > 0).any()):
+        return chain
+    # the alternatives each depth could take: [B, n, others] tokens, their draws' distributions, and whether real
+    tokens = torch.zeros(batch, n, others, dtype=torch.long, device=device)
+    real = torch.zeros(batch, n, others, dtype=torch.bool, device=device)
+    drawn = [] if generator is not None else None
+    for d, scores in enumerate(depths):
+        if generator is None:
+            top = scores.topk(width, dim=-1)  # the chain's token first: its argmax
+            tokens[:, d], real[:, d] = top.indices[:, 1:], top.values[:, 1:].isfinite()
+            continue
+        left = scores.scatter(1, chain.token_ids[:, d: d + 1].to(device), 0.0)  # [B, V] without the chain's token
+        per_depth = []
+        for j in range(others):
+            mass = left.sum(dim=-1, keepdim=True)  # [B, 1]
+            q = left / mass.clamp_min(1e-30)
+            token = sample(torch.where(mass > 0, q, scores), generator)
+            tokens[:, d, j], real[:, d, j] = token, mass[:, 0] > 1e-12
+            per_depth.append(q)
+            left = left.scatter(1, token[:, None], 0.0)
+        drawn.append(torch.stack(per_depth, dim=1))  # [B, others, V]
+    slot_value = value[:, :, None].expand(-1, -1, others).masked_fill(~real, 0).reshape(batch, -1)  # [B, n*others]
+    rank = slot_value.argsort(dim=1, descending=True, stable=True).argsort(dim=1)
+    chosen = (rank < room[:, None]) & (slot_value > 0)  # [B, n*others], in (depth, alternative) order
+    if not bool(chosen.any()):
+        return chain
+    count = chosen.sum(dim=1)  # [B]
+    total = chain_len + count
+    k = int(total.max())
+    index = chain_len[:, None] + chosen.long().cumsum(dim=1) - 1  # [B, n*others] node index of a chosen slot
+    rows = torch.arange(batch, device=device)[:, None].expand_as(chosen)
+    b, slot, at = rows[chosen], torch.nonzero(chosen)[:, 1], index[chosen]
+    node_ids = torch.nn.functional.pad(chain.token_ids.to(device), (0, max(k - n, 0)))[:, :k].clone()
+    node_ids[b, at] = tokens.reshape(batch, -1)[b, slot]
+    parents = (torch.arange(k, device=device) - 1)[None, :].repeat(batch, 1)
+    parents[b, at] = torch.div(slot, others, rounding_mode="floor") - 1  # the chain's node before its depth
+    conf = torch.nn.functional.pad(confidence, (0, max(k - n, 0)), value=float("nan"))[:, :k].clone()
+    conf[b, at] = float("nan")  # no probability of its own for the policy: it prices a node by its position
+    probs = None
+    if chain.probs is not None:
+        vocab = chain.probs.shape[-1]
+        probs = torch.nn.functional.pad(chain.probs, (0, 0, 0, max(k - n, 0)))[:, :k].clone()
+        alternatives = torch.stack(drawn, dim=1).reshape(batch, n * others, -1)  # [B, n*others, V']
+        probs[b, at] = torch.nn.functional.pad(alternatives[b, slot], (0, vocab - alternatives.shape[-1]))
+    return Proposal(node_ids, total.to(chain.lengths.device), probs, parents=parents, confidence=conf)

@@ -53,7 +53,8 @@ COPY_PRIOR = 0.85
 class SelfDraftGenerator(DraftModelGenerator):
     def __init__(self, *, weights: str = "auto", num_tokens: int = 5, schedule: str = "auto",
                  max_tokens: int = 16, compile_draft: bool | dict | str = "auto", lookup: bool = True,
-                 choice_budget: float | None = None, progress: bool | None = None):
+                 choice_budget: float | None = None, progress: bool | None = None, tree: bool = False,
+                 tree_width: int = 2):
         check_weights(weights, "self_draft")  # None would draft with the target itself, at the target's cost
         check_flag(lookup, "self_draft: lookup")
         if choice_budget is not None:
@@ -62,7 +63,7 @@ class SelfDraftGenerator(DraftModelGenerator):
             check_flag(progress, "self_draft: progress")
         # no draft yet: setup() builds it from the call's target (once per decoder, see specdec.copies.Copies)
         super().__init__(torch.nn.Module(), num_tokens=num_tokens, schedule=schedule, max_tokens=max_tokens,
-                         weights=weights, compile_draft=compile_draft)
+                         weights=weights, compile_draft=compile_draft, tree=tree, tree_width=tree_width)
         self.choice_budget, self.choice_progress = choice_budget, progress
         self.lookup = PromptLookupGenerator(schedule="auto", max_tokens=max_tokens) if lookup else None
 
@@ -132,8 +133,9 @@ class SelfDraftGenerator(DraftModelGenerator):
 
 def merge(first: Proposal, second: Proposal, use_second: torch.Tensor, vocab: int) -> Proposal:
     """Row b from ``second`` where ``use_second[b]``, else from ``first``; point masses become
-    one-hot rows when the other proposal carries probabilities, and a proposal without
-    confidences gives NaN (none) when the other has them."""
+    one-hot rows when the other proposal carries probabilities, a proposal without confidences
+    gives NaN (none) when the other has them, and a chain's rows become chains of a tree (each
+    node the child of the one before) when the other proposal is a tree."""
     device = second.lengths.device
     k = max(first.token_ids.shape[1], second.token_ids.shape[1])
     pad = lambda t: torch.nn.functional.pad(t.to(device), (0, k - t.shape[1]))  # noqa: E731
@@ -143,6 +145,8 @@ def merge(first: Proposal, second: Proposal, use_second: torch.Tensor, vocab: in
     probs = None
     if second.probs is not None:
         first_probs = torch.nn.functional.one_hot(pad(first.token_ids), vocab).to(second.probs.dtype)
+        if first.probs is not None:
+            first_probs = torch.nn.functional.pad(first.probs.to(device), (0, 0, 0, k - first.probs.shape[1]))
         second_probs = torch.nn.functional.pad(second.probs, (0, 0, 0, k - second.probs.shape[1]))
         probs = torch.where(pick[..., None], second_probs, first_probs)
     confidence = None
@@ -152,4 +156,11 @@ def merge(first: Proposal, second: Proposal, use_second: torch.Tensor, vocab: in
                 return torch.full((pick.shape[0], k), float("nan"), device=device)
             return torch.nn.functional.pad(p.confidence.to(device), (0, k - p.confidence.shape[1]), value=float("nan"))
         confidence = torch.where(pick, own(second), own(first))
-    return Proposal(token_ids, lengths, probs, confidence=confidence)
+    parents = None
+    if first.is_tree or second.is_tree:
+        def tree(p: Proposal) -> torch.Tensor:  # [B, k]: its parents, a chain's where it has none
+            chain = (torch.arange(k, device=device) - 1)[None, :].expand(pick.shape[0], -1)
+            return chain if p.parents is None else torch.nn.functional.pad(p.parents.to(device),
+                                                                            (0, k - p.parents.shape[1]), value=-1)
+        parents = torch.where(pick, tree(second), tree(first))
+    return Proposal(token_ids, lengths, probs, parents=parents, confidence=confidence)

@@ -9,6 +9,9 @@
 * logits processors along each node's own path; sampling end to end (chi-square on a tiny vocab);
 * drafted siblings (recursive rejection), with and without replacement: chi-square against a Markov
   chain's exact joint, a wrong claim caught, and end to end;
+* ``draft_model`` and ``self_draft`` with ``tree=True`` (the chain and the draft's alternatives):
+  greedy identical to ``generate`` (batches, caches, processors), alternatives drawn without
+  replacement sampled losslessly end to end, bad options refused;
 * malformed trees refused naming the plugin.
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from candidate_generators.draft_model import DraftModelGenerator, with_siblings
 from specdec import SpecDecoder
 from specdec.generators import CandidateGenerator, DraftingInfo, Proposal
 from specdec.models import TINY_ARCHS
@@ -236,6 +240,64 @@ def test_processors_apply_along_each_nodes_own_path(pairs, settings):
         assert out.stats.tree_steps > 0
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "gpt2"])
+def test_draft_model_trees_match_generate(pairs, arch, cache):
+    """The draft's chain with its next-best tokens as alternatives: batch 1 and a left-padded batch,
+    greedy output identical to generate, and some alternative accepted (the random draft misses often)."""
+    target, draft, _ = pairs(arch)
+    rows = [torch.randint(3, 40, (12,), generator=torch.Generator().manual_seed(6)), CONTESTED[0]]
+    padded, mask = left_pad(rows, pad_id=257)
+    for ids, attention in ((rows[0][None, :], None), (padded, mask)):
+        out = SpecDecoder(target, draft, tree=True, tree_width=3, schedule="fixed", num_tokens=4,
+                          cache_implementation=cache).generate(ids, attention, max_new_tokens=24)
+        for b in range(ids.shape[0]):
+            row = rows[0] if attention is None else rows[b]
+            want = reference(target, row[None, :], 24)[0, row.numel():]
+            got = out.sequences[b, ids.shape[1]: ids.shape[1] + want.numel()]
+            assert torch.equal(got, want), (arch, cache, b)
+        assert out.stats.tree_steps > 0 and out.stats.tree_nodes > out.stats.tree_depth
+
+
+def test_draft_model_trees_keep_processors_along_each_path(pairs):
+    target, draft, _ = pairs("llama")
+    ids = torch.randint(3, 40, (1, 14), generator=torch.Generator().manual_seed(8))
+    settings = {"repetition_penalty": 1.4, "no_repeat_ngram_size": 3}
+    out = SpecDecoder(target, draft, tree=True, schedule="fixed", num_tokens=3).generate(ids, max_new_tokens=30, **settings)
+    assert torch.equal(out.sequences, reference(target, ids, 30, **settings))
+    assert out.stats.tree_steps > 0
+
+
+def test_alternatives_go_where_the_draft_expects_its_chain_to_fail_within_the_budget():
+    scores = [torch.tensor([[5.0, 1.0, 0.0, -1.0]] * 2), torch.tensor([[0.0, 0.2, 0.1, -9.0]] * 2)]
+    chain = Proposal(torch.tensor([[0, 1]] * 2), torch.tensor([2, 2]), confidence=torch.tensor([[0.97, 0.36]] * 2))
+    tree = with_siblings(chain, scores, torch.tensor([3, 6]), width=3, generator=None)
+    # row 0 has room for one alternative: at depth 1, where the chain is likelier to fail (0.97 * 0.64
+    # against 0.03); row 1 for all four, two a depth, each a leaf under the chain's node before it
+    assert tree.lengths.tolist() == [3, 6]
+    assert tree.token_ids[0, :3].tolist() == [0, 1, 2] and tree.parents[0, :3].tolist() == [-1, 0, 0]
+    assert tree.token_ids[1].tolist() == [0, 1, 1, 2, 2, 0] and tree.parents[1].tolist() == [-1, 0, -1, -1, 0, 0]
+    assert with_siblings(chain, scores, torch.tensor([2, 2]), width=3, generator=None) is chain  # no room: the chain
+
+
+def test_self_draft_trees_match_generate(pairs):
+    target, _, _ = pairs("llama")
+    ids = torch.randint(3, 40, (1, 16), generator=torch.Generator().manual_seed(9))
+    for lookup in (True, False):
+        out = SpecDecoder(target, "self_draft", weights="bfloat16", compile_draft=False, lookup=lookup,
+                          tree=True).generate(ids, max_new_tokens=30)
+        assert torch.equal(out.sequences, reference(target, ids, 30)), lookup
+        assert out.stats.tree_steps > 0, lookup
+
+
+@pytest.mark.parametrize("options, problem", [({"tree": "yes"}, "tree must be True or False"),
+                                              ({"tree_width": 1}, "tree_width must be an int >= 2")])
+def test_bad_tree_options_are_refused(pairs, options, problem):
+    _, draft, _ = pairs("llama")
+    with pytest.raises((TypeError, ValueError), match=problem):
+        DraftModelGenerator(draft, **options)
+
+
 # -- sampling, end to end ---------------------------------------------------------------------------
 class Siblings(CandidateGenerator):
     """Two point-mass siblings at the root, and a child under the second where room allows."""
@@ -301,6 +363,16 @@ class DrawnSiblings(CandidateGenerator):
 def test_a_tree_of_drawn_siblings_samples_the_target_distribution_end_to_end():
     out, counts, exact = _sample_three_tokens(DrawnSiblings(), seed=1)
     assert out.stats.tree_steps >= N and out.stats.tree_depth > 0
+    assert_same_distribution(counts, exact)
+
+
+def test_a_draft_models_drawn_alternatives_sample_the_target_distribution_end_to_end():
+    """draft_model's trees under sampling: its chain sampled, alternatives drawn without replacement
+    from what is left of its distribution, verified by recursive rejection (docs/trees.md)."""
+    # a first step of three new tokens has room for two nodes: the sampled chain token and one alternative
+    generator = DraftModelGenerator(tiny_vocab_llama(3), tree=True, schedule="fixed", num_tokens=1)
+    out, counts, exact = _sample_three_tokens(generator, seed=2)
+    assert out.stats.tree_steps > 0 and out.stats.tree_nodes > out.stats.tree_depth
     assert_same_distribution(counts, exact)
 
 
