@@ -122,7 +122,8 @@ class DraftModelGenerator(LowPrecisionDraft, CandidateGenerator):
                          confidence=torch.cat(confidence, dim=1))
         if not self.tree:
             return chain
-        return with_siblings(chain, depths, max_drafts, self.tree_width, ctx.generator if ctx.sampling.do_sample else None)
+        return with_siblings(chain, depths, max_drafts, self.tree_width, ctx.generator if ctx.sampling.do_sample else None,
+                             prices=ctx.node_prices(chain.confidence))
 
     def observe(self, ctx: DecodeContext, feedback: Feedback) -> None:
         self.schedule.update(feedback)
@@ -132,37 +133,42 @@ class DraftModelGenerator(LowPrecisionDraft, CandidateGenerator):
 
 
 def with_siblings(chain: Proposal, depths: list[torch.Tensor], budget: torch.Tensor, width: int,
-                  generator: torch.Generator | None) -> Proposal:
+                  generator: torch.Generator | None, prices: torch.Tensor | None = None) -> Proposal:
     """A chain and, at each depth d, what the draft gave there (``depths[d] [B, V]``: its processed
     scores under greedy decoding, its distribution ``chain.probs[:, d]`` when sampling) -> the chain
     with up to ``width - 1`` alternatives at each of its depths, as one token tree within ``budget
-    [B]`` nodes a row: the drafts the chain left of the step's budget go to the depths where the
-    draft itself expects the chain to fail first (the chain reaches depth d and its token there is
-    wrong, ``prod(c_<d) * (1 - c_d)`` by its own probabilities ``c``). Each alternative is a leaf,
-    a child of the chain's node before it; the chain leads (node order: the chain, then the
-    alternatives by depth). Greedy: the next-best tokens by the draft's scores. Sampling (``generator``
-    given): drawn without replacement from the draft's distribution without the chain's token, each
-    with the distribution it was drawn from (``probs``), so recursive rejection verifies it exactly
-    (docs/trees.md). A row with no room stays a chain; a step where every row does, a chain proposal."""
+    [B]`` nodes a row. Each alternative is a leaf, a child of the chain's node before it, valued by
+    the draft's own chance that the target takes it: the chain's probability of reaching its depth
+    times the alternative's probability (greedy: the next-best tokens by the draft's scores);
+    sampling (``generator`` given): drawn without replacement from the draft's distribution without
+    the chain's token, each with the distribution it was drawn from (``probs``), so recursive
+    rejection verifies it exactly (docs/trees.md), and valued before it is drawn (the chance that
+    the chain's token is wrong times that of two draws from what is left agreeing). A row takes its
+    best alternatives while the k-th best is worth ``prices[k]`` tokens (``ctx.node_prices``; None:
+    all), within its budget. The chain leads (node order: the chain, then the alternatives by
+    depth); a step where no row takes an alternative is the chain proposal."""
     batch, n = chain.token_ids.shape
     device = chain.token_ids.device
     depth_of = torch.arange(n, device=device)
     chain_len = chain.lengths.to(device)
     confidence = chain.confidence.to(device).float()  # [B, n]
     reach = torch.cumprod(torch.cat([torch.ones_like(confidence[:, :1]), confidence[:, :-1]], dim=1), dim=1)
-    value = (reach * (1 - confidence)).masked_fill(depth_of[None, :] >= chain_len[:, None], 0)  # [B, n]
+    reach = reach.masked_fill(depth_of[None, :] >= chain_len[:, None], 0)  # [B, n]
     others = width - 1
     room = (budget.to(device) - chain_len).clamp_min(0)  # [B] nodes left for alternatives
-    if not bool((room > 0).any()) or not bool((value > 0).any()):
+    if prices is not None:
+        room = room.clamp_max(prices.numel())
+    if not bool((room > 0).any()):
         return chain
-    # the alternatives each depth could take: [B, n, others] tokens, their draws' distributions, and whether real
+    # each depth's alternatives: [B, n, others] tokens, values, whether real; their draws' distributions
     tokens = torch.zeros(batch, n, others, dtype=torch.long, device=device)
-    real = torch.zeros(batch, n, others, dtype=torch.bool, device=device)
+    value = torch.zeros(batch, n, others, device=device)
     drawn = [] if generator is not None else None
     for d, scores in enumerate(depths):
         if generator is None:
             top = scores.topk(width, dim=-1)  # the chain's token first: its argmax
-            tokens[:, d], real[:, d] = top.indices[:, 1:], top.values[:, 1:].isfinite()
+            p = torch.softmax(scores.float(), dim=-1).gather(1, top.indices[:, 1:])  # [B, others]
+            tokens[:, d], value[:, d] = top.indices[:, 1:], torch.where(top.values[:, 1:].isfinite(), p, 0)
             continue
         left = scores.scatter(1, chain.token_ids[:, d: d + 1].to(device), 0.0)  # [B, V] without the chain's token
         per_depth = []
@@ -170,13 +176,20 @@ def with_siblings(chain: Proposal, depths: list[torch.Tensor], budget: torch.Ten
             mass = left.sum(dim=-1, keepdim=True)  # [B, 1]
             q = left / mass.clamp_min(1e-30)
             token = sample(torch.where(mass > 0, q, scores), generator)
-            tokens[:, d, j], real[:, d, j] = token, mass[:, 0] > 1e-12
+            real = mass[:, 0] > 1e-12
+            tokens[:, d, j] = token
+            value[:, d, j] = torch.where(real, (1 - confidence[:, d]) * (q * q).sum(dim=-1), 0)
             per_depth.append(q)
             left = left.scatter(1, token[:, None], 0.0)
         drawn.append(torch.stack(per_depth, dim=1))  # [B, others, V]
-    slot_value = value[:, :, None].expand(-1, -1, others).masked_fill(~real, 0).reshape(batch, -1)  # [B, n*others]
-    rank = slot_value.argsort(dim=1, descending=True, stable=True).argsort(dim=1)
-    chosen = (rank < room[:, None]) & (slot_value > 0)  # [B, n*others], in (depth, alternative) order
+    slot_value = (reach[:, :, None] * value).reshape(batch, -1)  # [B, n*others] in (depth, alternative) order
+    order = slot_value.argsort(dim=1, descending=True, stable=True)
+    rank = order.argsort(dim=1)
+    chosen = (rank < room[:, None]) & (slot_value > 0)
+    if prices is not None:  # the k-th best is taken while it is worth its price
+        best = slot_value.gather(1, order)[:, : prices.numel()]  # [B, m]
+        worth = (best >= prices.to(device)[None, : best.shape[1]]).long().cumprod(dim=1).sum(dim=1)  # [B]
+        chosen &= rank < worth[:, None]
     if not bool(chosen.any()):
         return chain
     count = chosen.sum(dim=1)  # [B]

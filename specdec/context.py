@@ -56,11 +56,14 @@ class AssistantHandle(Protocol):
 
 class DraftAdvice(Protocol):
     """The draft-length policy as a generator's context asks it during ``propose``, for the step
-    it planned (``ctx.draft_rate``, ``ctx.keep_drafting``); see ``specdec.policy.DraftPolicy``."""
+    it planned (``ctx.draft_rate``, ``ctx.keep_drafting``, ``ctx.node_prices``); see
+    ``specdec.policy.DraftPolicy``."""
 
     def step_rate(self, counts: torch.Tensor, source: int, paid: bool = False) -> torch.Tensor | None: ...
 
     def step_keep(self, confidence: torch.Tensor, max_drafts: torch.Tensor) -> bool: ...
+
+    def step_node_prices(self, confidence: torch.Tensor) -> torch.Tensor | None: ...
 
 
 @dataclass
@@ -144,6 +147,16 @@ class DecodeContext:
         if self._advice is None or confidence is None:
             return True
         return self._advice.step_keep(confidence, max_drafts)
+
+    def node_prices(self, confidence: torch.Tensor) -> torch.Tensor | None:
+        """What nodes beside a drafted chain (a tree's alternatives) must each be expected to add
+        to the step's committed tokens to pay for being verified, asked by a generator that drafts a
+        chain one token at a time and then offers alternatives: ``confidence [B, i]`` its own
+        probabilities of the chain's drafts -> ``[m]``: the k-th further node's price in tokens, the
+        extra forward time it costs at the step's expected tokens per second with the chain alone
+        (``m``: as many as the policy lets a row verify beyond the chain). None when the generator
+        sets its own draft lengths (no policy: every alternative within ``max_drafts`` is offered)."""
+        return None if self._advice is None else self._advice.step_node_prices(confidence)
 
     def attach(self, model, tokens: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
                pad_token_id: int | None = None, *, cache_implementation: str | None = None,

@@ -223,15 +223,23 @@ class StepRecord(Feedback):
     verifying: float = 0.0  # seconds from the proposal to the commit (forward, verification, commit)
     grammar_drafts: torch.Tensor | None = None  # [B] of the offered drafts, the trailing ones a grammar proposed
     #: whether the step verified a token tree: ``offered`` then counts its nodes, ``accepted`` the
-    #: depth of the accepted path (docs/trees.md)
+    #: depth of the accepted path (docs/trees.md), ``depth`` [B] the depth of its deepest node
     tree: bool = False
+    depth: torch.Tensor | None = None
     #: the hidden states a generator declared (``DraftingInfo.hidden_layers``) of the tokens this
     #: step committed; None when it declared none
     hidden: TargetHidden | None = None
 
     def drafter_view(self) -> "StepRecord":
         """The step as the generator's drafts saw it: the grammar's drafts after them left out (free,
-        nearly certain, they say nothing of the drafter or of the draft length)."""
+        nearly certain, they say nothing of the drafter or of the draft length); a tree as the chain
+        of its depth (drafts made and offered: its depth, so a level is priced as one draft and the
+        nodes beside a path never count as deep positions that failed, which would shorten later
+        steps' drafts)."""
+        if self.tree and self.depth is not None:
+            depth = self.depth.to(self.offered.device)
+            return replace(self, offered=depth, accepted=torch.minimum(self.accepted, depth),
+                           made=torch.minimum(self.made, depth.to(self.made.device)), depth=None, tree=False)
         if self.grammar_drafts is None:
             return self
         offered = self.offered - self.grammar_drafts.to(self.offered.device)

@@ -51,7 +51,7 @@ import torch
 from .assistant import Assistant
 from .compiled import compile_seconds
 from .device import synchronize
-from .engines import call_begins
+from .engines import Layout, call_begins
 from .generators import CandidateGenerator, DecodeContext, StepRecord, TargetHidden, declared_drafting, plugin_name
 from .kv import CacheSettings, static_problem
 from .metrics import AcceptanceStats
@@ -239,6 +239,7 @@ class DecodeRun(DraftSteps, TreeSteps, ScoreSteps, CommitSteps, OutputSteps):
             compiling=compile_seconds() - compiled_before, started=started, drafting=drafted - started,
             forward=forwarded - drafted, verifying=time.perf_counter() - drafted,
             grammar_drafts=proposal.grammar_drafts, tree=parents is not None,
+            depth=None if parents is None else Layout.tree(parents, lengths=offered).deepest(),
             hidden=TargetHidden(*target.committed_hidden(committed + verdict.accepted)) if target.hidden_layers else None)
         self._observe(record, block, committed)
         if bool(finished.any()):

@@ -22,7 +22,8 @@ import torch
 
 from candidate_generators.draft_model import DraftModelGenerator, with_siblings
 from specdec import SpecDecoder
-from specdec.generators import CandidateGenerator, DraftingInfo, Proposal
+from specdec.engines import Layout
+from specdec.generators import CandidateGenerator, DraftingInfo, Proposal, StepRecord
 from specdec.models import TINY_ARCHS
 from specdec.sampling import SamplingParams
 from specdec.verify import tree_greedy_verify, tree_point_mass_sample, tree_speculative_sample
@@ -272,20 +273,24 @@ def test_alternatives_go_where_the_draft_expects_its_chain_to_fail_within_the_bu
     scores = [torch.tensor([[5.0, 1.0, 0.0, -1.0]] * 2), torch.tensor([[0.0, 0.2, 0.1, -9.0]] * 2)]
     chain = Proposal(torch.tensor([[0, 1]] * 2), torch.tensor([2, 2]), confidence=torch.tensor([[0.97, 0.36]] * 2))
     tree = with_siblings(chain, scores, torch.tensor([3, 6]), width=3, generator=None)
-    # row 0 has room for one alternative: at depth 1, where the chain is likelier to fail (0.97 * 0.64
-    # against 0.03); row 1 for all four, two a depth, each a leaf under the chain's node before it
+    # row 0 has room for one alternative: token 2 at depth 1 (0.97 * 0.33 against 0.02 for token 1 at
+    # depth 0); row 1 for all four, two a depth, each a leaf under the chain's node before it
     assert tree.lengths.tolist() == [3, 6]
     assert tree.token_ids[0, :3].tolist() == [0, 1, 2] and tree.parents[0, :3].tolist() == [-1, 0, 0]
     assert tree.token_ids[1].tolist() == [0, 1, 1, 2, 2, 0] and tree.parents[1].tolist() == [-1, 0, -1, -1, 0, 0]
     assert with_siblings(chain, scores, torch.tensor([2, 2]), width=3, generator=None) is chain  # no room: the chain
+    # priced: the best alternative (0.32 tokens) pays 0.3, the next (0.29) does not; none pays 0.5
+    priced = with_siblings(chain, scores, torch.tensor([6, 6]), width=3, generator=None, prices=torch.full((4,), 0.3))
+    assert priced.lengths.tolist() == [3, 3] and priced.token_ids[:, 2].tolist() == [2, 2]
+    assert with_siblings(chain, scores, torch.tensor([6, 6]), 3, None, prices=torch.full((4,), 0.5)) is chain
 
 
 def test_self_draft_trees_match_generate(pairs):
     target, _, _ = pairs("llama")
     ids = torch.randint(3, 40, (1, 16), generator=torch.Generator().manual_seed(9))
     for lookup in (True, False):
-        out = SpecDecoder(target, "self_draft", weights="bfloat16", compile_draft=False, lookup=lookup,
-                          tree=True).generate(ids, max_new_tokens=30)
+        out = SpecDecoder(target, "self_draft", weights="bfloat16", compile_draft=False, lookup=lookup, tree=True,
+                          schedule="fixed", num_tokens=3).generate(ids, max_new_tokens=30)  # no policy: no prices
         assert torch.equal(out.sequences, reference(target, ids, 30)), lookup
         assert out.stats.tree_steps > 0, lookup
 
@@ -296,6 +301,20 @@ def test_bad_tree_options_are_refused(pairs, options, problem):
     _, draft, _ = pairs("llama")
     with pytest.raises((TypeError, ValueError), match=problem):
         DraftModelGenerator(draft, **options)
+
+
+def test_a_tree_step_teaches_the_policy_the_chain_of_its_depth():
+    """Nodes beside the accepted path are not deep positions that failed: the policy and the
+    generator learn a tree step as the chain of its depth, the statistics still count its nodes."""
+    parents = torch.tensor([[-1, 0, 1, 0, -1], [-1, -1, 0, 0, 0]])
+    depth = Layout.tree(parents, lengths=torch.tensor([5, 2])).deepest()
+    assert depth.tolist() == [3, 1]
+    counts = dict(asked=torch.tensor([5, 5]), made=torch.tensor([5, 2]), candidates=torch.tensor([5, 2]),
+                  kept=torch.tensor([3, 1]), room=torch.tensor([9, 9]))
+    record = StepRecord(torch.tensor([5, 2]), torch.tensor([2, 0]), **counts, tree=True, depth=depth)
+    view = record.drafter_view()
+    assert (view.offered.tolist(), view.accepted.tolist(), view.made.tolist(), view.tree) == ([3, 1], [2, 0], [3, 1], False)
+    assert record.offered.tolist() == [5, 2]
 
 
 # -- sampling, end to end ---------------------------------------------------------------------------

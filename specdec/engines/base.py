@@ -118,6 +118,11 @@ class Layout:
                 depth[:, i] = torch.where(has, depth.gather(1, p.clamp(min=0)[:, None])[:, 0] + 1, depth[:, i])
         return depth
 
+    def deepest(self) -> torch.Tensor:
+        """``[B]`` long: the depth of each row's deepest node (0 for a row without nodes)."""
+        real = torch.arange(self.parents.shape[1], device=self.parents.device)[None, :] < self._lengths()[:, None]
+        return torch.where(real, self.depths(), 0).amax(dim=1) if self.parents.shape[1] else self._lengths() * 0
+
     def ancestors(self) -> torch.Tensor:
         """``[B, K, K]`` bool: ``[b, i, j]`` when node j is node i or one of its ancestors."""
         parents = self._real_parents()

@@ -266,6 +266,24 @@ class DraftPolicy:
         seconds = self._step_seconds(len(counts), pending, context, self.draft_seconds_per_token)
         return choose_width(self._estimate(None, confidence), counts, seconds, self._value(len(counts))) > made
 
+    def step_node_prices(self, confidence: torch.Tensor) -> torch.Tensor | None:
+        """:meth:`node_prices` for the step planned last; None before :meth:`price`."""
+        return None if not self.priced else self.node_prices(confidence, *self.shape)
+
+    def node_prices(self, confidence: torch.Tensor, pending: int, context: int = 0) -> torch.Tensor:
+        """``[m]`` tokens the k-th node verified beside a chain of ``confidence [B, i]`` drafts (a
+        tree's alternative, which costs no drafting) must add to a row for the step to commit
+        tokens at least as fast as with the chain alone: the forward's extra seconds for one more
+        token a row, times the chain's expected tokens a row per second of the step. ``m``: up to
+        ``max_drafts`` nodes a row in all."""
+        batch, width = confidence.shape[0], min(confidence.shape[1], self.max_drafts)
+        seconds = self._step_seconds(batch, pending, context, self.draft_seconds_per_token)
+        forwards = self.costs.seconds_for([(w + pending) * batch for w in range(self.max_drafts + 1)], context)
+        rows = self._estimate(None, confidence)
+        rate = sum(expected_row(r)[width] for r in rows) / batch / max(seconds[width], 1e-12)
+        return torch.tensor([rate * (forwards[w + 1] - forwards[w]) for w in range(width, self.max_drafts)],
+                            dtype=torch.float64)
+
     def _offers(self, counts: torch.Tensor) -> list[int]:
         """counts [B] as plain numbers within 0..max_drafts."""
         return [min(max(int(c), 0), self.max_drafts) for c in counts.tolist()]
