@@ -15,6 +15,10 @@ the target's scores get them), so its drafts agree with the target's processed c
 Vocabularies may be padded to different sizes; drafts are restricted to the ids both models
 have. A draft with a different tokenizer is refused (that needs a cross-tokenizer generator).
 
+``tree=True`` (``tree_width`` 2: one alternative a depth) offers, beside the chain, the draft's
+next-best tokens at its depths as leaves of one token tree, where the policy prices them worth
+verifying (drawn without replacement when sampling; :func:`with_siblings`, docs/trees.md).
+
 ``weights=`` (``"w8a8"``, ``"bfloat16"``, ... see ``specdec/engines/forwards/lowbit.py``) drafts with a copy of the draft at
 that precision instead, built once per decoder (the draft model is only read) and stepped
 compiled on a static cache (``compile_draft``): on a CPU a w8a8 copy of a small draft steps
