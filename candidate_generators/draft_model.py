@@ -151,42 +151,19 @@ def with_siblings(chain: Proposal, depths: list[torch.Tensor], budget: torch.Ten
     best alternatives while the k-th best is worth ``prices[k]`` tokens (``ctx.node_prices``; None:
     all), within its budget. The chain leads (node order: the chain, then the alternatives by
     depth); a step where no row takes an alternative is the chain proposal."""
-    batch, n = chain.token_ids.shape
+    n = chain.token_ids.shape[1]
     device = chain.token_ids.device
-    depth_of = torch.arange(n, device=device)
     chain_len = chain.lengths.to(device)
     confidence = chain.confidence.to(device).float()  # [B, n]
     reach = torch.cumprod(torch.cat([torch.ones_like(confidence[:, :1]), confidence[:, :-1]], dim=1), dim=1)
-    reach = reach.masked_fill(depth_of[None, :] >= chain_len[:, None], 0)  # [B, n]
-    others = width - 1
+    reach = reach.masked_fill(torch.arange(n, device=device)[None, :] >= chain_len[:, None], 0)  # [B, n]
     room = (budget.to(device) - chain_len).clamp_min(0)  # [B] nodes left for alternatives
     if prices is not None:
         room = room.clamp_max(prices.numel())
     if not bool((room > 0).any()):
         return chain
-    # each depth's alternatives: [B, n, others] tokens, values, whether real; their draws' distributions
-    tokens = torch.zeros(batch, n, others, dtype=torch.long, device=device)
-    value = torch.zeros(batch, n, others, device=device)
-    drawn = [] if generator is not None else None
-    for d, scores in enumerate(depths):
-        if generator is None:
-            top = scores.topk(width, dim=-1)  # the chain's token first: its argmax
-            p = torch.softmax(scores.float(), dim=-1).gather(1, top.indices[:, 1:])  # [B, others]
-            tokens[:, d], value[:, d] = top.indices[:, 1:], torch.where(top.values[:, 1:].isfinite(), p, 0)
-            continue
-        left = scores.scatter(1, chain.token_ids[:, d: d + 1].to(device), 0.0)  # [B, V] without the chain's token
-        per_depth = []
-        for j in range(others):
-            mass = left.sum(dim=-1, keepdim=True)  # [B, 1]
-            q = left / mass.clamp_min(1e-30)
-            token = sample(torch.where(mass > 0, q, scores), generator)
-            real = mass[:, 0] > 1e-12
-            tokens[:, d, j] = token
-            value[:, d, j] = torch.where(real, (1 - confidence[:, d]) * (q * q).sum(dim=-1), 0)
-            per_depth.append(q)
-            left = left.scatter(1, token[:, None], 0.0)
-        drawn.append(torch.stack(per_depth, dim=1))  # [B, others, V]
-    slot_value = (reach[:, :, None] * value).reshape(batch, -1)  # [B, n*others] in (depth, alternative) order
+    tokens, value, drawn = _alternatives(chain, depths, confidence, width - 1, generator)
+    slot_value = (reach[:, :, None] * value).flatten(1)  # [B, n * (width-1)] in (depth, alternative) order
     order = slot_value.argsort(dim=1, descending=True, stable=True)
     rank = order.argsort(dim=1)
     chosen = (rank < room[:, None]) & (slot_value > 0)
@@ -194,24 +171,61 @@ def with_siblings(chain: Proposal, depths: list[torch.Tensor], budget: torch.Ten
         best = slot_value.gather(1, order)[:, : prices.numel()]  # [B, m]
         worth = (best >= prices.to(device)[None, : best.shape[1]]).long().cumprod(dim=1).sum(dim=1)  # [B]
         chosen &= rank < worth[:, None]
+    return _as_tree(chain, chosen, tokens.flatten(1), None if drawn is None else drawn.flatten(1, 2), width - 1)
+
+
+def _alternatives(chain: Proposal, depths: list[torch.Tensor], confidence: torch.Tensor, others: int,
+                  generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`with_siblings`' candidates: ``others`` alternatives at each depth of the chain ->
+    their tokens and values ``[B, n, others]`` (0: none there), and when sampling the distribution
+    each was drawn from ``[B, n, others, V]``."""
+    batch, n = chain.token_ids.shape
+    device = chain.token_ids.device
+    tokens = torch.zeros(batch, n, others, dtype=torch.long, device=device)
+    value = torch.zeros(batch, n, others, device=device)
+    drawn = []
+    for d, scores in enumerate(depths):
+        if generator is None:  # the next-best tokens, each valued by the draft's probability of it
+            top = scores.topk(others + 1, dim=-1)  # the chain's token first: its argmax
+            p = torch.softmax(scores.float(), dim=-1).gather(1, top.indices[:, 1:])  # [B, others]
+            tokens[:, d], value[:, d] = top.indices[:, 1:], torch.where(top.values[:, 1:].isfinite(), p, 0)
+            continue
+        left = scores.scatter(1, chain.token_ids[:, d: d + 1].to(device), 0.0)  # [B, V] without the chain's token
+        per_depth = []
+        for j in range(others):  # drawn without replacement, valued before each draw
+            mass = left.sum(dim=-1, keepdim=True)  # [B, 1]
+            q = left / mass.clamp_min(1e-30)
+            tokens[:, d, j] = sample(torch.where(mass > 0, q, scores), generator)
+            value[:, d, j] = torch.where(mass[:, 0] > 1e-12, (1 - confidence[:, d]) * (q * q).sum(dim=-1), 0)
+            per_depth.append(q)
+            left = left.scatter(1, tokens[:, d, j: j + 1], 0.0)
+        drawn.append(torch.stack(per_depth, dim=1))  # [B, others, V]
+    return tokens, value, torch.stack(drawn, dim=1) if drawn else None
+
+
+def _as_tree(chain: Proposal, chosen: torch.Tensor, tokens: torch.Tensor, drawn: torch.Tensor | None,
+             others: int) -> Proposal:
+    """The chain and its ``chosen [B, S]`` alternatives (``tokens [B, S]``, their draws'
+    distributions ``[B, S, V]`` when sampling; slot s at depth ``s // others``) as one tree
+    proposal; the chain itself where none is chosen."""
     if not bool(chosen.any()):
         return chain
-    count = chosen.sum(dim=1)  # [B]
-    total = chain_len + count
+    batch, n = chain.token_ids.shape
+    device = chain.token_ids.device
+    chain_len = chain.lengths.to(device)
+    total = chain_len + chosen.sum(dim=1)  # [B]
     k = int(total.max())
-    index = chain_len[:, None] + chosen.long().cumsum(dim=1) - 1  # [B, n*others] node index of a chosen slot
-    rows = torch.arange(batch, device=device)[:, None].expand_as(chosen)
-    b, slot, at = rows[chosen], torch.nonzero(chosen)[:, 1], index[chosen]
-    node_ids = torch.nn.functional.pad(chain.token_ids.to(device), (0, max(k - n, 0)))[:, :k].clone()
-    node_ids[b, at] = tokens.reshape(batch, -1)[b, slot]
+    index = chain_len[:, None] + chosen.long().cumsum(dim=1) - 1  # [B, S] node index of a chosen slot
+    b, slot = torch.nonzero(chosen, as_tuple=True)
+    at = index[b, slot]
+    widen = lambda t, fill=0: torch.nn.functional.pad(t, (0, max(k - n, 0)), value=fill)[:, :k].clone()  # noqa: E731
+    node_ids, conf = widen(chain.token_ids.to(device)), widen(chain.confidence.to(device).float(), float("nan"))
+    node_ids[b, at] = tokens[b, slot]
+    conf[b, at] = float("nan")  # no probability of its own for the policy: it prices a node by its position
     parents = (torch.arange(k, device=device) - 1)[None, :].repeat(batch, 1)
     parents[b, at] = torch.div(slot, others, rounding_mode="floor") - 1  # the chain's node before its depth
-    conf = torch.nn.functional.pad(confidence, (0, max(k - n, 0)), value=float("nan"))[:, :k].clone()
-    conf[b, at] = float("nan")  # no probability of its own for the policy: it prices a node by its position
     probs = None
     if chain.probs is not None:
-        vocab = chain.probs.shape[-1]
         probs = torch.nn.functional.pad(chain.probs, (0, 0, 0, max(k - n, 0)))[:, :k].clone()
-        alternatives = torch.stack(drawn, dim=1).reshape(batch, n * others, -1)  # [B, n*others, V']
-        probs[b, at] = torch.nn.functional.pad(alternatives[b, slot], (0, vocab - alternatives.shape[-1]))
+        probs[b, at] = drawn[b, slot].to(probs.dtype)
     return Proposal(node_ids, total.to(chain.lengths.device), probs, parents=parents, confidence=conf)

@@ -145,8 +145,6 @@ def merge(first: Proposal, second: Proposal, use_second: torch.Tensor, vocab: in
     probs = None
     if second.probs is not None:
         first_probs = torch.nn.functional.one_hot(pad(first.token_ids), vocab).to(second.probs.dtype)
-        if first.probs is not None:
-            first_probs = torch.nn.functional.pad(first.probs.to(device), (0, 0, 0, k - first.probs.shape[1]))
         second_probs = torch.nn.functional.pad(second.probs, (0, 0, 0, k - second.probs.shape[1]))
         probs = torch.where(pick[..., None], second_probs, first_probs)
     confidence = None

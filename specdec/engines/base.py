@@ -120,8 +120,10 @@ class Layout:
 
     def deepest(self) -> torch.Tensor:
         """``[B]`` long: the depth of each row's deepest node (0 for a row without nodes)."""
-        real = torch.arange(self.parents.shape[1], device=self.parents.device)[None, :] < self._lengths()[:, None]
-        return torch.where(real, self.depths(), 0).amax(dim=1) if self.parents.shape[1] else self._lengths() * 0
+        rows, nodes = self.parents.shape
+        real = torch.arange(nodes, device=self.parents.device)[None, :] < self._lengths()[:, None]
+        depth = torch.where(real, self.depths(), 0)
+        return depth.amax(dim=1) if nodes else torch.zeros(rows, dtype=torch.long, device=self.parents.device)
 
     def ancestors(self) -> torch.Tensor:
         """``[B, K, K]`` bool: ``[b, i, j]`` when node j is node i or one of its ancestors."""
