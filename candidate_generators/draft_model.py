@@ -186,8 +186,8 @@ def _alternatives(chain: Proposal, depths: list[torch.Tensor], confidence: torch
     drawn = []
     for d, scores in enumerate(depths):
         if generator is None:  # the next-best tokens, each valued by the draft's probability of it
-            top = scores.topk(others + 1, dim=-1)  # the chain's token first: its argmax
-            p = torch.softmax(scores.float(), dim=-1).gather(1, top.indices[:, 1:])  # [B, others]
+            top = scores.topk(others + 1, dim=-1)  # the chain's token first: its argmax, of probability c
+            p = torch.exp(top.values[:, 1:] - top.values[:, :1]) * confidence[:, d: d + 1]  # [B, others], no softmax
             tokens[:, d], value[:, d] = top.indices[:, 1:], torch.where(top.values[:, 1:].isfinite(), p, 0)
             continue
         left = scores.scatter(1, chain.token_ids[:, d: d + 1].to(device), 0.0)  # [B, V] without the chain's token
