@@ -124,8 +124,8 @@ class DraftModelGenerator(LowPrecisionDraft, CandidateGenerator):
         token_ids = torch.stack(ids, dim=1)  # [B, k']
         chain = Proposal(token_ids, lengths.clamp(max=len(ids)), torch.stack(probs, dim=1) if probs else None,
                          confidence=torch.cat(confidence, dim=1))
-        if not self.tree:
-            return chain
+        if not self.tree or not bool((max_drafts.to(chain.lengths.device) > chain.lengths).any()):
+            return chain  # no row has room for an alternative: nothing to price
         return with_siblings(chain, depths, max_drafts, self.tree_width, ctx.generator if ctx.sampling.do_sample else None,
                              prices=ctx.node_prices(chain.confidence))
 

@@ -51,7 +51,7 @@ import torch
 from .assistant import Assistant
 from .compiled import compile_seconds
 from .device import synchronize
-from .engines import Layout, call_begins
+from .engines import call_begins
 from .generators import CandidateGenerator, DecodeContext, StepRecord, TargetHidden, declared_drafting, plugin_name
 from .kv import CacheSettings, static_problem
 from .metrics import AcceptanceStats
@@ -64,7 +64,7 @@ from .run_commit import CommitSteps
 from .run_drafts import CATCH_UP, DraftSteps
 from .run_output import OutputSteps
 from .run_scores import ScoreSteps
-from .run_trees import TreeSteps, _columns
+from .run_trees import TreeSteps
 from .state import ModelState, cache_problem
 from .stopping import StreamFeed
 from .validation import check_hidden_layers
@@ -210,22 +210,15 @@ class DecodeRun(DraftSteps, TreeSteps, ScoreSteps, CommitSteps, OutputSteps):
         committed = target.lengths  # [B] (a state's lengths are replaced, never written in place)
         logits = self._forward(draft_ids, offered, committed, parents)  # [B, k+1, V]
         forwarded = time.perf_counter()
-        dead = None
+        depth = None  # [B] a tree's depth
         if parents is None:
             scores = self._scores(logits, draft_ids, offered, committed)  # [B, k+1, V] as generate() processes them
             verifiable, dead = self._dead_ends(scores, offered)  # a grammar's position where nothing is allowed
             verdict = self.ranks.verdict(lambda: self._verify(scores, draft_ids, verifiable, proposal, dead),
                                          self.settings.sampling.do_sample, draft_ids)
         else:  # a tree: verified from the root, then the chain it accepted (columns and cache entries)
-            scores = self._tree_scores(logits, draft_ids, parents, offered, committed)  # [B, k+1, V]
-            verifiable, dead_columns = self._tree_dead_ends(scores)  # a grammar's columns that allow nothing
-            verdict = self._verify_tree(verifiable, draft_ids, parents, offered, proposal.probs)
-            columns = torch.cat([torch.zeros_like(verdict.path[:, :1]), verdict.path + 1], dim=1)  # [B, k+1]
-            draft_ids = draft_ids.gather(1, verdict.path)  # [B, k]: the accepted path's tokens first
-            scores, logits = (_columns(x, columns) for x in (scores, logits))
-            if dead_columns is not None:  # the first such column along the accepted path, as a chain's
-                _, dead = self._dead_ends(scores, verdict.accepted)
-            target.keep_path(committed, verdict.path, verdict.accepted)
+            scores, logits, draft_ids, verdict, dead, depth = self._tree_step(logits, draft_ids, parents, offered,
+                                                                              committed, proposal.probs)
         block, kept, finished = self._commit(scores, draft_ids, verdict, committed)  # [B, k+1], [B], [B]
         if dead is not None:
             self._refuse_dead_end(dead, kept, committed)
@@ -238,8 +231,7 @@ class DecodeRun(DraftSteps, TreeSteps, ScoreSteps, CommitSteps, OutputSteps):
             first=first, catching_up=catching_up, waiting=first and bool(self.borrowers),
             compiling=compile_seconds() - compiled_before, started=started, drafting=drafted - started,
             forward=forwarded - drafted, verifying=time.perf_counter() - drafted,
-            grammar_drafts=proposal.grammar_drafts, tree=parents is not None,
-            depth=None if parents is None else Layout.tree(parents, lengths=offered).deepest(),
+            grammar_drafts=proposal.grammar_drafts, tree=parents is not None, depth=depth,
             hidden=TargetHidden(*target.committed_hidden(committed + verdict.accepted)) if target.hidden_layers else None)
         self._observe(record, block, committed)
         if bool(finished.any()):

@@ -65,6 +65,23 @@ class TreeSteps:
             return str(error)
         return None
 
+    def _tree_step(self, logits: torch.Tensor, node_ids: torch.Tensor, parents: torch.Tensor, offered: torch.Tensor,
+                   committed: torch.Tensor, probs: torch.Tensor | None):
+        """A tree's forward's logits [B, k+1, V] -> the step as the chain it accepted: (scores, logits,
+        node ids) in that chain's order, the verdict, a grammar's dead end along it (None: none) and
+        the tree's depth [B]; the target's cache keeps the accepted nodes' entries in chain order."""
+        scores = self._tree_scores(logits, node_ids, parents, offered, committed)  # [B, k+1, V]
+        verifiable, dead_columns = self._tree_dead_ends(scores)  # a grammar's columns that allow nothing
+        verdict = self._verify_tree(verifiable, node_ids, parents, offered, probs)
+        columns = torch.cat([torch.zeros_like(verdict.path[:, :1]), verdict.path + 1], dim=1)  # [B, k+1]
+        scores, logits = (_columns(x, columns) for x in (scores, logits))
+        dead = None
+        if dead_columns is not None:  # the first such column along the accepted path, as a chain's
+            _, dead = self._dead_ends(scores, verdict.accepted)
+        self.target.keep_path(committed, verdict.path, verdict.accepted)
+        depth = Layout(parents=parents, lengths=offered).deepest()  # checked when proposed
+        return scores, logits, node_ids.gather(1, verdict.path), verdict, dead, depth
+
     def _tree_scores(self, logits: torch.Tensor, node_ids: torch.Tensor, parents: torch.Tensor,
                      offered: torch.Tensor, committed: torch.Tensor) -> torch.Tensor:
         """A tree's logits [B, k+1, V] (column i+1: after node i) -> the scores ``generate()`` would
