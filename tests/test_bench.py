@@ -659,19 +659,19 @@ def test_warm_up_sizes_and_the_cache_transformers_is_given():
 
 COMPILED_METHODS = [
     {"name": "baseline", "generator": "baseline"},
-    {"name": "base_c", "generator": "baseline", "cache_implementation": "static", "compile": {"backend": "aot_eager"}},
+    {"name": "base_c", "generator": "baseline", "cache_implementation": "static", "compile": {"backend": "eager"}},
     {"name": "pl_s", "generator": "prompt_lookup", "cache_implementation": "static", "options": {"num_tokens": 3}},
     {"name": "pl_c", "generator": "prompt_lookup", "cache_implementation": "static",
-     "options": {"num_tokens": 1, "schedule": "fixed"}, "compile": {"backend": "aot_eager"}},  # widths 1, 2
-    {"name": "plain_c", "generator": "none", "cache_implementation": "static", "compile": {"backend": "aot_eager"}},
+     "options": {"num_tokens": 1, "schedule": "fixed"}, "compile": {"backend": "eager"}},  # widths 1, 2
+    {"name": "plain_c", "generator": "none", "cache_implementation": "static", "compile": {"backend": "eager"}},
     {"name": "hf_pl4", "generator": "hf_prompt_lookup", "options": {"num_tokens": 4}}]
 WARMUP_PAUSE = 60.0  # seconds the calls' clock jumps at each SpecDecoder.warmup that compiles: they must reach no row
 
 
 @pytest.fixture(scope="module")
 def compiled_run(tmp_path_factory):
-    """A run with static caches and compiled forwards (aot_eager: seconds, not inductor's minutes), the compiled
-    baseline as the reference, at batch sizes 1 and 2; SpecDecoder.warmup made longer and watched, the target kept,
+    """A run with static caches and compiled forwards (the eager backend: dynamo captures, no code is generated),
+    the compiled baseline as the reference, at batch sizes 1 and 2; SpecDecoder.warmup made longer and watched, the target kept,
     and the number of graphs dynamo compiled noted at every row. A warm-up is made longer on the clock the calls
     are timed with (a jump of WARMUP_PAUSE, not a sleep): one inside a timed call would show in its row."""
     import types
@@ -756,7 +756,7 @@ def test_compiled_and_static_runs_are_exact_and_record_first_differences(compile
     assert all(by[(m, 2)].exact_match == 1.0 for m in ("baseline", "base_c", "pl_s", "pl_c", "plain_c"))
     report = (result.out_dir / "report.md").read_text()
     assert "- Reference (speedup 1.00x, exact match `ref`): `base_c`." in report
-    assert "`pl_c` = prompt_lookup {'num_tokens': 1, 'schedule': 'fixed'}, static cache, compiled {'backend': 'aot_eager'}" in report
+    assert "`pl_c` = prompt_lookup {'num_tokens': 1, 'schedule': 'fixed'}, static cache, compiled {'backend': 'eager'}" in report
     section = report.split("## Identical to the reference", 1)[1].split("\n## ", 1)[0]
     assert f"| `pl_s` | {TURNS} of {TURNS} | n/a | n/a |" in section and "`base_c` |" not in section
     assert "- Compiled: `base_c`, `pl_c`, `plain_c`." in report

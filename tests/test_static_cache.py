@@ -3,9 +3,10 @@
 Exactness: greedy output equals ``target.generate(do_sample=False)`` for several architectures,
 sliding windows smaller than the generation included (mistral, gemma2), with ``prompt_lookup``
 and ``draft_model``, batch 1 and left-padded batches whose rows accept different drafts.
-Compiled runs use dynamo with the ``aot_eager`` backend (the same graphs, capture and guards as
-inductor, without its code generation, which takes minutes on CPU), plus one run with inductor
-itself. Sampling stays lossless on the static path: ``test_sampling_lossless`` runs its
+Compiled runs use dynamo with the ``aot_eager`` backend where the claim is that compiled forwards
+are exact (the same graphs, capture, guards and AOTAutograd tracing as inductor, without its code
+generation, which takes seconds a graph on CPU), plus one run with inductor itself; with the
+``eager`` backend where it is what dynamo decides (which graphs a call compiles, their guards). Sampling stays lossless on the static path: ``test_sampling_lossless`` runs its
 end-to-end check on both caches.
 """
 
@@ -21,7 +22,7 @@ from transformers import StaticCache
 from specdec import SpecDecoder
 from specdec.kv import WIDTHS, compiled_forward
 
-from helpers import FAST_COMPILE, left_pad, repetitive_prompt, tiny_llava, tiny_pair
+from helpers import AOT_COMPILE, FAST_COMPILE, left_pad, repetitive_prompt, tiny_llava, tiny_pair
 from helpers import reference as greedy
 
 ARCHS = ["llama", "qwen3", "gemma2", "mistral"]  # gemma2 and mistral: sliding window 8
@@ -77,7 +78,7 @@ def test_compiled_static_path_is_exact(pairs, arch, drafter):
     seconds; test_static_cache_is_exact runs every architecture with both drafters uncompiled)."""
     target, draft, _ = pairs[arch]
     decoder = SpecDecoder(target, draft if drafter == "draft_model" else drafter, cache_implementation="static",
-                          compile=FAST_COMPILE, schedule="fixed", num_tokens=3)
+                          compile=AOT_COMPILE, schedule="fixed", num_tokens=3)
     out = check_rows(decoder, target, batch_rows(3))  # 30 new tokens: longer than every sliding window
     assert sum(out.stats.drafts_verified[1:]) > 0  # blocks of drafts went through the compiled verify
     assert out.stats.accepted_tokens > 0
