@@ -24,7 +24,7 @@
 * **Allocator.** Under glibc, freed blocks are kept for reuse (``mallopt``: blocks up to 32 MiB
   from the heap, which is trimmed only past 1 GiB free): the sampling tests allocate and free the
   same tensors of 20,000 rows many times, and by default each of those came back as fresh pages
-  the kernel had to zero (a sixth of their time, in system time). Only the test processes do this;
+  the kernel had to zero (a fifth of their time, in system time). Only the test processes do this;
   specdec leaves its users' allocator alone.
 * **Prefetch.** When the process that runs the real-model tests finds their models not cached
   yet, it starts one more subprocess at collection that de-quantizes them into that folder while
@@ -34,9 +34,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
-import ctypes
 import shutil
 import subprocess
 import sys

@@ -16,7 +16,7 @@ from specdec.prompts import left_pad  # noqa: F401  (re-exported for the tests)
 #: torch.compile options for tests of what dynamo decides (which graphs a call compiles, its guards, its
 #: warm-ups): dynamo's capture and guards, the captured graph run as it is
 FAST_COMPILE = {"backend": "eager"}
-#: torch.compile options for tests that a compiled forward is exact (architectures, precisions): also
+#: torch.compile options for tests that a compiled forward is exact on each architecture: also
 #: AOTAutograd's tracing, which inductor's code generation starts from (inductor itself takes seconds
 #: a graph on a 2-core CPU; tests/test_static_cache.py and tests/test_self_draft.py run it once each)
 AOT_COMPILE = {"backend": "aot_eager"}
