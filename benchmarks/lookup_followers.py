@@ -13,16 +13,9 @@ token is among the k most frequent followers (ties: the latest first), for k = 1
 from __future__ import annotations
 
 import argparse
-import json
 from collections import Counter
-from pathlib import Path
 
-from transformers import AutoTokenizer
-
-from specdec.bench.config import load_config
-from specdec.bench.questions import recorded_prompts
-from specdec.bench.results import default_out_dir, is_batched
-from specdec.models import packaged_location
+from specdec.bench.recorded import load_recorded_run
 
 
 def longer_match(context: list[int], shortest: int, longest: int) -> bool:
@@ -75,18 +68,11 @@ def main() -> None:
     parser.add_argument("--results", help="its results directory (default: where `specdec bench` wrote them)")
     parser.add_argument("--top", type=int, default=4, help="the most followers counted")
     args = parser.parse_args()
-    config = load_config(args.config)
-    run = Path(args.results) if args.results else default_out_dir(Path(args.config))
-    rows = [json.loads(line) for line in (run / "results.jsonl").read_text().splitlines() if line.strip()]
-    folder, gguf = packaged_location(config.target)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
-    reference = config.methods[0].name
-    turns = sorted((r for r in rows if r["method"] == reference and not is_batched(r)),
-                   key=lambda r: (r["question_id"], r["turn"]))
-    prompts = recorded_prompts(config, Path(args.config).parent, turns, tokenizer)
-    totals, ranks = tally([(p, r["output_ids"]) for p, r in zip(prompts, turns)], args.top)
-    print(f"{reference}'s {len(turns)} turns of {run}: {totals['unmatched']} answer positions with no earlier "
-          f"2-4 token suffix, {totals['with followers']} of them with followers of the last token")
+    run = load_recorded_run(args.config, args.results)
+    totals, ranks = tally([(p, r["output_ids"]) for p, r in zip(run.prompts, run.turns)], args.top)
+    print(f"{run.config.methods[0].name}'s {len(run.turns)} turns of {run.folder}: {totals['unmatched']} answer "
+          f"positions with no earlier 2-4 token suffix, {totals['with followers']} of them with followers of the "
+          "last token")
     print("| the answer's token among the first k followers | of those with followers | of all unmatched |")
     print("| --- | --- | --- |")
     found = 0

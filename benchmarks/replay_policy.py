@@ -22,20 +22,14 @@ subtask.
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import torch
 
 from candidate_generators.prompt_lookup import Match, PromptLookupGenerator, lookup_match, ngram_source
-from transformers import AutoTokenizer
 
-from specdec.bench.config import load_config
-from specdec.bench.results import default_out_dir
-from specdec.bench.questions import recorded_prompts
+from specdec.bench.recorded import load_recorded_run
 from specdec.generators import StepRecord
 from specdec.metrics import AcceptanceStats
-from specdec.models import packaged_location
 from specdec.policy import COST_GRID, UNTRIED, AcceptanceTracker, CostModel, DraftPolicy
 
 NO_MATCH = Match(0, False, torch.zeros(0, dtype=torch.long))  # no lookup this step
@@ -87,15 +81,9 @@ def main() -> None:
     parser.add_argument("--results", help="its results directory (default: where `specdec bench` wrote them)")
     parser.add_argument("--overhead-ms", type=float, default=3.0, help="per-step cost outside the forward")
     args = parser.parse_args()
-    config = load_config(args.config)
-    run = Path(args.results) if args.results else default_out_dir(Path(args.config))
-    rows = [json.loads(line) for line in (run / "results.jsonl").read_text().splitlines() if line.strip()]
-    base = config.methods[0].name
-    folder, gguf = packaged_location(config.target)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
-    costs, overhead = measured_curve(rows), args.overhead_ms / 1000
-    turns = [r for r in rows if r["method"] == base]
-    prompts = recorded_prompts(config, Path(args.config).parent, turns, tokenizer)
+    run = load_recorded_run(args.config, args.results)
+    costs, overhead = measured_curve(run.rows), args.overhead_ms / 1000
+    turns, prompts = run.turns, run.prompts
     default = PromptLookupGenerator()  # auto: the defaults, two sources per match length
     policies = {"auto": (None, (default.max_ngram, default.min_ngram)),
                 "adaptive from 4": (("adaptive", 4), (3, 2)),  # the earlier default

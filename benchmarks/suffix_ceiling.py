@@ -23,16 +23,9 @@ fewer steps remembering earlier calls can save on this workload.
 from __future__ import annotations
 
 import argparse
-import json
 from collections import defaultdict
-from pathlib import Path
 
-from transformers import AutoTokenizer
-
-from specdec.bench.config import load_config
-from specdec.bench.questions import recorded_prompts
-from specdec.bench.results import default_out_dir, is_batched
-from specdec.models import packaged_location
+from specdec.bench.recorded import load_recorded_run
 
 
 class Occurrences:
@@ -111,18 +104,10 @@ def main() -> None:
     parser.add_argument("--longest", type=int, default=23, help="the longest suffix matched (suffix's default)")
     parser.add_argument("--skip-first", type=int, default=0, help="leave the run's first calls out of the totals")
     args = parser.parse_args()
-    config = load_config(args.config)
-    run = Path(args.results) if args.results else default_out_dir(Path(args.config))
-    rows = [json.loads(line) for line in (run / "results.jsonl").read_text().splitlines() if line.strip()]
-    folder, gguf = packaged_location(config.target)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
-    reference = config.methods[0].name
-    turns = sorted((r for r in rows if r["method"] == reference and not is_batched(r)),
-                   key=lambda r: (r["question_id"], r["turn"]))
-    prompts = recorded_prompts(config, Path(args.config).parent, turns, tokenizer)
-    calls = [(r["category"], prompt, r["output_ids"]) for r, prompt in zip(turns, prompts)]
+    run = load_recorded_run(args.config, args.results)
+    calls = [(r["category"], prompt, r["output_ids"]) for r, prompt in zip(run.turns, run.prompts)]
     totals = replay(calls, args.longest, args.skip_first)
-    print(f"{reference}'s {len(calls)} turns of {run}, the first {args.skip_first} left out; the longest suffix "
+    print(f"{run.config.methods[0].name}'s {len(calls)} turns of {run.folder}, the first {args.skip_first} left out; the longest suffix "
           f"matched: {args.longest} tokens")
     print("| category | tokens | ceiling, own text | ceiling, with memory | memory / own |")
     print("| --- | --- | --- | --- | --- |")

@@ -23,6 +23,7 @@ import yaml
 from specdec.bench import cli
 from specdec.bench.config import ConfigError, load_config, method_kind, parse_config
 from specdec.bench.methods import hf_cache_kwargs, warmup_batch_sizes
+from specdec.bench.recorded import load_recorded_run
 from specdec.bench.questions import (build_messages, load_selected_questions, longest_call, question_seed,
                                      select_questions, spread)
 from specdec.bench.report import PLOTS_NEED_MATPLOTLIB, gain_ends, k_distribution, load_run, write_report
@@ -89,6 +90,18 @@ def full_run(tmp_path_factory):
 
     result = run(config, folder / "out", on_row=on_row)
     return folder / "out", result, rows_seen
+
+
+def test_a_recorded_run_reads_back_the_reference_turns_and_their_prompts(full_run):
+    """``specdec.bench.recorded``, where the replay scripts start: the reference method's turns by
+    question and turn, each with the prompt ids it was called with (a second turn's holding the
+    method's own first answer)."""
+    out, _, _ = full_run
+    recorded = load_recorded_run(out.parent / "bench.yaml", out, tokenizer=load_model("tiny-random:llama")[1])
+    keys = [(r["question_id"], r["turn"]) for r in recorded.turns]
+    assert len(keys) == TURNS and keys == sorted(keys) and {r["method"] for r in recorded.turns} == {"baseline"}
+    assert [len(p) for p in recorded.prompts] == [r["prompt_tokens"] for r in recorded.turns]
+    assert recorded.config.methods[0].name == "baseline" and len(recorded.rows) == len(load_run(out)[1])
 
 
 # -- config validation -------------------------------------------------------------------------
