@@ -23,9 +23,9 @@ import yaml
 from specdec.bench import cli
 from specdec.bench.config import ConfigError, load_config, method_kind, parse_config
 from specdec.bench.methods import hf_cache_kwargs, warmup_batch_sizes
-from specdec.bench.recorded import load_recorded_run
 from specdec.bench.questions import (build_messages, load_selected_questions, longest_call, question_seed,
                                      select_questions, spread)
+from specdec.bench.recorded import load_recorded_run
 from specdec.bench.report import PLOTS_NEED_MATPLOTLIB, gain_ends, k_distribution, load_run, write_report
 from specdec.bench.results import (RESULTS_FILE, RUN_FILE, Agreement, ResultStore, default_out_dir, first_difference,
                                    is_batched, reference_outputs, row_first_difference, row_key)
@@ -683,10 +683,11 @@ WARMUP_PAUSE = 60.0  # seconds the calls' clock jumps at each SpecDecoder.warmup
 
 @pytest.fixture(scope="module")
 def compiled_run(tmp_path_factory):
-    """A run with static caches and compiled forwards (the eager backend: dynamo captures, no code is generated),
-    the compiled baseline as the reference, at batch sizes 1 and 2; SpecDecoder.warmup made longer and watched, the target kept,
-    and the number of graphs dynamo compiled noted at every row. A warm-up is made longer on the clock the calls
-    are timed with (a jump of WARMUP_PAUSE, not a sleep): one inside a timed call would show in its row."""
+    """A run with static caches and compiled forwards (the eager backend: dynamo captures, no code is
+    generated), the compiled baseline as the reference, at batch sizes 1 and 2; SpecDecoder.warmup made
+    longer and watched, the target kept, and the number of graphs dynamo compiled noted at every row. A
+    warm-up is made longer on the clock the calls are timed with (a jump of WARMUP_PAUSE, not a sleep):
+    one inside a timed call would show in its row."""
     import types
 
     import torch._dynamo.utils as dynamo_utils

@@ -6,8 +6,9 @@ and ``draft_model``, batch 1 and left-padded batches whose rows accept different
 Compiled runs use dynamo with the ``aot_eager`` backend where the claim is that compiled forwards
 are exact (the same graphs, capture, guards and AOTAutograd tracing as inductor, without its code
 generation, which takes seconds a graph on CPU), plus one run with inductor itself; with the
-``eager`` backend where it is what dynamo decides (which graphs a call compiles, their guards). Sampling stays lossless on the static path: ``test_sampling_lossless`` runs its
-end-to-end check on both caches.
+``eager`` backend where it is what dynamo decides (which graphs a call compiles, their guards).
+Sampling stays lossless on the static path: ``test_sampling_lossless`` runs its end-to-end check
+on both caches.
 """
 
 from __future__ import annotations
