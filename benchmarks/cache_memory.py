@@ -14,8 +14,8 @@ heads: 8 KiB of cache a slot and row in fp32), static cache, ``prompt_lookup``, 
    and on the dynamic cache (and, for reference, the static call asking only for the tokens it
    made): the cache bytes each allocates (static: the layers ``StaticLayer`` allocates; dynamic:
    the largest ``DynamicCache`` the call held, and the bytes all its growth allocated: specdec's
-   ``GrowingLayer`` buffers, or a plain ``DynamicLayer``'s ``torch.cat`` s), the peak RSS over the RSS before, and the seconds (the median of 5 calls, the
-   process warmed up).
+   ``GrowingLayer`` buffers, or a plain ``DynamicLayer``'s ``torch.cat`` s), the peak RSS over
+   the RSS before, and the seconds (the median of 5 calls, the process warmed up).
 
     python benchmarks/cache_memory.py                       # the default limit, 50 calls
     python benchmarks/cache_memory.py --limit 8M --out benchmarks/results/cache_memory/limit_8M

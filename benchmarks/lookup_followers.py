@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from collections import Counter
 
-from specdec.bench.recorded import load_recorded_run
+from specdec.bench.recorded import add_run_arguments, load_recorded_run
 
 
 def longer_match(context: list[int], shortest: int, longest: int) -> bool:
@@ -64,8 +64,7 @@ def tally(calls: list[tuple[list[int], list[int]]], top: int) -> tuple[Counter, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("config", help="the YAML config of a greedy run on a packaged model")
-    parser.add_argument("--results", help="its results directory (default: where `specdec bench` wrote them)")
+    add_run_arguments(parser)
     parser.add_argument("--top", type=int, default=4, help="the most followers counted")
     args = parser.parse_args()
     run = load_recorded_run(args.config, args.results)

@@ -27,7 +27,7 @@ import torch
 
 from candidate_generators.prompt_lookup import Match, PromptLookupGenerator, lookup_match, ngram_source
 
-from specdec.bench.recorded import load_recorded_run
+from specdec.bench.recorded import add_run_arguments, load_recorded_run
 from specdec.generators import StepRecord
 from specdec.metrics import AcceptanceStats
 from specdec.policy import COST_GRID, UNTRIED, AcceptanceTracker, CostModel, DraftPolicy
@@ -77,8 +77,7 @@ def replay(prompt: list[int], output: list[int], policy: DraftPolicy | None, fix
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("config", help="the YAML config of a greedy prompt-lookup run on a packaged model")
-    parser.add_argument("--results", help="its results directory (default: where `specdec bench` wrote them)")
+    add_run_arguments(parser, "a greedy prompt-lookup run on a packaged model")
     parser.add_argument("--overhead-ms", type=float, default=3.0, help="per-step cost outside the forward")
     args = parser.parse_args()
     run = load_recorded_run(args.config, args.results)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 from collections import defaultdict
 
-from specdec.bench.recorded import load_recorded_run
+from specdec.bench.recorded import add_run_arguments, load_recorded_run
 
 
 class Occurrences:
@@ -99,16 +99,15 @@ def replay(calls: list[tuple[str, list[int], list[int]]], longest: int, skip_fir
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("config", help="the YAML config of a greedy run on a packaged model")
-    parser.add_argument("--results", help="its results directory (default: where `specdec bench` wrote them)")
+    add_run_arguments(parser)
     parser.add_argument("--longest", type=int, default=23, help="the longest suffix matched (suffix's default)")
     parser.add_argument("--skip-first", type=int, default=0, help="leave the run's first calls out of the totals")
     args = parser.parse_args()
     run = load_recorded_run(args.config, args.results)
     calls = [(r["category"], prompt, r["output_ids"]) for r, prompt in zip(run.turns, run.prompts)]
     totals = replay(calls, args.longest, args.skip_first)
-    print(f"{run.config.methods[0].name}'s {len(calls)} turns of {run.folder}, the first {args.skip_first} left out; the longest suffix "
-          f"matched: {args.longest} tokens")
+    print(f"{run.config.methods[0].name}'s {len(calls)} turns of {run.folder}, the first {args.skip_first} left "
+          f"out; the longest suffix matched: {args.longest} tokens")
     print("| category | tokens | ceiling, own text | ceiling, with memory | memory / own |")
     print("| --- | --- | --- | --- | --- |")
     for category, (tokens, own, remembered) in sorted(totals.items(), key=lambda kv: kv[0] == "overall"):

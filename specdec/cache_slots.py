@@ -33,10 +33,11 @@ def shift_cache_rows(cache, shifts: torch.Tensor) -> None:
     moving = (shifts > 0).nonzero().flatten()  # [M] the rows that move
     if moving.numel() == 0:
         return
+    by = shifts[moving]  # [M] how far each moves
     for layer in filled_layers(cache):
         for tensor in (layer.keys, layer.values):  # [B, heads, slots, dim]
-            rows, by = moving.to(tensor.device), shifts.to(tensor.device)[moving.to(shifts.device)]
-            source = torch.arange(tensor.shape[2], device=tensor.device)[None, :] - by[:, None]  # [M, slots]
+            rows, slots = moving.to(tensor.device), torch.arange(tensor.shape[2], device=tensor.device)
+            source = slots[None, :] - by.to(tensor.device)[:, None]  # [M, slots]: where each slot's entry comes from
             index = source.clamp_min(0)[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
             moved = tensor[rows].gather(2, index)  # [M, heads, slots, dim]
             tensor[rows] = moved.masked_fill((source < 0)[:, None, :, None], 0)

@@ -28,8 +28,9 @@ little headroom, and grows (copying what it holds) when a forward needs more. Le
 from a ladder, so that few distinct lengths exist (each is a compiled graph, and the pool reuses
 a cache only at its exact length): a length ``SpecDecoder.warmup`` compiled if one holds the
 slots, else the shortest doubling of ``LENGTH_STEP`` (``EAGER_LENGTH_STEP`` where the forwards
-are not compiled) that does, never past ``reach`` (rounded up to that step). Growth at least doubles the length (up to ``reach``), so a call copies its
-cache O(log n) times and O(n) slots in all.
+are not compiled) that does, never past ``reach`` (rounded up to that step). Growth at least
+doubles the length (up to ``reach``), so a call copies its cache O(log n) times and O(n) slots in
+all.
 """
 
 from __future__ import annotations

@@ -14,6 +14,12 @@ from .questions import recorded_prompts
 from .results import default_out_dir, is_batched
 
 
+def add_run_arguments(parser, what: str = "a greedy run on a packaged model") -> None:
+    """A replay script's two arguments for :func:`load_recorded_run`: the config, and ``--results``."""
+    parser.add_argument("config", help=f"the YAML config of {what}")
+    parser.add_argument("--results", help="its results directory (default: where `specdec bench` wrote them)")
+
+
 @dataclass
 class RecordedRun:
     config: BenchConfig
