@@ -159,6 +159,26 @@ def test_without_llama_cpp_python_the_error_says_how_to_install_it(tiny, monkeyp
     assert "GGML_LLAMAFILE=OFF" in str(caught.value) and LLAMA_CPP_INSTALL in str(caught.value)
 
 
+@pytest.mark.parametrize("weights", ["Q8_0", "Q4_1"])
+def test_quantized_files_decode_in_the_engine_and_the_peer(tiny, weights):
+    """Where llama.cpp's build and the CPU have AMX (a Xeon since Sapphire Rapids), quantized weights
+    loaded with its defaults go to AMX buffers, and the first decode from them crashed the process.
+    The engine (a quantized twin drafting) and the bench's peer load them without those buffers."""
+    from specdec.bench.config import LlamaCppOptions
+    from specdec.bench.peer import llama_cpp_runner
+    from specdec.engines import gguf_twin
+
+    model, tokenizer, path = tiny
+    assert library.model_params().use_extra_bufts == (not library.has_amx())
+    ids = _ids(REPEAT)
+    out = SpecDecoder(model, gguf_twin(model, weights), tokenizer=tokenizer, engine="llama_cpp").generate(
+        ids, max_new_tokens=16, do_sample=False)
+    assert out.sequences[0, ids.shape[1]:].tolist() == peer(path, ids[0].tolist(), 16, tokenizer.eos_token_id)
+    run = llama_cpp_runner(LlamaCppOptions(weights=weights), model, model.generation_config)
+    new, _ = run(ids, seed=0, max_new_tokens=16)
+    assert len(new) == 16 and all(0 <= t < model.config.vocab_size for t in new)
+
+
 def test_the_bench_method_is_greedy_only():
     base = {"target": "tiny-random:llama", "methods": [{"generator": "baseline"},
                                                       {"name": "peer", "generator": "llama_cpp",

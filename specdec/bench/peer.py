@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..engines import LLAMA_CPP_INSTALL, gguf_source, missing_gguf, requantize
+from ..engines import LLAMA_CPP_INSTALL, gguf_source, llama_cpp_library, missing_gguf, requantize
 
 
 def llama_cpp_runner(options, target, gen):
@@ -37,12 +37,13 @@ def llama_cpp_runner(options, target, gen):
             kind = GGML_TYPE_F32 if options.kv_type == "f32" else GGML_TYPE_F16
             draft = (LlamaPromptLookupDecoding(max_ngram_size=options.max_ngram, num_pred_tokens=options.lookup)
                      if options.lookup else None)
-            made.update(n_ctx=n_ctx, llm=Llama(model_path=path, n_ctx=n_ctx, n_threads=threads,
-                                               n_threads_batch=threads, type_k=kind, type_v=kind,
-                                               draft_model=draft, verbose=False,
-                                               # with a draft, llama-cpp-python keeps every token's logits but
-                                               # sizes that table by n_batch unless logits_all is passed too
-                                               logits_all=draft is not None))
+            with llama_cpp_library.loading_with_model_params():  # the engine's (no AMX buffers)
+                llm = Llama(model_path=path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, type_k=kind,
+                            type_v=kind, draft_model=draft, verbose=False,
+                            # with a draft, llama-cpp-python keeps every token's logits but
+                            # sizes that table by n_batch unless logits_all is passed too
+                            logits_all=draft is not None)
+            made.update(n_ctx=n_ctx, llm=llm)
         return made["llm"]
 
     def run(input_ids, seed, max_new_tokens=None, grammar=None):

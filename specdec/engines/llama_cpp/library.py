@@ -5,6 +5,7 @@ Only this module touches ``llama_cpp``. It keeps, for the process:
 * each GGUF file's loaded model (its weights are mapped once, whatever the number of calls);
 * idle contexts, by (file, sequences, threads, KV type), cleared and handed to the next call
   that fits, since making one allocates its KV buffer and plans its graph;
+* whether the build has AMX kernels, whose weight buffers this version crashes in (:func:`model_params`);
 * whether the build is batch-invariant (:func:`check_batch_invariant`): a forward of several
   tokens gives each the logits a one-token forward gives it, bit for bit. Speculation is exact
   only then, so a build that fails it is refused, naming the build flag.
@@ -12,6 +13,7 @@ Only this module touches ``llama_cpp``. It keeps, for the process:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import threading
@@ -36,11 +38,13 @@ _models: dict[str, "LoadedModel"] = {}
 _idle: dict[tuple, list] = {}
 _invariant: dict[str, bool] = {}
 _log_callback = None
+_amx: bool | None = None
+_load_lock = threading.Lock()  # the loads that swap llama-cpp-python's default model parameters
 
 
 def bindings():
     """The ``llama_cpp`` module, initialised once, its log kept to errors; a clear ImportError without it."""
-    global _log_callback
+    global _log_callback, _amx
     try:
         import llama_cpp
     except ImportError:
@@ -53,7 +57,44 @@ def bindings():
             _log_callback = llama_cpp.llama_log_callback(drop)
             llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
             llama_cpp.llama_backend_init()
+            _amx = b"AMX_INT8 = 1" in llama_cpp.llama_print_system_info()
     return llama_cpp
+
+
+def model_params():
+    """``llama_model_params`` for loading a file: llama.cpp's defaults, except that a build with
+    AMX kernels (compiled for a CPU that has AMX, as ``GGML_NATIVE`` does on a Xeon since Sapphire
+    Rapids) loads without its extra buffer types. Quantized weights then go to the AMX buffer,
+    whose decode crashes in this version (ggml-org/llama.cpp#20824; and Q4_0/Q4_1 outputs were
+    wrong there, #16315); without it they run on the CPU backend's own kernels. F32 files never
+    use it, so the engine's target is unchanged either way."""
+    lib = bindings()
+    params = lib.llama_model_default_params()
+    if has_amx():
+        params.use_extra_bufts = False
+    return params
+
+
+def has_amx() -> bool:
+    """Whether this build of llama.cpp runs AMX kernels on this CPU."""
+    bindings()
+    return _amx
+
+
+@contextlib.contextmanager
+def loading_with_model_params():
+    """Inside: llama-cpp-python's ``Llama(...)`` loads with :func:`model_params` (it builds its
+    own from llama.cpp's defaults and takes no argument for the buffer types)."""
+    from llama_cpp import llama as high_level
+
+    module = high_level.llama_cpp
+    with _load_lock:
+        default = module.llama_model_default_params
+        module.llama_model_default_params = model_params
+        try:
+            yield
+        finally:
+            module.llama_model_default_params = default
 
 
 def version() -> str:
@@ -77,13 +118,13 @@ class LoadedModel:
 def load(path: str) -> LoadedModel:
     """The model in GGUF file ``path``, loaded once per process."""
     path = os.path.abspath(path)
-    lib = bindings()
+    lib, params = bindings(), model_params()
     with _lock:
         found = _models.get(path)
         if found is None:
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"no GGUF file at {path}")
-            handle = lib.llama_model_load_from_file(path.encode(), lib.llama_model_default_params())
+            handle = lib.llama_model_load_from_file(path.encode(), params)
             if not handle:
                 raise ValueError(f"llama.cpp could not load {path} (not a GGUF file, or an architecture it lacks)")
             vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(handle))
