@@ -27,7 +27,8 @@ and runs them compiled in the calls after it, eagerly otherwise (no call compile
 unasked); True compiles on first use (said on stderr); False never.
 The copy never runs over the prompt or a committed token: its cache mirrors the target's (the
 keys and values of the target's prefill, then of each verified block), so it only computes its
-drafts' own.
+drafts' own; under ``engine="llama_cpp"``, which keeps the target's keys and values in llama.cpp,
+the copy (run by torch) prefills and follows the committed tokens itself.
 Greedy output stays the target's and sampling stays lossless: the copy only proposes.
 """
 
@@ -66,11 +67,13 @@ class SelfDraftGenerator(DraftModelGenerator):
                          weights=weights, compile_draft=compile_draft, tree=tree, tree_width=tree_width)
         self.choice_budget, self.choice_progress = choice_budget, progress
         self.lookup = PromptLookupGenerator(schedule="auto", max_tokens=max_tokens) if lookup else None
+        self.mirror = True  # setup() reads whether the call's engine lets the copy mirror the target's cache
 
     def source_model(self, ctx: DecodeContext):
         return ctx.target
 
     def setup(self, ctx: DecodeContext) -> None:
+        self.mirror = ctx.can_mirror
         super().setup(ctx)
         if self.lookup is not None:
             self.lookup.setup(ctx)
@@ -86,7 +89,11 @@ class SelfDraftGenerator(DraftModelGenerator):
         # The copy has the target's cache layout, so it mirrors the target's cache: it starts from
         # the keys and values of the target's prefill and takes those of every verified block (more
         # exact than its own, and no forward of its own over them). A draft step then feeds one
-        # token; the re-feeds of rows that drift apart in a batch run eagerly.
+        # token; the re-feeds of rows that drift apart in a batch run eagerly. Where the engine
+        # keeps the target's keys and values itself (llama.cpp) the copy prefills and follows the
+        # committed tokens like any draft model.
+        if not self.mirror:
+            return self.precision_attach_options()
         return {**self.precision_attach_options(widths=(1,)), "prefill_from_target": True}
 
     def propose(self, ctx: DecodeContext, max_drafts: torch.Tensor) -> Proposal:

@@ -83,6 +83,9 @@ class DecodeContext:
     _advice: DraftAdvice | None = field(default=None, repr=False)
     _ended: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, repr=False)
     _scores: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = field(default=None, repr=False)
+    #: whether an assistant may mirror the target's cache (``attach(prefill_from_target=True)``):
+    #: False where the engine keeps the target's keys and values itself (``engine="llama_cpp"``)
+    can_mirror: bool = True
 
     def scores(self, logits: torch.Tensor, drafts: torch.Tensor | None = None) -> torch.Tensor:
         """[B, V] a drafter's logits in the target's token ids, at the position after the committed
@@ -178,7 +181,8 @@ class DecodeContext:
         block, so it is fed neither the prompt nor committed tokens, only its drafts and the
         target's newest token. Needs an assistant that shares the target's tokens and its cache
         layout (layers, key/value heads, head size): a copy of the target at lower precision, say.
-        The first step then verifies no drafts (the target's prefill has to come first).
+        The first step then verifies no drafts (the target's prefill has to come first). Only
+        where :attr:`can_mirror`.
 
         ``owned``: the generator built ``model`` and nothing changes it (its modules, their
         attributes, its parameters' shapes) while it is attached: its compiled forwards then run

@@ -100,7 +100,8 @@ class DecodeRun(DraftSteps, TreeSteps, ScoreSteps, CommitSteps, OutputSteps):
         self.processors = settings.processors or None  # an empty list processes nothing
         self.ctx = DecodeContext(target, tokenizer, draft_tokenizer, settings.sampling, settings.generator,
                                  prompt.spec.user_inputs, self.target, self._attach, self.policy, self.stopper.ended,
-                                 self._draft_scores if self.processors is not None else None)
+                                 self._draft_scores if self.processors is not None else None,
+                                 can_mirror=self.target.kv.cache is not None)
         # validates and attaches assistants: still before any forward (every rank agrees it went well)
         self.ranks.together(lambda: self.session.setup(self.ctx))
         self.target.hidden_layers = self._hidden_layers(target)

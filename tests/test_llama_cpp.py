@@ -159,6 +159,23 @@ def test_without_llama_cpp_python_the_error_says_how_to_install_it(tiny, monkeyp
     assert "GGML_LLAMAFILE=OFF" in str(caught.value) and LLAMA_CPP_INSTALL in str(caught.value)
 
 
+def test_self_draft_drafts_with_its_torch_copy_for_a_llama_cpp_target(tiny):
+    """The copy is the target's weights rounded, run by torch; it keeps its own cache (llama.cpp
+    holds the target's keys and values, so there is nothing to mirror) and never inherits the
+    target's GGUF file (it would then draft with the target's own F32 weights)."""
+    model, tokenizer, path = tiny
+    decoder = SpecDecoder(model, "self_draft", tokenizer=tokenizer, engine="llama_cpp", weights="bfloat16",
+                          lookup=False, schedule="fixed", num_tokens=3, compile_draft=False)
+    accepted = 0
+    for text in (REPEAT, b"one two one two one two one"):
+        ids = _ids(text)
+        out = decoder.generate(ids, max_new_tokens=24, do_sample=False)
+        assert out.sequences[0, ids.shape[1]:].tolist() == peer(path, ids[0].tolist(), 24, tokenizer.eos_token_id)
+        accepted += out.stats.accepted_tokens
+    assert accepted > 0
+    assert "| assistant 0: cpu" in out.stats.choices["engine"]
+
+
 @pytest.mark.parametrize("weights", ["Q8_0", "Q4_1"])
 def test_quantized_files_decode_in_the_engine_and_the_peer(tiny, weights):
     """Where llama.cpp's build and the CPU have AMX (a Xeon since Sapphire Rapids), quantized weights

@@ -118,7 +118,11 @@ def _dynamic_int8(draft):
 
 
 def _plain_copy(model):
+    from ..llama_cpp.files import ATTACHED, PACKAGED
+
     draft = copy.deepcopy(model)
+    for name in (ATTACHED, PACKAGED):  # the copy's weights are not the file's: llama.cpp never serves it
+        draft.__dict__.pop(name, None)
     if getattr(draft.config, "_attn_implementation", None) == "sdpa":
         register_grouped_sdpa()
         draft.set_attn_implementation(GROUPED_SDPA)  # the copy's config only: the model keeps its own
