@@ -64,10 +64,11 @@ def bindings():
 def model_params():
     """``llama_model_params`` for loading a file: llama.cpp's defaults, except that a build with
     AMX kernels (compiled for a CPU that has AMX, as ``GGML_NATIVE`` does on a Xeon since Sapphire
-    Rapids) loads without its extra buffer types. Quantized weights then go to the AMX buffer,
-    whose decode crashes in this version (ggml-org/llama.cpp#20824; and Q4_0/Q4_1 outputs were
-    wrong there, #16315); without it they run on the CPU backend's own kernels. F32 files never
-    use it, so the engine's target is unchanged either way."""
+    Rapids) loads without its extra buffer types. With them, quantized weights go to the AMX
+    buffer, whose first decode crashed the process on such a Xeon (a segmentation fault in this
+    version; ggml-org/llama.cpp#20824, and #16315 on wrong Q4_0/Q4_1 outputs there); without them
+    they run on the CPU backend's own kernels. F32 weights never go there, so the engine's F32
+    target is the same either way."""
     lib = bindings()
     params = lib.llama_model_default_params()
     if has_amx():
