@@ -34,8 +34,6 @@ from specdec.bench.recorded import add_run_arguments, load_recorded_run  # noqa:
 def agreement(head, target, run, depth: int) -> tuple[list[float], float, int]:
     """(agreement per depth, the draft vocabulary's coverage of the answers' tokens, positions)."""
     draft_ids = head.target_ids(torch.arange(head.config.draft_vocab_size))
-    in_vocab = torch.zeros(target.config.get_text_config().vocab_size, dtype=torch.bool)
-    in_vocab[draft_ids] = True
     embed = target.get_input_embeddings()
     hits, counts = torch.zeros(depth), torch.zeros(depth)
     covered = tokens = 0
@@ -48,7 +46,7 @@ def agreement(head, target, run, depth: int) -> tuple[list[float], float, int]:
         _, accuracy, count = ttt_loss(head, embed, aux.float(), ids, valid, answer, top_ids.long(), top_probs, depth)
         hits += accuracy * count
         counts += count
-        covered += int(in_vocab[torch.tensor(answer_ids, dtype=torch.long)].sum())
+        covered += int(head.t2d[torch.tensor(answer_ids, dtype=torch.long)].sum())  # t2d: in its draft vocabulary
         tokens += len(answer_ids)
     return (hits / counts.clamp(min=1)).tolist(), covered / max(tokens, 1), int(counts[0])
 
