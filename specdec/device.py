@@ -12,5 +12,5 @@ import torch
 
 def synchronize(device) -> None:
     """Block until ``device`` has finished the work queued on it (CUDA only)."""
-    if torch.device(device).type == "cuda":
+    if (device.type if isinstance(device, torch.device) else torch.device(device).type) == "cuda":
         torch.cuda.synchronize(device)

@@ -235,7 +235,7 @@ class DecodeRun(DraftSteps, TreeSteps, ScoreSteps, CommitSteps, OutputSteps):
             grammar_drafts=proposal.grammar_drafts, tree=parents is not None, depth=depth,
             hidden=TargetHidden(*target.committed_hidden(committed + verdict.accepted)) if target.hidden_layers else None)
         self._observe(record, block, committed)
-        if bool(finished.any()):
+        if finished is not None and bool(finished.any()):
             self._retire(finished)
         return bool(self.row_ids.numel())
 

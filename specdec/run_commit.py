@@ -21,15 +21,20 @@ class CommitSteps:
                 committed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> (block [B, k+1]: the accepted drafts, then the target's token; kept [B]: how much of
         it each row keeps (cut where it stops; a stopped row that ``generate()`` would not pad
-        goes on); finished [B] bool: the rows that leave the batch). The target's cache then
-        holds the committed prefix. ``scores`` [B, k+1, V]: what the stopping criteria may see."""
+        goes on); finished [B] bool: the rows that leave the batch, None where no row can stop
+        in this block). The target's cache then holds the committed prefix. ``scores`` [B, k+1,
+        V]: what the stopping criteria may see."""
         target = self.target
         block = torch.cat([draft_ids, verdict.next_token[:, None]], dim=1)  # [B, k+1]
         if draft_ids.shape[1]:  # the target's token after the accepted drafts
             block.scatter_(1, verdict.accepted[:, None], verdict.next_token[:, None])
         counts = verdict.accepted + 1
-        keep, stopped = self.stopper.cut(target.tokens, committed, block, counts, self.prompt_lengths, scores)
-        kept, finished = self.stopper.settle(committed - self.prompt_lengths, counts, keep, stopped)
+        generated = committed - self.prompt_lengths  # [B] new tokens before the block
+        if self.stopper.quiet(generated, block):  # most steps: every row keeps its block
+            kept, finished = counts, None
+        else:
+            keep, stopped = self.stopper.cut(target.tokens, committed, block, counts, self.prompt_lengths, scores)
+            kept, finished = self.stopper.settle(generated, counts, keep, stopped)
         target.commit(committed, block, kept, cached=committed + verdict.accepted)
         return block, kept, finished
 

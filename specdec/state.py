@@ -99,6 +99,22 @@ class ModelState:
     def batch_size(self) -> int:
         return self.tokens.shape[0]
 
+    @property
+    def offsets(self) -> torch.Tensor:
+        """[B] the slot of each row's first token (its left padding in the cache)."""
+        return self._offsets
+
+    @offsets.setter
+    def offsets(self, value: torch.Tensor) -> None:
+        self._offsets, self._padded = value, None
+
+    @property
+    def padded(self) -> bool:
+        """Whether some row starts after slot 0 (read once per change of :attr:`offsets`)."""
+        if self._padded is None:
+            self._padded = bool(self._offsets.any())
+        return self._padded
+
     def cache_slots(self, width: int, max_new_tokens: int | None) -> tuple[int, int]:
         """(slots a static cache starts with, slots the call can reach) for a prompt ``width`` wide:
         the prompt, the new tokens ``max_new_tokens`` and the model's positions allow (a row holds at
@@ -254,7 +270,8 @@ class ModelState:
     def _forward(self, start: torch.Tensor, tree: tuple | None = None) -> torch.Tensor:
         first_slot = self.cached_slots
         ends = self.offsets + self.lengths  # [B] slot after each row's last token
-        width, first = int(ends.max()) - first_slot, self.is_first_iteration
+        bounds = tuple(int(n) for n in torch.aminmax(ends))  # read once: the width, then the realign
+        width, first = bounds[1] - first_slot, self.is_first_iteration
         first_needed = self.offsets + start - first_slot  # [B] chunk column of the first logits needed
         lowest, highest = (int(n) for n in torch.aminmax(first_needed))
         if lowest < 0:
@@ -264,7 +281,7 @@ class ModelState:
             layout, runner, width = tree_inputs(self, tree, first_needed + 1, width)
         # a causal forward keeps the hidden states through the backend's forward (a tree's runner keeps them itself)
         hidden_layers = self.hidden_layers if runner is None else ()
-        padded = bool(self.offsets.any())  # some row starts after slot 0
+        padded = self.padded
         index, real, ids, positions = chunk(self, first_slot, width, layout, padded)
         keep = width - lowest
         kwargs: dict[str, Any] = {
@@ -295,7 +312,7 @@ class ModelState:
         self.cached_slots = first_slot + width
         if self.hidden_layers:
             self.hidden = (self._fed_hidden, index[:, 0].clone())
-        self._realign(ends)
+        self._realign(ends, bounds)
         shift = width - keep  # fed columns before the first kept one
         if lowest == highest:  # every row's first logits at one column: width - lowest columns from there
             return columns_from(logits, lowest - shift, width - lowest)
@@ -344,9 +361,10 @@ class ModelState:
                              depth < accepted.to(self.device)[:, None])
 
     # -- cache maintenance --------------------------------------------------------------------
-    def _realign(self, valid_ends: torch.Tensor) -> None:
-        """Restore the invariant given each row's valid slot end ``valid_ends [B]``."""
-        lo, hi = (int(n) for n in torch.aminmax(valid_ends))
+    def _realign(self, valid_ends: torch.Tensor, bounds: tuple[int, int] | None = None) -> None:
+        """Restore the invariant given each row's valid slot end ``valid_ends [B]`` (``bounds``:
+        its least and greatest, where the caller has read them)."""
+        lo, hi = bounds if bounds is not None else (int(n) for n in torch.aminmax(valid_ends))
         if hi - lo <= self.refeed_limit:
             target = lo  # rows past `lo` re-feed at most refeed_limit tokens
         else:
@@ -360,7 +378,7 @@ class ModelState:
             self._trim_left()
 
     def _trim_left(self) -> None:
-        common = int(self.offsets.min()) if self.batch_size else 0
+        common = int(self.offsets.min()) if self.batch_size and self.padded else 0
         if common > 0 and self.cached_slots >= common:
             self.kv.trim_left(common, self.cached_slots)
             self.offsets = self.offsets - common

@@ -84,6 +84,17 @@ class Stopper:
         first = torch.where(torch.isin(draft_ids, self.eos), cols, width).amin(1)  # [B] each row's first end
         return torch.minimum(offered, (first + 1).to(offered.dtype))
 
+    def quiet(self, generated: torch.Tensor, block: torch.Tensor) -> bool:
+        """Whether no row can stop within ``block [B, n]`` after its ``generated [B]`` new tokens: no
+        criterion to ask, no end-of-sequence id anywhere in the block, and every row more than n
+        tokens short of :meth:`end`. Then :meth:`cut` and :meth:`settle` would keep every row's
+        whole block and retire none, so a step need not run them."""
+        if self.criteria or not generated.numel():
+            return False
+        if self.eos.numel() and bool(torch.isin(block, self.eos).any()):
+            return False
+        return int(generated.max()) + block.shape[1] < self.end()
+
     def cut(self, tokens: torch.Tensor, committed: torch.Tensor, block: torch.Tensor, counts: torch.Tensor,
             prompt_lengths: torch.Tensor, scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Where each row's new block stops.

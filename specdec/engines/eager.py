@@ -191,6 +191,8 @@ def _cache_refusal(cache) -> str | None:
 
 def _checked_layers(hidden_layers: Sequence[int], model) -> tuple[int, ...]:
     """The asked layers, each an index into ``output_hidden_states`` (0 .. num_hidden_layers)."""
+    if not hidden_layers:  # most forwards: no config to read
+        return ()
     count = model.config.get_text_config().num_hidden_layers + 1
     for layer in hidden_layers:
         if not isinstance(layer, int) or not -count <= layer < count:
