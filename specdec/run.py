@@ -220,7 +220,7 @@ class DecodeRun(DraftSteps, TreeSteps, ScoreSteps, CommitSteps, OutputSteps):
         else:  # a tree: verified from the root, then the chain it accepted (columns and cache entries)
             scores, logits, draft_ids, verdict, dead, depth = self._tree_step(logits, draft_ids, parents, offered,
                                                                               committed, proposal.probs)
-        block, kept, finished = self._commit(scores, draft_ids, verdict, committed)  # [B, k+1], [B], [B]
+        block, kept, finished = self._commit(scores, draft_ids, verdict, committed, chain=parents is None)
         if dead is not None:
             self._refuse_dead_end(dead, kept, committed)
         if self.recorder:

@@ -17,13 +17,14 @@ from .verify import Verdict
 
 
 class CommitSteps:
-    def _commit(self, scores: torch.Tensor, draft_ids: torch.Tensor, verdict: Verdict,
-                committed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _commit(self, scores: torch.Tensor, draft_ids: torch.Tensor, verdict: Verdict, committed: torch.Tensor,
+                chain: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """-> (block [B, k+1]: the accepted drafts, then the target's token; kept [B]: how much of
         it each row keeps (cut where it stops; a stopped row that ``generate()`` would not pad
         goes on); finished [B] bool: the rows that leave the batch, None where no row can stop
         in this block). The target's cache then holds the committed prefix. ``scores`` [B, k+1,
-        V]: what the stopping criteria may see."""
+        V]: what the stopping criteria may see; ``chain``: the drafts were fed as a chain, so the
+        target's tokens already hold them in place (a tree's accepted path is gathered into place)."""
         target = self.target
         block = torch.cat([draft_ids, verdict.next_token[:, None]], dim=1)  # [B, k+1]
         if draft_ids.shape[1]:  # the target's token after the accepted drafts
@@ -35,7 +36,8 @@ class CommitSteps:
         else:
             keep, stopped = self.stopper.cut(target.tokens, committed, block, counts, self.prompt_lengths, scores)
             kept, finished = self.stopper.settle(generated, counts, keep, stopped)
-        target.commit(committed, block, kept, cached=committed + verdict.accepted)
+        target.commit(committed, block, kept, cached=committed + verdict.accepted,
+                      placed=verdict.accepted if chain and draft_ids.shape[1] else None)
         return block, kept, finished
 
     def _observe(self, record: StepRecord, block: torch.Tensor, committed: torch.Tensor) -> None:

@@ -154,21 +154,29 @@ class ModelState:
         extra = ids.shape[1]
         if extra == 0:
             return
-        self.grow(int(self.lengths.max()) + extra)
+        self.grow(int(self.lengths.max()) + extra + 1)  # and one more: a commit's token after them
         cols = self.lengths[:, None] + torch.arange(extra, device=self.device)[None, :]  # [B, E], within capacity
         self.tokens.scatter_(1, cols, ids.to(device=self.device, dtype=self.tokens.dtype))
         self.lengths = self.lengths + (extra if counts is None else counts)
 
-    def commit(self, start: torch.Tensor, block: torch.Tensor, keep: torch.Tensor, cached: torch.Tensor) -> None:
+    def commit(self, start: torch.Tensor, block: torch.Tensor, keep: torch.Tensor, cached: torch.Tensor,
+               placed: torch.Tensor | None = None) -> None:
         """Commit one verified block in one operation.
 
         Row b becomes its first ``start[b]`` tokens followed by ``block[b, :keep[b]]`` (``block
         [B, n]``: accepted drafts, then the target's token). ``cached [B]`` is how many tokens of
         each row the last forward left valid in the cache (the committed tokens plus the accepted
         drafts): the slots past it held rejected drafts. One realign, whatever was rejected.
+        ``placed [B]``: where row b already holds ``block[b, :placed[b]]`` after ``start[b]`` (a
+        chain's accepted drafts, appended for the forward with room for one more column), so only
+        the token after them is written.
         """
-        self.lengths = start  # replaced, never written in place
-        self.append(block, keep)
+        if placed is None:
+            self.lengths = start  # replaced, never written in place
+            self.append(block, keep)
+        else:  # within what the forward's append made room for
+            self.tokens.scatter_(1, (start + placed)[:, None], block.gather(1, placed[:, None]).to(self.tokens.dtype))
+            self.lengths = start + keep
         held = self.cached_slots - self.offsets  # [B] tokens each row holds in the cache
         self._realign(self.offsets + torch.minimum(torch.minimum(held, cached), self.lengths))
 

@@ -102,3 +102,29 @@ def test_append_writes_each_rows_own_count():
     assert state.tokens[0, 5] == 20 and state.tokens[1, 4] == 21
     state.append(torch.zeros(2, 0, dtype=torch.long), torch.tensor([0, 0]))  # nothing to write
     assert state.lengths.tolist() == [6, 5]
+
+
+def test_commit_of_drafts_in_place_writes_what_a_whole_block_writes():
+    """commit(placed=accepted) after the forward's append (a chain step) leaves the tokens, lengths
+    and cache a whole-block commit leaves, down to a row that accepts every draft at the capacity's
+    edge and a row whose block a stop cuts short."""
+    target, _, _ = tiny_pair("llama")
+    prompt, lengths = torch.tensor([[1, 2, 3], [4, 5, 0]]), torch.tensor([3, 2])
+    drafts, accepted = torch.tensor([[7, 8, 9], [10, 11, 12]]), torch.tensor([3, 1])
+    block = torch.cat([drafts, torch.zeros(2, 1, dtype=torch.long)], dim=1)
+    block.scatter_(1, accepted[:, None], torch.tensor([[13], [14]]))  # the target's token after the accepted
+    keep = torch.tensor([4, 1])  # row 1 stops at its first token
+    states = []
+    for placed in (None, accepted):
+        state = ModelState(target, prompt, lengths, capacity=3, pad_token_id=0)
+        committed = state.lengths
+        state.append(drafts, torch.tensor([3, 3]))
+        state.forward(start=committed - 1)
+        state.commit(committed, block, keep, cached=committed + accepted, placed=placed)
+        states.append(state)
+    whole, in_place = states
+    assert whole.lengths.tolist() == in_place.lengths.tolist() == [7, 3]
+    for b, n in enumerate(whole.lengths.tolist()):
+        assert whole.tokens[b, :n].tolist() == in_place.tokens[b, :n].tolist()
+    assert in_place.tokens[0, :7].tolist() == [1, 2, 3, 7, 8, 9, 13]
+    assert whole.cached_slots == in_place.cached_slots and torch.equal(whole.offsets, in_place.offsets)
