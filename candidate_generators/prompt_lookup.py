@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 
 from specdec.generators import (CandidateGenerator, DecodeContext, DraftingInfo, DraftLengthSchedule, Feedback,
-                                Proposal, continuation_trie)
+                                Proposal, continuation_trie, long_tensor)
 from specdec.registry import register_candidate_generator
 
 
@@ -195,8 +195,7 @@ class PromptLookupGenerator(CandidateGenerator):
             proposal = Proposal.from_tree(trees, tokens.device)
         else:
             proposal = Proposal.from_rows([m.drafts for m in found], tokens.device)
-        proposal.sources = torch.tensor([ngram_source(self.max_ngram, m.n, m.contested) for m in found],
-                                        dtype=torch.long)
+        proposal.sources = long_tensor([ngram_source(self.max_ngram, m.n, m.contested) for m in found])
         return proposal
 
     def _tree(self, sequence: torch.Tensor, match: Match, budget: int) -> list[tuple[int, int]]:

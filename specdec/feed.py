@@ -25,19 +25,21 @@ from .engines import Layout
 def chunk(state, first_slot: int, width: int, layout: Layout | None = None,
           padded: bool = True) -> tuple[torch.Tensor, ...]:
     """The columns the next forward feeds, ``width`` of them padded to a compiled width F ->
-    (index [B, F]: each row's token index there, real [B, F], ids [B, F], positions [B, F] or
+    (index [B, F]: each row's token index there, real [B, F] (None after a prefill when every
+    column is real), ids [B, F], positions [B, F] or
     [3, B, F] for mRoPE). A tree ``layout`` feeds ``width`` columns exactly (its forward is never
     compiled), each at the position of its column in its own chain (``Layout.chain_columns``).
     ``padded``: whether some row starts after slot 0 (False: no row has left padding)."""
     # a tree's forward, and one that keeps hidden states, is never compiled: nothing to pad to
     unpadded = layout is not None or state.hidden_layers
     fed = width if unpadded else state.kv.padded_width(width, state.is_first_iteration)
-    chunk_slots = first_slot + torch.arange(fed, device=state.device)[None, :]  # [1, F]
+    chunk_slots = torch.arange(first_slot, first_slot + fed, device=state.device)[None, :]  # [1, F]
     if state.batch_size == 1 and not padded:  # one row from slot 0: its tokens, then a compiled width's padding
         state.grow(first_slot + fed)
         index, ids = chunk_slots, state.tokens[:, first_slot: first_slot + fed]
-        if fed == width:
-            real, bad = torch.ones_like(index, dtype=torch.bool), ids >= state.vocab_limit
+        if fed == width:  # every column real (only a prefill reads which)
+            real = torch.ones_like(index, dtype=torch.bool) if state.is_first_iteration else None
+            bad = ids >= state.vocab_limit
         else:
             real = index < first_slot + width
             bad = ~real | (ids >= state.vocab_limit)

@@ -70,7 +70,7 @@ class DynamicKV:
         return width
 
     def crop(self, old_slots: int, new_slots: int) -> None:
-        if old_slots:
+        if old_slots and new_slots != old_slots:  # full-length layers: cropping nothing changes nothing
             self.cache.crop(new_slots - old_slots)
 
     def shift_rows(self, shifts: torch.Tensor) -> None:
