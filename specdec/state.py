@@ -154,9 +154,13 @@ class ModelState:
         extra = ids.shape[1]
         if extra == 0:
             return
-        self.grow(int(self.lengths.max()) + extra + 1)  # and one more: a commit's token after them
-        cols = self.lengths[:, None] + torch.arange(extra, device=self.device)[None, :]  # [B, E], within capacity
-        self.tokens.scatter_(1, cols, ids.to(device=self.device, dtype=self.tokens.dtype))
+        longest = int(self.lengths.max())
+        self.grow(longest + extra + 1)  # and one more: a commit's token after them
+        if self.batch_size == 1:  # its one row ends at the longest
+            self.tokens[:, longest: longest + extra] = ids
+        else:
+            cols = self.lengths[:, None] + torch.arange(extra, device=self.device)[None, :]  # [B, E], within capacity
+            self.tokens.scatter_(1, cols, ids.to(device=self.device, dtype=self.tokens.dtype))
         self.lengths = self.lengths + (extra if counts is None else counts)
 
     def commit(self, start: torch.Tensor, block: torch.Tensor, keep: torch.Tensor, cached: torch.Tensor,
