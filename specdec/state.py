@@ -111,8 +111,7 @@ class ModelState:
     @property
     def padded(self) -> bool:
         """Whether some row starts after slot 0 (read once per change of :attr:`offsets`)."""
-        if self._padded is None:
-            self._padded = bool(self._offsets.any())
+        self._padded = bool(self._offsets.any()) if self._padded is None else self._padded
         return self._padded
 
     def cache_slots(self, width: int, max_new_tokens: int | None) -> tuple[int, int]:
