@@ -229,9 +229,10 @@ class SpecDecoder:
     def warmup(self, batch_size: int = 1, max_length: int = 1024) -> float:
         """Compile every forward a call can run (``compile=True``, or a generator whose draft
         compiles, like ``self_draft``): the target's and each assistant's, at every padded width a
-        step can feed (up to the one that holds the generator's most drafts and the pending
-        token, ``generators.most_drafts``: a fixed ``num_tokens=3`` compiles widths 1, 2 and 4;
-        a wider forward, which only a grammar's forced tokens make, runs eagerly), for
+        step can feed (the ladder's widths below the generator's most drafts and the pending
+        token, ``generators.most_drafts``, then that block's own width, so the widest step pads
+        nothing: a fixed ``num_tokens=3`` compiles widths 1, 2 and 4, ``num_tokens=4`` 1, 2, 4
+        and 5; a wider forward, which only a grammar's forced tokens make, runs eagerly), for
         ``batch_size`` rows and static caches of each length of ``kv.length_ladder`` up to
         ``max_length`` tokens (prompt + new tokens) and the call margin (1024 -> caches of 256,
         512, 1024 and 1280 slots), and calibrate the draft-length policy.
@@ -249,11 +250,10 @@ class SpecDecoder:
         compiled = False
         generator = self.candidate_generator
         most = most_drafts(generator, declared_drafting(generator, plugin_name(generator)))
-        # the padded width of a step's pending token and most drafts: only widths up to it compile
-        # (a wider forward, a grammar's, runs eagerly)
-        widest = None if most is None else next((w for w in self.cache.widths if w >= 1 + most), None)
-        if widest is not None:
-            self.cache = replace(self.cache, widths=tuple(w for w in self.cache.widths if w <= widest))
+        # a step feeds at most its pending token and most drafts: where the ladder reaches that
+        # block, it is the widest width compiled, padded to nothing (a wider forward, a grammar's, runs eagerly)
+        if most is not None and any(w >= 1 + most for w in self.cache.widths):
+            self.cache = replace(self.cache, widths=tuple(w for w in self.cache.widths if w < 1 + most) + (1 + most,))
         # generators that compile only when warmed up (self_draft's copy) compile here; in inference
         # mode, as every call's forwards run (a graph compiled under no_grad would be compiled again)
         with warming(), torch.inference_mode():

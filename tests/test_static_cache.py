@@ -128,14 +128,15 @@ def test_no_graph_compiles_after_warmup(pairs, drafter):
 def test_warmup_compiles_the_widths_a_call_can_feed():
     """A fixed schedule of 3 drafts feeds at most 4 tokens a step: its warm-up compiles widths 1,
     2 and 4, not 8 and 16, and a call whose grammar forces long runs of tokens (drafts the
-    grammar adds past the generator's, verified eagerly) compiles nothing new; drafting nothing:
-    width 1."""
+    grammar adds past the generator's, verified eagerly) compiles nothing new; 4 drafts: 1, 2, 4
+    and 5 (the widest step pads nothing); drafting nothing: width 1."""
     from specdec.compiled import planned
     from specdec.generators import NoDraft
     from specdec.grammar import Grammar
     from specdec.tiny import tiny_random
 
     for draft, options, widths in (("prompt_lookup", dict(schedule="fixed", num_tokens=3), {1, 2, 4}),
+                                   ("prompt_lookup", dict(schedule="fixed", num_tokens=4), {1, 2, 4, 5}),
                                    (NoDraft(), {}, {1})):
         target, tokenizer = tiny_random("llama", seed=11)  # a model of its own: no graph checked yet
         decoder = SpecDecoder(target, draft, tokenizer=tokenizer, cache_implementation="static",
