@@ -10,7 +10,12 @@ from __future__ import annotations
 import torch
 
 
+def device_type(device) -> str:
+    """``device``'s type ("cpu", "cuda", ...), with no ``torch.device`` built for one that is already."""
+    return device.type if isinstance(device, torch.device) else torch.device(device).type
+
+
 def synchronize(device) -> None:
     """Block until ``device`` has finished the work queued on it (CUDA only)."""
-    if (device.type if isinstance(device, torch.device) else torch.device(device).type) == "cuda":
+    if device_type(device) == "cuda":
         torch.cuda.synchronize(device)

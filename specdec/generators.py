@@ -41,6 +41,7 @@ from typing import Any, ClassVar
 import torch
 
 from .context import AssistantHandle, CommittedRows, DecodeContext, DraftAdvice
+from .device import device_type
 from .feedback import Feedback, StepRecord, TargetHidden
 from .modelinfo import token_id_list, vocab_size
 from .sampling import SamplingParams
@@ -149,7 +150,7 @@ def long_tensor(values: list[int], device: torch.device | str = "cpu") -> torch.
     """A 1-D int64 tensor of ``values`` on ``device``: a step's small host lists (drafts, counts,
     sources) made at a third of ``torch.tensor``'s cost, through a buffer the tensor keeps alive."""
     out = torch.frombuffer(array("q", values), dtype=torch.long) if values else torch.empty(0, dtype=torch.long)
-    return out if torch.device(device).type == "cpu" else out.to(device)
+    return out if device_type(device) == "cpu" else out.to(device)
 
 
 @dataclass(frozen=True)
