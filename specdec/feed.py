@@ -22,19 +22,17 @@ import torch
 from .engines import Layout
 
 
-def chunk(state, first_slot: int, width: int, layout: Layout | None = None,
-          padded: bool = True) -> tuple[torch.Tensor, ...]:
+def chunk(state, first_slot: int, width: int, layout: Layout | None = None) -> tuple[torch.Tensor, ...]:
     """The columns the next forward feeds, ``width`` of them padded to a compiled width F ->
     (index [B, F]: each row's token index there, real [B, F] (None after a prefill when every
     column is real), ids [B, F], positions [B, F] or
     [3, B, F] for mRoPE). A tree ``layout`` feeds ``width`` columns exactly (its forward is never
-    compiled), each at the position of its column in its own chain (``Layout.chain_columns``).
-    ``padded``: whether some row starts after slot 0 (False: no row has left padding)."""
+    compiled), each at the position of its column in its own chain (``Layout.chain_columns``)."""
     # a tree's forward, and one that keeps hidden states, is never compiled: nothing to pad to
     unpadded = layout is not None or state.hidden_layers
     fed = width if unpadded else state.kv.padded_width(width, state.is_first_iteration)
     chunk_slots = torch.arange(first_slot, first_slot + fed, device=state.device)[None, :]  # [1, F]
-    if state.batch_size == 1 and not padded:  # one row from slot 0: its tokens, then a compiled width's padding
+    if state.batch_size == 1 and not state.padded:  # one row from slot 0: its tokens, then a compiled width's padding
         state.grow(first_slot + fed)
         index, ids = chunk_slots, state.tokens[:, first_slot: first_slot + fed]
         if fed == width:  # every column real (only a prefill reads which)

@@ -293,7 +293,7 @@ class ModelState:
         # a causal forward keeps the hidden states through the backend's forward (a tree's runner keeps them itself)
         hidden_layers = self.hidden_layers if runner is None else ()
         padded = self.padded
-        index, real, ids, positions = chunk(self, first_slot, width, layout, padded)
+        index, real, ids, positions = chunk(self, first_slot, width, layout)
         keep = width - lowest
         kwargs: dict[str, Any] = {
             "input_ids": ids,
