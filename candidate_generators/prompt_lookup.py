@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 
 from specdec.generators import (CandidateGenerator, DecodeContext, DraftingInfo, DraftLengthSchedule, Feedback,
-                                Proposal, continuation_trie, long_tensor)
+                                Proposal, continuation_trie, host_ints, long_tensor)
 from specdec.registry import register_candidate_generator
 
 
@@ -77,17 +77,17 @@ class NgramIndex:
         self.rows: list[list[int]] = []  # each row's tokens so far
         self.tables: list[dict[tuple[int, ...], list]] = []  # n-gram -> [latest start, next token, contested]
 
-    def update(self, tokens: torch.Tensor, lengths: list[int]) -> None:
-        """Rows are ``tokens[b, :lengths[b]]``: index what each gained since the last update."""
-        if len(self.rows) != len(lengths):
-            self.rows, self.tables = [[] for _ in lengths], [{} for _ in lengths]
-        for b, length in enumerate(lengths):
-            row = self.rows[b]
+    def update(self, rows: list[list[int]]) -> None:
+        """The rows now hold ``rows`` (host lists, read only): index what each gained since the last update."""
+        if len(self.rows) != len(rows):
+            self.rows, self.tables = [[] for _ in rows], [{} for _ in rows]
+        for b, tokens in enumerate(rows):
+            row, length = self.rows[b], len(tokens)
             known = len(row)
-            new = tokens[b, max(known - 1, 0): length].tolist()
+            new = tokens[max(known - 1, 0): length]
             if known and (length < known or new[0] != row[-1]):  # not a continuation of what is indexed
                 self.rows[b], self.tables[b] = [], {}
-                new, known, row = tokens[b, :length].tolist(), 0, self.rows[b]
+                new, known, row = tokens[:length], 0, self.rows[b]
             elif known:
                 new = new[1:]
             row.extend(new)
@@ -185,9 +185,9 @@ class PromptLookupGenerator(CandidateGenerator):
         return DraftingInfo(priors, self.schedule.policy_drafts)
 
     def propose(self, ctx: DecodeContext, max_drafts: torch.Tensor) -> Proposal:
-        budget = [min(a, b) for a, b in zip(self.schedule.current.tolist(), max_drafts.tolist())]
-        tokens, lengths = ctx.tokens, ctx.lengths.tolist()
-        self.index.update(tokens, lengths)
+        budget = [min(a, b) for a, b in zip(host_ints(self.schedule.current), host_ints(max_drafts))]
+        tokens, lengths = ctx.tokens, host_ints(ctx.lengths)
+        self.index.update(ctx.token_lists())
         found = [Match(*self.index.match(b, budget[b])) if budget[b] > 0 else Match(0, False, [])
                  for b in range(len(lengths))]
         trees = [self._tree(tokens[b, : lengths[b]], m, budget[b]) for b, m in enumerate(found)] if self.tree else None

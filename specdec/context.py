@@ -31,6 +31,8 @@ class CommittedRows(Protocol):
     @property
     def batch_size(self) -> int: ...
 
+    def token_lists(self) -> list[list[int]]: ...  # each row's tokens[b, :lengths[b]] as a host list
+
 
 class AssistantHandle(Protocol):
     """What a generator may do with a model it attached (``ctx.attach``): the controller owns its
@@ -112,6 +114,12 @@ class DecodeContext:
     def lengths(self) -> torch.Tensor:
         """[B] committed length per row. During ``propose`` the target holds no drafts yet."""
         return self._target_state.lengths
+
+    def token_lists(self) -> list[list[int]]:
+        """Each row's committed tokens as Python lists (read only; prompt included): what
+        :attr:`tokens` holds, kept on the host as the call commits, so reading them costs no
+        device read on most steps."""
+        return self._target_state.token_lists()
 
     @property
     def batch_size(self) -> int:

@@ -34,14 +34,13 @@ Only ``propose`` is required. ``acceptance_prior()``, ``draft_cap()`` and the cl
 from __future__ import annotations
 
 import warnings
-from array import array
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
 
 from .context import AssistantHandle, CommittedRows, DecodeContext, DraftAdvice
-from .device import device_type
+from .host import host_ints, host_long, hosted
 from .feedback import Feedback, StepRecord, TargetHidden
 from .modelinfo import token_id_list, vocab_size
 from .sampling import SamplingParams
@@ -53,7 +52,7 @@ DEFAULT_MAX_DRAFTS = 16
 #: the plugin API (the context's types and the helpers plugins use are re-exported from their modules)
 __all__ = ["DEFAULT_MAX_DRAFTS", "AssistantHandle", "CandidateGenerator", "CommittedRows", "DecodeContext",
            "DraftAdvice", "DraftLengthSchedule", "DraftingInfo", "Feedback", "NoDraft", "Proposal", "SamplingParams",
-           "StepRecord", "TargetHidden", "continuation_trie", "declared_drafting", "token_id_list", "vocab_size"]
+           "StepRecord", "TargetHidden", "continuation_trie", "declared_drafting", "host_ints", "token_id_list", "vocab_size"]
 
 @dataclass
 class Proposal:
@@ -139,18 +138,14 @@ class Proposal:
         """Point-mass drafts from per-row lists (or 1-D tensors) of ids, padded with 0."""
         counts = [len(r) for r in rows]
         width = max(counts, default=0)
-        flat = []
-        for r, n in zip(rows, counts):
-            flat.extend(r.tolist() if isinstance(r, torch.Tensor) else r)
-            flat.extend([0] * (width - n))
-        return cls(long_tensor(flat, device).reshape(len(rows), width), long_tensor(counts, device))
+        padded = [(r.tolist() if isinstance(r, torch.Tensor) else list(r)) + [0] * (width - n) for r, n in zip(rows, counts)]
+        flat = [token for row in padded for token in row]
+        return cls(hosted(long_tensor(flat, device).reshape(len(rows), width), padded), long_tensor(counts, device))
 
 
-def long_tensor(values: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
-    """A 1-D int64 tensor of ``values`` on ``device``: a step's small host lists (drafts, counts,
-    sources) made at a third of ``torch.tensor``'s cost, through a buffer the tensor keeps alive."""
-    out = torch.frombuffer(array("q", values), dtype=torch.long) if values else torch.empty(0, dtype=torch.long)
-    return out if device_type(device) == "cpu" else out.to(device)
+#: a 1-D int64 tensor of a step's small host list (drafts, counts, sources), carrying its values
+#: (specdec.host: reading them back costs no device read)
+long_tensor = host_long
 
 
 @dataclass(frozen=True)
@@ -351,16 +346,17 @@ class DraftLengthSchedule:
         return self.max_tokens if self.kind == "auto" else None
 
     def reset(self, batch: int) -> None:
-        self.current = torch.full((batch,), self.initial, dtype=torch.long)
+        self.current = host_long([self.initial] * batch)  # [B] on the CPU, carrying its values
 
     def update(self, feedback: Feedback) -> None:
         if self.kind != "adaptive":
             return
-        offered, accepted = feedback.offered.cpu(), feedback.accepted.cpu()
-        full = (accepted == offered) & (offered > 0)
-        tried = offered > 0
-        grown = torch.where(full, self.current + 2, self.current - 1).clamp(1, self.max_tokens)
-        self.current = torch.where(tried, grown, self.current)
+        lengths = list(host_ints(self.current))
+        for b, (offered, accepted) in enumerate(zip(host_ints(feedback.offered), host_ints(feedback.accepted))):
+            if offered > 0:  # a row that verified drafts: grown after a fully accepted block, else shrunk
+                lengths[b] = min(max(lengths[b] + 2 if accepted == offered else lengths[b] - 1, 1), self.max_tokens)
+        self.current = host_long(lengths)
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        self.current = self.current[rows.cpu()]
+        lengths = host_ints(self.current)
+        self.current = host_long([lengths[r] for r in host_ints(rows)])

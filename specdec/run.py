@@ -52,6 +52,7 @@ from .assistant import Assistant
 from .compiled import compile_seconds
 from .device import synchronize
 from .engines import call_begins
+from .host import host_ints, host_long
 from .generators import CandidateGenerator, DecodeContext, StepRecord, TargetHidden, declared_drafting, plugin_name
 from .kv import CacheSettings, static_problem
 from .metrics import AcceptanceStats
@@ -205,7 +206,7 @@ class DecodeRun(DraftSteps, TreeSteps, ScoreSteps, CommitSteps, OutputSteps):
         catching_up = self._catching_up(asked)
         proposal, drafted, (made, candidates, offered) = self.ranks.drafts(  # the decider's, on every rank
             lambda: self._draft(asked, room), room, self.drafting.max_drafts, target)  # [B] each
-        k = int(offered.max())
+        k = max(host_ints(offered), default=0)
         draft_ids = proposal.token_ids[:, :k].to(target.device)  # [B, k]
         parents = proposal.parents[:, :k].to(target.device) if proposal.is_tree else None  # [B, k]
         committed = target.lengths  # [B] (a state's lengths are replaced, never written in place)
@@ -246,10 +247,11 @@ class DecodeRun(DraftSteps, TreeSteps, ScoreSteps, CommitSteps, OutputSteps):
         With ``parents [B, k]`` the drafts are a tree's nodes, fed with its layout through the eager
         engine: column i+1 is then the logits after node i's own chain."""
         self.target.append(draft_ids, offered)
+        start = host_long([n - 1 for n in host_ints(committed)], committed.device)  # [B] each row's last committed token
         if parents is None:
-            logits = self.target.forward(start=committed - 1)
+            logits = self.target.forward(start=start)
         else:
-            logits = self.target.forward_tree(committed - 1, (parents, offered, self._tree_engine))
+            logits = self.target.forward_tree(start, (parents, offered, self._tree_engine))
         synchronize(self.target.device)
         return logits
 

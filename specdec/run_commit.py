@@ -13,6 +13,7 @@ import time
 import torch
 
 from .generators import StepRecord
+from .host import host_ints, host_long, hosted, read_rows
 from .verify import Verdict
 
 
@@ -29,15 +30,17 @@ class CommitSteps:
         block = torch.cat([draft_ids, verdict.next_token[:, None]], dim=1)  # [B, k+1]
         if draft_ids.shape[1]:  # the target's token after the accepted drafts
             block.scatter_(1, verdict.accepted[:, None], verdict.next_token[:, None])
-        counts = verdict.accepted + 1
-        generated = committed - self.prompt_lengths  # [B] new tokens before the block
-        if self.stopper.quiet(generated, block):  # most steps: every row keeps its block
+        rows, accepted = read_rows(block, verdict.accepted)  # the step's one read of the device
+        done = [n - p for n, p in zip(host_ints(committed), host_ints(self.prompt_lengths))]  # new tokens before
+        counts = host_long([a + 1 for a in accepted], block.device)
+        if self.stopper.quiet(done, rows):  # most steps: every row keeps its block
             kept, finished = counts, None
         else:
+            generated = host_long(done, block.device)
             keep, stopped = self.stopper.cut(target.tokens, committed, block, counts, self.prompt_lengths, scores)
             kept, finished = self.stopper.settle(generated, counts, keep, stopped)
-        target.commit(committed, block, kept, cached=committed + verdict.accepted,
-                      placed=verdict.accepted if chain and draft_ids.shape[1] else None)
+        cached = hosted(committed + verdict.accepted, [n + a for n, a in zip(host_ints(committed), accepted)])
+        target.commit(committed, block, kept, cached=cached, placed=verdict.accepted if chain and draft_ids.shape[1] else None)
         return block, kept, finished
 
     def _observe(self, record: StepRecord, block: torch.Tensor, committed: torch.Tensor) -> None:
@@ -59,11 +62,12 @@ class CommitSteps:
 
     def _count(self, record: StepRecord) -> None:
         stats = self.stats
-        stats.record_step(record.offered.tolist(), record.accepted.tolist(), record.kept.tolist())
+        offered, accepted = host_ints(record.offered), host_ints(record.accepted)
+        stats.record_step(offered, accepted, host_ints(record.kept))
         if record.tree:
-            stats.record_tree(record.offered.tolist(), record.accepted.tolist())
+            stats.record_tree(offered, accepted)
         if record.grammar_drafts is not None:
-            stats.record_grammar(record.grammar_drafts.tolist(), record.offered.tolist(), record.accepted.tolist())
+            stats.record_grammar(record.grammar_drafts.tolist(), offered, accepted)
         record = record.drafter_view()
         stats.draft_seconds += record.drafting
         stats.verify_seconds += record.verifying
@@ -71,5 +75,7 @@ class CommitSteps:
         if not record.first and not record.compiling:  # the prefill's cost (or a compile's) is not a verification's
             stats.record_forward(record.fed, record.forward)
         if self.policy is not None and not record.waiting:  # no drafts asked for, or none of those offered verified
-            declined = (record.asked == 0) | ((record.candidates > 0) & (record.offered == 0))
-            stats.skipped_steps += int((declined & (record.room > 0)).sum())
+            stats.skipped_steps += sum(room > 0 and (asked == 0 or (candidates > 0 and offered == 0))
+                                       for asked, candidates, offered, room in
+                                       zip(*(host_ints(t) for t in (record.asked, record.candidates, record.offered,
+                                                                    record.room))))

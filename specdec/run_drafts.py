@@ -16,6 +16,7 @@ import torch
 from .compiled import compile_seconds
 from .generators import Proposal
 from .grammar import with_grammar_drafts
+from .host import host_ints, host_long
 from .kv import CacheSettings
 from .request import Prompt
 from .validation import check_proposal
@@ -41,10 +42,11 @@ class DraftSteps:
         """[B] the drafts each row may take: none past its budget (or past the stop of the last row
         to stop, when every row has stopped and some go on unpadded: specdec/stopping.py), none past
         the model's learned positions."""
-        target = self.target
-        room = self.stopper.end() - (target.lengths - self.prompt_lengths) - 1
-        positions = target.position_room()  # [B] or None
-        return room if positions is None else torch.minimum(room, positions.clamp_min(0))
+        target, end, limit = self.target, self.stopper.end(), self.target.position_limit
+        room = [end - (n - p) - 1 for n, p in zip(host_ints(target.lengths), host_ints(self.prompt_lengths))]
+        if limit is not None:  # learned positions: none fed past them
+            room = [min(r, max(limit - n, 0)) for r, n in zip(room, host_ints(target.lengths))]
+        return host_long(room, target.device)
 
     def _plan(self, room: torch.Tensor, pending: int, context: int) -> torch.Tensor:
         """[B] the drafts to ask each row for: the policy's plan, or all a row may take without one;
@@ -52,18 +54,18 @@ class DraftSteps:
         if self.policy is None:
             asked = room
         else:
-            prefills = [int(s.lengths.max()) * s.batch_size if s.is_first_iteration and s not in self.borrowers
+            prefills = [max(host_ints(s.lengths)) * s.batch_size if s.is_first_iteration and s not in self.borrowers
                         else 0 for s in self.assistants]  # tokens each assistant has yet to prefill
             asked = self.policy.plan(room, pending, context, prefills)
         if self.target.is_first_iteration and self.borrowers:  # they draft once they hold the target's prefill
-            return torch.zeros_like(room)
+            return host_long([0] * room.shape[0], room.device)
         return asked
 
     def _catching_up(self, asked: torch.Tensor) -> bool:
         """Whether an assistant prefills (it has not yet run), catches up on steps it sat out, or
         takes the target's cache for the first time (drafts ``asked`` [B] of it) in this proposal:
         either way the proposal's time says nothing of a draft's cost."""
-        return any((s.is_first_iteration and bool((asked > 0).any())) if s in self.borrowers
+        return any((s.is_first_iteration and max(host_ints(asked)) > 0) if s in self.borrowers
                    else s.is_first_iteration or s.pending_width() > CATCH_UP for s in self.assistants)
 
     def _draft(self, asked: torch.Tensor, room: torch.Tensor) -> tuple[Proposal, float, tuple[torch.Tensor, ...]]:
@@ -72,7 +74,7 @@ class DraftSteps:
         that borrows the target's cache takes it the first time drafts are asked for (a call
         that never drafts never copies it)."""
         waiting = [state for state in self.borrowers if state.is_first_iteration]
-        if waiting and bool((asked > 0).any()):
+        if waiting and max(host_ints(asked)) > 0:
             for state in waiting:
                 state.mirror(self.target)
         proposal = self.session.propose(self.ctx, asked)
@@ -95,7 +97,9 @@ class DraftSteps:
             self._check_tree(proposal)
         ids = proposal.token_ids.to(target.device)  # [B, K]
         # a tree's first nodes are a tree too (parents come first): a tree is cut like a chain
-        made = target.admissible_drafts(ids, torch.minimum(proposal.lengths.to(target.device), asked).clamp_min(0))
+        made = host_long([max(min(n, a), 0) for n, a in zip(host_ints(proposal.lengths), host_ints(asked))],
+                         target.device)
+        made = target.admissible_drafts(ids, made)
         if self.processors is not None and self.processors.hard and not tree:
             made = self._allowed(ids, made, proposal.confidence)
         # a tree's node after an end of sequence in node order may be its sibling: nothing cut

@@ -27,7 +27,7 @@ Position ids come from ``positions``, a pure function of (row, token index) chos
 ``specdec.multimodal`` (the token index itself for text models; 3-D mRoPE positions for Qwen2-VL
 and kin), so re-feeding or shifting rows never changes a token's position. A model with learned
 absolute positions (``position_limit``: GPT-2, OPT) takes no prompt row longer than its table and
-feeds no token past it (``position_room`` bounds the drafts, ``specdec.feed`` checks each forward).
+feeds no token past it (the run bounds the drafts by it, ``specdec.feed`` checks each forward).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import torch
 
 from .cache_settings import cache_problem
 from .feed import chunk, columns_from, keep_hidden_path, tree_inputs
+from .host import host_ints, host_long, hosted
 from .kv import CacheSettings, make_kv
 from .modelinfo import cache_argument, vocab_size
 from .multimodal import PrefillInputs, TokenPositions
@@ -86,6 +87,7 @@ class ModelState:
         self.vocab_limit = int(table.shape[0]) if table is not None else vocab_size(model)
         self._cache_kwarg = cache_argument(model)
         self._mirrored: tuple[torch.Tensor, int] | None = None  # see mirror()
+        self._lists: list[list[int]] | None = None  # see token_lists()
         self.refeed_limit = self.REFEED_LIMIT  # ends at most this far apart re-feed; farther ones shift
         #: hidden states every forward returns (``output_hidden_states`` indices; set by the run for a
         #: generator that reads them): a causal forward asks its cache backend's forward for them (the
@@ -111,7 +113,7 @@ class ModelState:
     @property
     def padded(self) -> bool:
         """Whether some row starts after slot 0 (read once per change of :attr:`offsets`)."""
-        self._padded = bool(self._offsets.any()) if self._padded is None else self._padded
+        self._padded = any(host_ints(self._offsets)) if self._padded is None else self._padded
         return self._padded
 
     def cache_slots(self, width: int, max_new_tokens: int | None) -> tuple[int, int]:
@@ -126,13 +128,6 @@ class ModelState:
         reach = width + new + self.margin()
         return min(reach, width + self.HEADROOM + self.margin()), reach
 
-    def position_room(self) -> torch.Tensor | None:
-        """[B] tokens each row may still feed after its last one before the model's learned positions
-        end; None where positions are unlimited."""
-        if self.position_limit is None:
-            return None
-        return self.position_limit - self.lengths
-
     def grow(self, needed: int) -> None:
         """Make room for ``needed`` tokens per row; capacity at least doubles (amortised O(1) per token),
         so memory follows what is generated, not ``max_new_tokens``."""
@@ -143,7 +138,20 @@ class ModelState:
 
     def pending_width(self) -> int:
         """Columns the next forward feeds before any new token (pending tokens of the widest row)."""
-        return int((self.offsets + self.lengths).max()) - self.cached_slots
+        return max(self.ends(), default=0) - self.cached_slots
+
+    def ends(self) -> list[int]:
+        """Each row's slot after its last token (from the host values of its offsets and lengths)."""
+        return [o + n for o, n in zip(host_ints(self.offsets), host_ints(self.lengths))]
+
+    def token_lists(self) -> list[list[int]]:
+        """Each row's tokens ``tokens[b, :lengths[b]]`` as host lists (read only): extended by each
+        commit from its block's host values, read from the device again only after other edits."""
+        lengths = host_ints(self.lengths)
+        if self._lists is None or any(len(row) != n for row, n in zip(self._lists, lengths)):
+            rows = self.tokens[:, : max(lengths, default=0)].tolist()
+            self._lists = [row[:n] for row, n in zip(rows, lengths)]
+        return self._lists
 
     # -- sequence edits -----------------------------------------------------------------------
     def append(self, ids: torch.Tensor, counts: torch.Tensor | None = None) -> None:
@@ -153,14 +161,17 @@ class ModelState:
         extra = ids.shape[1]
         if extra == 0:
             return
-        longest = int(self.lengths.max())
+        lengths = host_ints(self.lengths)
+        longest = max(lengths)
         self.grow(longest + extra + 1)  # and one more: a commit's token after them
         if self.batch_size == 1:  # its one row ends at the longest
             self.tokens[:, longest: longest + extra] = ids
         else:
             cols = self.lengths[:, None] + torch.arange(extra, device=self.device)[None, :]  # [B, E], within capacity
             self.tokens.scatter_(1, cols, ids.to(device=self.device, dtype=self.tokens.dtype))
-        self.lengths = self.lengths + (extra if counts is None else counts)
+        added = [extra] * len(lengths) if counts is None else host_ints(counts)
+        self.lengths = hosted(self.lengths + (extra if counts is None else counts),
+                              [n + a for n, a in zip(lengths, added)])
 
     def commit(self, start: torch.Tensor, block: torch.Tensor, keep: torch.Tensor, cached: torch.Tensor,
                placed: torch.Tensor | None = None) -> None:
@@ -174,20 +185,28 @@ class ModelState:
         chain's accepted drafts, appended for the forward with room for one more column), so only
         the token after them is written.
         """
+        lists, self._lists = self._lists, None
         if placed is None:
             self.lengths = start  # replaced, never written in place
             self.append(block, keep)
         else:  # within what the forward's append made room for
             self.tokens.scatter_(1, (start + placed)[:, None], block.gather(1, placed[:, None]).to(self.tokens.dtype))
-            self.lengths = start + keep
-        held = self.cached_slots - self.offsets  # [B] tokens each row holds in the cache
-        self._realign(self.offsets + torch.minimum(torch.minimum(held, cached), self.lengths))
+            self.lengths = hosted(start + keep, [s + k for s, k in zip(host_ints(start), host_ints(keep))])
+        if lists is not None:  # each row's list: its first start[b] tokens, then block[b, :keep[b]]
+            for row, s, k, new in zip(lists, host_ints(start), host_ints(keep), host_ints(block)):
+                row[s:] = new[:k]
+            self._lists = lists
+        # each row's valid end: what it holds in the cache, within what the forward left valid and its length
+        self._realign([o + min(self.cached_slots - o, c, n) for o, c, n in
+                       zip(host_ints(self.offsets), host_ints(cached), host_ints(self.lengths))])
 
     def truncate(self, lengths: torch.Tensor) -> None:
         """Cut every row to at most ``lengths [B]`` tokens and drop what the cache held beyond."""
-        self.lengths = torch.minimum(self.lengths, lengths)
-        cached = self.cached_slots - self.offsets  # [B] tokens each row holds in the cache
-        self._realign(self.offsets + torch.minimum(cached, self.lengths))
+        self.lengths = hosted(torch.minimum(self.lengths, lengths),
+                              [min(a, b) for a, b in zip(host_ints(self.lengths), host_ints(lengths))])
+        for row, n in zip(self._lists or (), host_ints(self.lengths)):
+            del row[n:]
+        self._realign([o + min(self.cached_slots - o, n) for o, n in zip(host_ints(self.offsets), host_ints(self.lengths))])
 
     def sync(self, tokens: torch.Tensor, lengths: torch.Tensor, since: torch.Tensor) -> None:
         """Make the rows equal ``tokens[:, :lengths]``, given they already agree before ``since``.
@@ -207,14 +226,20 @@ class ModelState:
         # the last token stays uncached: the next forward must produce the logits that follow it
         self.truncate(torch.minimum(common, lengths - 1))
         self.grow(tokens.shape[1])
-        first = int(since.min())  # rows already agree before `since`: copy only what may differ
+        self._lists = None
+        first = min(host_ints(since))  # rows already agree before `since`: copy only what may differ
         self.tokens[:, first: tokens.shape[1]] = tokens[:, first:]
-        self.lengths = lengths.clone()
+        self.lengths = lengths  # never written in place
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (indices into the batch), e.g. once others have finished."""
         self.kv.select_rows(rows, self.cached_slots)
-        self.tokens, self.lengths, self.offsets = self.tokens[rows], self.lengths[rows], self.offsets[rows]
+        kept = host_ints(rows)
+        lengths, offsets = host_ints(self.lengths), host_ints(self.offsets)
+        self.tokens = self.tokens[rows]
+        self.lengths = hosted(self.lengths[rows], [lengths[r] for r in kept])
+        self.offsets = hosted(self.offsets[rows], [offsets[r] for r in kept])
+        self._lists = None if self._lists is None else [self._lists[r] for r in kept]
         if self._mirrored is not None:  # the rows kept hold what they held at the last mirror
             self._mirrored = (self._mirrored[0][rows], self._mirrored[1])
         self.positions = self.positions.select_rows(rows)
@@ -250,8 +275,9 @@ class ModelState:
                 start = min(last[1], other.cached_slots)
                 rows = moved.nonzero().flatten() if bool(moved.any()) else None
         self.kv.adopt(other.kv.cache, other.cached_slots, dtype, start=start, rows=rows)
-        self.tokens, self.lengths = other.tokens.clone(), other.lengths.clone()
-        self.offsets, self.cached_slots = other.offsets.clone(), other.cached_slots
+        self.tokens, self.lengths = other.tokens.clone(), other.lengths  # lengths and offsets: never written in place
+        self._lists = None
+        self.offsets, self.cached_slots = other.offsets, other.cached_slots
         self.is_first_iteration = False
         self._mirrored = (self.offsets, self.cached_slots)
 
@@ -280,11 +306,13 @@ class ModelState:
 
     def _forward(self, start: torch.Tensor, tree: tuple | None = None) -> torch.Tensor:
         first_slot = self.cached_slots
-        ends = self.offsets + self.lengths  # [B] slot after each row's last token
-        bounds = tuple(int(n) for n in torch.aminmax(ends))  # read once: the width, then the realign
-        width, first = bounds[1] - first_slot, self.is_first_iteration
-        first_needed = self.offsets + start - first_slot  # [B] chunk column of the first logits needed
-        lowest, highest = (int(n) for n in torch.aminmax(first_needed))
+        ends = self.ends()  # each row's slot after its last token
+        width, first = max(ends) - first_slot, self.is_first_iteration
+        starts = host_ints(start)
+        # each row's chunk column of the first logits it needs
+        needed = [o + s - first_slot for o, s in zip(host_ints(self.offsets), starts)]
+        first_needed = host_long(needed, self.device)  # [B]
+        lowest, highest = min(needed), max(needed)
         if lowest < 0:
             raise RuntimeError("ModelState.forward asked for logits of a token that is already cached")
         layout = runner = None
@@ -305,7 +333,7 @@ class ModelState:
 
         def mask(slots: int) -> torch.Tensor:  # [B, slots]: each row's own tokens, nothing stale
             at = torch.arange(slots, device=self.device)[None, :]
-            inside = at < ends[:, None]
+            inside = at < (self.offsets + self.lengths)[:, None]
             return (inside & (at >= self.offsets[:, None]) if padded else inside).long()
 
         if first:  # a first forward starts at slot 0 unless it continues a prefix
@@ -323,11 +351,11 @@ class ModelState:
         self.cached_slots = first_slot + width
         if self.hidden_layers:
             self.hidden = (self._fed_hidden, index[:, 0].clone())
-        self._realign(ends, bounds)
+        self._realign(ends)
         shift = width - keep  # fed columns before the first kept one
         if lowest == highest:  # every row's first logits at one column: width - lowest columns from there
             return columns_from(logits, lowest - shift, width - lowest)
-        return columns_from(logits, first_needed - shift, int((self.lengths - start).max()))
+        return columns_from(logits, first_needed - shift, max(n - s for n, s in zip(host_ints(self.lengths), starts)))
 
 
     def committed_hidden(self, end: torch.Tensor):
@@ -372,27 +400,27 @@ class ModelState:
                              depth < accepted.to(self.device)[:, None])
 
     # -- cache maintenance --------------------------------------------------------------------
-    def _realign(self, valid_ends: torch.Tensor, bounds: tuple[int, int] | None = None) -> None:
-        """Restore the invariant given each row's valid slot end ``valid_ends [B]`` (``bounds``:
-        its least and greatest, where the caller has read them)."""
-        lo, hi = bounds if bounds is not None else (int(n) for n in torch.aminmax(valid_ends))
+    def _realign(self, valid_ends: list[int]) -> None:
+        """Restore the invariant given each row's valid slot end ``valid_ends`` (host values)."""
+        lo, hi = min(valid_ends), max(valid_ends)
         if hi - lo <= self.refeed_limit:
             target = lo  # rows past `lo` re-feed at most refeed_limit tokens
         else:
             target = hi
-            shifts = hi - valid_ends  # [B] lagging rows move right
+            moves = [hi - e for e in valid_ends]
+            shifts = host_long(moves, self.device)  # [B] lagging rows move right
             self.kv.shift_rows(shifts)
-            self.offsets = self.offsets + shifts
+            self.offsets = hosted(self.offsets + shifts, [o + m for o, m in zip(host_ints(self.offsets), moves)])
         self.kv.crop(self.cached_slots, target)
         self.cached_slots = target
         if target != lo:  # rows moved: padding common to every row may have appeared
             self._trim_left()
 
     def _trim_left(self) -> None:
-        common = int(self.offsets.min()) if self.batch_size and self.padded else 0
+        common = min(host_ints(self.offsets)) if self.batch_size and self.padded else 0
         if common > 0 and self.cached_slots >= common:
             self.kv.trim_left(common, self.cached_slots)
-            self.offsets = self.offsets - common
+            self.offsets = hosted(self.offsets - common, [o - common for o in host_ints(self.offsets)])
             self.cached_slots -= common
 
     @property
@@ -405,7 +433,7 @@ class ModelState:
         each back: compiles what a call will run, on this state's cache."""
         if self.is_first_iteration:
             self.forward(start=self.lengths - 1)
-        base = self.lengths.clone()
+        base = self.lengths  # never written in place
         for width in self.kv.settings.widths:
             self.append(self.tokens[:, :width].clone())  # any tokens the rows already hold
             self.forward(start=base)

@@ -45,7 +45,8 @@ class Stopper:
     def __init__(self, *, max_new_tokens: int, eos_token_ids: Sequence[int], stop_strings=None,
                  tokenizer=None, stopping_criteria=None, pads_finished: bool | None = None):
         self.max_new_tokens = max_new_tokens
-        self.eos = torch.tensor(sorted(set(int(e) for e in eos_token_ids)), dtype=torch.long)
+        self.eos_ids = frozenset(int(e) for e in eos_token_ids)
+        self.eos = torch.tensor(sorted(self.eos_ids), dtype=torch.long)
         self.criteria = list(stopping_criteria or [])
         if stop_strings:
             from transformers import StopStringCriteria
@@ -84,16 +85,16 @@ class Stopper:
         first = torch.where(torch.isin(draft_ids, self.eos), cols, width).amin(1)  # [B] each row's first end
         return torch.minimum(offered, (first + 1).to(offered.dtype))
 
-    def quiet(self, generated: torch.Tensor, block: torch.Tensor) -> bool:
-        """Whether no row can stop within ``block [B, n]`` after its ``generated [B]`` new tokens: no
-        criterion to ask, no end-of-sequence id anywhere in the block, and every row more than n
-        tokens short of :meth:`end`. Then :meth:`cut` and :meth:`settle` would keep every row's
-        whole block and retire none, so a step need not run them."""
-        if self.criteria or not generated.numel():
+    def quiet(self, generated: list[int], block: list[list[int]]) -> bool:
+        """Whether no row can stop within its ``block`` row (host values, n tokens each) after its
+        ``generated`` new tokens: no criterion to ask, no end-of-sequence id anywhere in the block,
+        and every row more than n tokens short of :meth:`end`. Then :meth:`cut` and :meth:`settle`
+        would keep every row's whole block and retire none, so a step need not run them."""
+        if self.criteria or not generated:
             return False
-        if self.eos.numel() and bool(torch.isin(block, self.eos).any()):
+        if self.eos_ids and any(not self.eos_ids.isdisjoint(row) for row in block):
             return False
-        return int(generated.max()) + block.shape[1] < self.end()
+        return max(generated) + len(block[0]) < self.end()
 
     def cut(self, tokens: torch.Tensor, committed: torch.Tensor, block: torch.Tensor, counts: torch.Tensor,
             prompt_lengths: torch.Tensor, scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,6 +15,7 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import GenerationMode
 
 from .generators import Proposal
+from .host import host_ints
 from .modelinfo import vocab_size
 
 INTEGER_DTYPES = (torch.long, torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -188,8 +189,8 @@ def _source_indexes(sources, batch: int, n_sources: int) -> bool:
     """Whether ``sources`` is an integer tensor [batch] of indexes in [0, n_sources)."""
     if not isinstance(sources, torch.Tensor) or sources.dtype not in INTEGER_DTYPES or tuple(sources.shape) != (batch,):
         return False
-    low, high = (int(n) for n in torch.aminmax(sources)) if batch else (0, 0)
-    return 0 <= low and high < n_sources
+    picks = host_ints(sources)
+    return not batch or (0 <= min(picks) and max(picks) < n_sources)
 
 
 def check_proposal(proposal, plugin: str, batch: int, vocab: int, do_sample: bool, n_sources: int = 1) -> None:
@@ -204,15 +205,14 @@ def check_proposal(proposal, plugin: str, batch: int, vocab: int, do_sample: boo
     if (not isinstance(lengths, torch.Tensor) or lengths.dtype not in INTEGER_DTYPES
             or tuple(lengths.shape) != (batch,)):
         raise ValueError(f"{where}: Proposal.lengths must be an integer tensor [batch={batch}], got {_describe(lengths)}")
-    shortest, longest = (int(n) for n in torch.aminmax(lengths)) if batch else (0, 0)
-    if shortest < 0 or longest > k:
-        raise ValueError(f"{where}: Proposal.lengths {lengths.tolist()} must lie in [0, K={k}] "
+    counts = host_ints(lengths)  # host values: read from the device at most once (specdec/host.py)
+    longest = max(counts, default=0)
+    if min(counts, default=0) < 0 or longest > k:
+        raise ValueError(f"{where}: Proposal.lengths {counts} must lie in [0, K={k}] "
                          f"(token_ids holds K={k} drafts per row)")
-    if longest:  # the drafts within each row's length (every row's first `longest` when all are as long)
-        drafted = ids[:, :longest] if shortest == longest else \
-            ids[torch.arange(k, device=ids.device)[None, :] < lengths.to(ids.device)[:, None]]
-        lowest, highest = torch.aminmax(drafted)
-        if int(lowest) < 0 or int(highest) >= vocab:
+    if longest:  # the drafts within each row's length
+        drafted = [token for row, n in zip(host_ints(ids), counts) for token in row[:n]]
+        if min(drafted) < 0 or max(drafted) >= vocab:
             raise ValueError(f"{where} proposed ids outside the target's vocabulary [0, {vocab})")
     sources = proposal.sources
     if sources is not None and not _source_indexes(sources, batch, n_sources):

@@ -67,6 +67,8 @@ def _keep_freed_memory() -> None:
 _keep_freed_memory()
 torch.set_num_threads(int(os.environ.get("SPECDEC_TEST_THREADS", "1")))
 os.environ["SPECDEC_CACHE"] = os.environ.get("SPECDEC_TEST_CACHE") or str(ROOT / ".test-cache")
+# every host value a step computes for itself is compared with the tensor it describes (specdec/host.py)
+os.environ.setdefault("SPECDEC_CHECK_HOST", "1")
 
 #: set in the second process: the file it writes its reports to (one JSON object a line)
 REPORTS_ENV = "SPECDEC_TEST_REPORTS"

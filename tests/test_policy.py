@@ -474,7 +474,8 @@ def test_prompt_lookup_names_each_rows_match_length_and_agreement_as_its_source(
     tokens = torch.zeros(len(rows), 12, dtype=torch.long)
     for b, row in enumerate(rows):
         tokens[b, : len(row)] = torch.tensor(row)
-    ctx = SimpleNamespace(tokens=tokens, lengths=torch.tensor([len(r) for r in rows]), batch_size=len(rows))
+    ctx = SimpleNamespace(tokens=tokens, lengths=torch.tensor([len(r) for r in rows]), batch_size=len(rows),
+                          token_lists=lambda: rows)
     gen.setup(ctx)
     proposal = gen.propose(ctx, torch.full((len(rows),), 3))
     assert proposal.sources.tolist() == [0, 2, 4, 0, 5]
