@@ -31,7 +31,7 @@ import torch
 
 from specdec.copies import LowPrecisionDraft
 from specdec.generators import (CandidateGenerator, DecodeContext, DraftingInfo, DraftLengthSchedule, Feedback,
-                                Proposal, plugin_name, token_id_list, vocab_size)
+                                Proposal, host_ints, long_tensor, plugin_name, token_id_list, vocab_size)
 from specdec.registry import register_candidate_generator
 from specdec.sampling import sample
 from specdec.validation import check_flag
@@ -98,8 +98,9 @@ class DraftModelGenerator(LowPrecisionDraft, CandidateGenerator):
         return self.precision_attach_options()
 
     def propose(self, ctx: DecodeContext, max_drafts: torch.Tensor) -> Proposal:
-        lengths = torch.minimum(self.schedule.current.to(max_drafts.device), max_drafts).clamp_min(0)
-        k = int(lengths.max())
+        counts = [max(min(a, b), 0) for a, b in zip(host_ints(self.schedule.current), host_ints(max_drafts))]
+        k = max(counts, default=0)
+        lengths = long_tensor(counts, max_drafts.device)
         if k == 0:
             return Proposal.empty(ctx.batch_size, max_drafts.device)
         ids, probs, confidence, depths = [], [], [], []
@@ -122,7 +123,8 @@ class DraftModelGenerator(LowPrecisionDraft, CandidateGenerator):
             if i + 1 < k:  # the last draft is fed next step, and only if the target accepts it
                 self.assistant.feed(token)
         token_ids = torch.stack(ids, dim=1)  # [B, k']
-        chain = Proposal(token_ids, lengths.clamp(max=len(ids)), torch.stack(probs, dim=1) if probs else None,
+        chain = Proposal(token_ids, long_tensor([min(n, len(ids)) for n in counts], lengths.device),
+                         torch.stack(probs, dim=1) if probs else None,
                          confidence=torch.cat(confidence, dim=1))
         if not self.tree or not bool((max_drafts.to(chain.lengths.device) > chain.lengths).any()):
             return chain  # no row has room for an alternative: nothing to price

@@ -8,8 +8,7 @@ need a further position stops the run with a ValueError where ``generate()`` rai
 (:func:`check_positions`); padded columns get a position inside the table. A token tree's forward
 runs through an engine with the tree layout, each node at its root's position plus its depth
 (:func:`tree_inputs`). The logits come back for the last columns; :func:`columns_from` takes each
-row's from its first needed one. After a tree's forward, :func:`keep_hidden_path` puts the hidden
-states of each row's accepted nodes in chain order.
+row's from its first needed one.
 
 The functions take the state itself and read its rows, layout and backend; they are its
 forward's parts, kept apart from its bookkeeping.
@@ -108,15 +107,3 @@ def columns_from(logits: torch.Tensor, first: torch.Tensor | int, count: int) ->
         return logits[:, first: first + count].contiguous()
     cols = (first[:, None] + torch.arange(count, device=first.device)[None, :]).clamp(max=logits.shape[1] - 1)
     return logits.gather(1, cols[..., None].expand(-1, -1, logits.shape[-1]))
-
-
-def keep_hidden_path(state, start: torch.Tensor, path: torch.Tensor, take: torch.Tensor) -> None:
-    """After a tree's forward: token ``start[b] + j`` takes the hidden states of node ``path[b, j]``
-    where ``take[b, j]`` (the accepted nodes' states in chain order, as ``ModelState.keep_path``
-    moves their cache entries)."""
-    states, first = state.hidden
-    dest = (start - first)[:, None] + torch.arange(path.shape[1], device=state.device)[None, :]  # [B, A]
-    source = (start - first)[:, None] + path  # [B, A]
-    rows = torch.arange(state.batch_size, device=state.device)[:, None].expand_as(dest)
-    for h in states.values():
-        h[rows[take], dest[take]] = h[rows[take], source[take]].clone()

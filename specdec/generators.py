@@ -73,8 +73,8 @@ class Proposal:
 
     @classmethod
     def empty(cls, batch: int, device: torch.device | str = "cpu") -> "Proposal":
-        return cls(torch.zeros(batch, 0, dtype=torch.long, device=device),
-                   torch.zeros(batch, dtype=torch.long, device=device))
+        return cls(hosted(torch.zeros(batch, 0, dtype=torch.long, device=device), [[] for _ in range(batch)]),
+                   host_long([0] * batch, device))
 
     @property
     def is_tree(self) -> bool:

@@ -26,7 +26,7 @@ A proposal with ``parents`` (a token tree, docs/trees.md) is admitted by its nod
 the same one forward with the tree layout through the eager engine (``specdec.engines``), its
 scores processed along each node's own path, verified from the root (``tree_greedy_verify``,
 ``tree_point_mass_sample``) and turned into the chain it accepted: the target's cache keeps the
-accepted nodes' entries moved into chain order (``ModelState.keep_path``), and from there the
+accepted nodes' entries moved into chain order (``specdec.accepted.keep_path``), and from there the
 step is a chain's (commit, stopping, streamer, followers). A tree the step cannot verify (a
 grammar, a distributed call, a model the engine refuses) is verified as its leading chain.
 
@@ -48,6 +48,7 @@ import time
 
 import torch
 
+from .accepted import committed_hidden
 from .assistant import Assistant
 from .compiled import compile_seconds
 from .device import synchronize
@@ -234,7 +235,7 @@ class DecodeRun(DraftSteps, TreeSteps, ScoreSteps, CommitSteps, OutputSteps):
             compiling=compile_seconds() - compiled_before, started=started, drafting=drafted - started,
             forward=forwarded - drafted, verifying=time.perf_counter() - drafted,
             grammar_drafts=proposal.grammar_drafts, tree=parents is not None, depth=depth,
-            hidden=TargetHidden(*target.committed_hidden(committed + verdict.accepted)) if target.hidden_layers else None)
+            hidden=TargetHidden(*committed_hidden(target, committed + verdict.accepted)) if target.hidden_layers else None)
         self._observe(record, block, committed)
         if finished is not None and bool(finished.any()):
             self._retire(finished)

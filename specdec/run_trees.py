@@ -13,6 +13,7 @@ import dataclasses
 
 import torch
 
+from .accepted import keep_path
 from .distributed import Solo
 from .engines import Layout, LayoutNotSupported
 from .generators import Proposal
@@ -78,7 +79,7 @@ class TreeSteps:
         dead = None
         if dead_columns is not None:  # the first such column along the accepted path, as a chain's
             _, dead = self._dead_ends(scores, verdict.accepted)
-        self.target.keep_path(committed, verdict.path, verdict.accepted)
+        keep_path(self.target, committed, verdict.path, verdict.accepted)
         depth = Layout(parents=parents, lengths=offered).deepest()  # checked when proposed
         return scores, logits, node_ids.gather(1, verdict.path), verdict, dead, depth
 

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from .cache_settings import cache_problem
-from .feed import chunk, columns_from, keep_hidden_path, tree_inputs
+from .feed import chunk, columns_from, tree_inputs
 from .host import host_ints, host_long, hosted
 from .kv import CacheSettings, make_kv
 from .modelinfo import cache_argument, vocab_size
@@ -214,7 +214,8 @@ class ModelState:
         Keeps the longest common prefix cached: a draft that proposed d1..dK and saw d1..da
         accepted keeps those in its cache and is never fed them again.
         """
-        width = int((torch.maximum(self.lengths, lengths) - since).max().clamp_min(0))
+        width = max(max(a, b) - s for a, b, s in zip(host_ints(self.lengths), host_ints(lengths), host_ints(since)))
+        width = max(width, 0)
         if width:
             cols = since[:, None] + torch.arange(width, device=self.device)[None, :]  # [B, W]
             cap = min(self.tokens.shape[1], tokens.shape[1]) - 1
@@ -270,10 +271,11 @@ class ModelState:
         dtype = self.model.get_input_embeddings().weight.dtype  # what this model's keys and values are kept in
         start, rows = 0, None
         if last is not None and last[0].shape == other.offsets.shape == self.offsets.shape:
-            moved = (other.offsets != last[0]) | (self.offsets != last[0])  # [B]
-            if not bool(moved.all()):
+            moved = [b for b, (o, s, m) in enumerate(zip(*(host_ints(t) for t in (other.offsets, self.offsets, last[0]))))
+                     if o != m or s != m]
+            if len(moved) < self.batch_size:
                 start = min(last[1], other.cached_slots)
-                rows = moved.nonzero().flatten() if bool(moved.any()) else None
+                rows = host_long(moved, self.device) if moved else None
         self.kv.adopt(other.kv.cache, other.cached_slots, dtype, start=start, rows=rows)
         self.tokens, self.lengths = other.tokens.clone(), other.lengths  # lengths and offsets: never written in place
         self._lists = None
@@ -356,48 +358,6 @@ class ModelState:
         if lowest == highest:  # every row's first logits at one column: width - lowest columns from there
             return columns_from(logits, lowest - shift, width - lowest)
         return columns_from(logits, first_needed - shift, max(n - s for n, s in zip(host_ints(self.lengths), starts)))
-
-
-    def committed_hidden(self, end: torch.Tensor):
-        """After a forward with :attr:`hidden_layers` and its commit: the hidden states of the
-        tokens it fed that are committed, up to token ``end[b]`` (exclusive) -> ``(states {layer:
-        [B, M, H]}, start [B], count [B])``, column j of row b holding token ``start[b] + j``."""
-        states, first = self.hidden
-        start = first.clamp(min=0)  # [B] a row's first fed token (its pending one; 0 at a prefill)
-        count = (torch.minimum(end.to(self.device), self.lengths) - start).clamp(min=0)  # [B]
-        width = max(int(count.max()), 1)
-        cols = (start - first)[:, None] + torch.arange(width, device=self.device)[None, :]  # [B, M]
-        out = {}
-        for layer, h in states.items():
-            cols_h = cols.clamp(max=h.shape[1] - 1)[..., None].expand(-1, -1, h.shape[-1])
-            out[layer] = h.gather(1, cols_h)  # [B, M, H]
-        return out, start, count
-
-    def keep_path(self, start: torch.Tensor, path: torch.Tensor, accepted: torch.Tensor) -> None:
-        """After a tree forward (tokens ``start[b] ..`` of row b were its nodes): move the cached
-        entries of each row's accepted nodes ``path[b, :accepted[b]]`` (node indices, root to
-        deepest) to the slots of the chain they make, ``start[b] .. start[b] + accepted[b] - 1``,
-        in one gather per cache tensor; :meth:`commit` then drops the rest."""
-        count = int(accepted.max()) if accepted.numel() else 0
-        if count == 0:
-            return
-        depth = torch.arange(count, device=self.device)[None, :]  # [1, A]
-        moved = (path[:, :count].to(self.device) != depth) & (depth < accepted.to(self.device)[:, None])  # [B, A]
-        if not bool(moved.any()):  # the accepted path is the leading chain: already in place
-            return
-        base = self.offsets + start.to(self.device)  # [B] slot of each row's node 0
-        if bool((base[:, None] + path[:, :count].to(self.device) >= self.cached_slots)[moved].any()):
-            raise RuntimeError("ModelState.keep_path: an accepted node is no longer cached")
-        first = int(base.min())
-        width = int((base + accepted.to(self.device)).max()) - first
-        cols = first + torch.arange(width, device=self.device)[None, :].repeat(self.batch_size, 1)  # [B, W]
-        along = cols - base[:, None]  # [B, W] depth - 1 of each slot in its row's chain
-        take = (along >= 0) & (along < accepted.to(self.device)[:, None])
-        nodes = path.to(self.device).gather(1, along.clamp(0, path.shape[1] - 1))
-        self.kv.gather_slots(first, torch.where(take, base[:, None] + nodes, cols))
-        if self.hidden is not None:  # the accepted nodes' hidden states in chain order too
-            keep_hidden_path(self, start.to(self.device), path[:, :count].to(self.device),
-                             depth < accepted.to(self.device)[:, None])
 
     # -- cache maintenance --------------------------------------------------------------------
     def _realign(self, valid_ends: list[int]) -> None:

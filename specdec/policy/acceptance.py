@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from ..host import host_ints
+
 #: acceptance at which a source of drafts is priced until one of its drafts has been verified (its
 #: prior, if higher): a draft whose worth is unknown is tried once where it would pay if it agreed
 #: with the target this often, and its record decides from then on
@@ -78,7 +80,7 @@ class AcceptanceTracker:
         if sources is None:
             picks = [0] * batch
         else:
-            picks = sources.tolist() if isinstance(sources, torch.Tensor) else list(sources)
+            picks = host_ints(sources) if isinstance(sources, torch.Tensor) else list(sources)
         rows = []
         for b, s in enumerate(picks):  # plain floats: B x K is small
             if self.untried[s] is not None:  # the first draft at the optimistic price, deeper ones below it
@@ -94,8 +96,8 @@ class AcceptanceTracker:
     def update(self, offered: torch.Tensor, accepted: torch.Tensor, sources: torch.Tensor | None = None) -> None:
         """offered [B], accepted [B] drafts of this step, drafted by ``sources [B]`` (default:
         source 0); position i is tried if offered > i and every earlier draft was accepted."""
-        offers, accepts = offered.tolist(), accepted.tolist()
-        picks = [0] * len(offers) if sources is None else sources.tolist()
+        offers, accepts = host_ints(offered), host_ints(accepted)
+        picks = [0] * len(offers) if sources is None else host_ints(sources)
         for s, (offered_s, accepted_s) in enumerate(zip(self.offered, self.accepted)):
             for b, (offer, accept, pick) in enumerate(zip(offers, accepts, picks)):
                 drafted = pick == s and offer > 0
@@ -144,12 +146,11 @@ class ConfidenceCalibration:
         """confidence [B, K] (NaN where a draft has none), offered [B], accepted [B] of one step:
         row b's draft i was reached (verified with every earlier one accepted) if i <= accepted[b]
         and i < offered[b]."""
-        picks = [0] * confidence.shape[0] if sources is None else sources.cpu().tolist()
+        picks = [0] * confidence.shape[0] if sources is None else host_ints(sources)
         for s in set(picks):
             self.offered[s] = [x * self.decay for x in self.offered[s]]
             self.accepted[s] = [x * self.decay for x in self.accepted[s]]
-        for conf, off, acc, s in zip(confidence.cpu().tolist(), offered.cpu().tolist(), accepted.cpu().tolist(),
-                                     picks):
+        for conf, off, acc, s in zip(confidence.cpu().tolist(), host_ints(offered), host_ints(accepted), picks):
             for i, c in enumerate(conf[: min(off, acc + 1)]):
                 if c == c:  # not NaN
                     b = self._bin(c)

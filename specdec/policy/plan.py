@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..host import host_ints, host_long
 from ..kv import CacheSettings
 from ..modelinfo import step_bytes
 from .acceptance import UNTRIED, AcceptanceTracker, ConfidenceCalibration
@@ -153,16 +154,16 @@ class DraftPolicy:
         self.shape = (pending, context)
         self.value = self.row_values(remaining, pending, context)
         if self.free:  # what each row offers is priced by its own source and confidence (admit)
-            return remaining.clamp(0, self.max_drafts)
+            return host_long(self._offers(remaining), remaining.device)
         # an assistant's prefill still to come is paid once, so it is spread over the steps left;
         # and drafting starts only where a later step (one token pending) would draft too
-        setup = self._setup_seconds(prefills) / max(int(remaining.max()), 1)
+        setup = self._setup_seconds(prefills) / max(max(host_ints(remaining)), 1)
         ask = self.budget(remaining, pending, context, setup)
         if setup > 0:
             steady = self.budget(remaining, 1, context + pending, setup)
-            ask = torch.where(steady > 0, ask, torch.zeros_like(ask))
+            ask = host_long([a if s > 0 else 0 for a, s in zip(host_ints(ask), host_ints(steady))], ask.device)
         if self.stepwise:  # where drafting pays, the drafter's own probabilities end the block
-            ask = torch.where(ask > 0, remaining.clamp(0, self.max_drafts), ask)
+            ask = host_long([r if a > 0 else a for a, r in zip(host_ints(ask), self._offers(remaining))], ask.device)
         return ask
 
     def row_values(self, remaining: torch.Tensor, pending: int, context: int) -> torch.Tensor | None:
@@ -173,14 +174,14 @@ class DraftPolicy:
         ahead of them only leaves the batch sooner, saving one row's part of each later step
         (the step's cost less the cost of a step of one row fewer). Batches whose rows stop at
         their own ends of sequence are valued alike."""
-        rows = remaining.cpu()
-        if rows.numel() <= 1:
+        rows = host_ints(remaining)
+        batch = len(rows)
+        if batch <= 1:
             return None
-        last = rows == rows.max()
+        last = torch.tensor([r == max(rows) for r in rows])
         count = int(last.sum())
-        if count == rows.numel():
+        if count == batch:
             return None
-        batch = rows.numel()
         whole = float(self.costs.predict(pending * batch, context))
         fewer = float(self.costs.predict(pending * (batch - 1), context))
         share = min(max((whole - fewer) / max(whole, 1e-12), 0.0), 1.0)
@@ -197,9 +198,9 @@ class DraftPolicy:
         each source's acceptance, what the drafter's confidence meant, the step's other costs."""
         sources = record.sources
         if not record.first and not record.compiling:  # a step that compiled a graph says nothing of its costs
-            made = record.made.cpu() if sources is None else record.made.cpu()[sources == 0]  # drafts that cost time
-            if not record.catching_up:
-                drafted = int(made.max()) if made.numel() else 0
+            picks = [0] * record.made.shape[0] if sources is None else host_ints(sources)
+            if not record.catching_up:  # the most drafts a row made from source 0 (the ones that cost time)
+                drafted = max((m for m, s in zip(host_ints(record.made), picks) if s == 0), default=0)
                 if drafted:
                     self.observe_drafting(record.drafting, drafted)
                 else:
@@ -209,7 +210,7 @@ class DraftPolicy:
         if record.confidence is not None:
             self.calibration.update(record.confidence, record.offered, record.accepted, sources)
         if not record.first and not record.compiling:
-            self.observe_overhead(record.overhead(), drafts=bool(record.offered.max() > 0))
+            self.observe_overhead(record.overhead(), drafts=max(host_ints(record.offered), default=0) > 0)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (finished rows left the batch)."""
@@ -286,7 +287,7 @@ class DraftPolicy:
 
     def _offers(self, counts: torch.Tensor) -> list[int]:
         """counts [B] as plain numbers within 0..max_drafts."""
-        return [min(max(int(c), 0), self.max_drafts) for c in counts.tolist()]
+        return [min(max(c, 0), self.max_drafts) for c in host_ints(counts)]
 
     def _estimate(self, sources: torch.Tensor | None, confidence: torch.Tensor | None) -> list[list[float]]:
         """[B][K] conditional acceptance per position: the tracker's, scaled where a draft came with
@@ -295,7 +296,7 @@ class DraftPolicy:
         estimate = self.acceptance.estimate_rows(sources)
         if confidence is None or confidence.numel() == 0:
             return estimate
-        picks = [0] * len(estimate) if sources is None else sources.cpu().tolist()
+        picks = [0] * len(estimate) if sources is None else host_ints(sources)
         width = min(confidence.shape[1], self.acceptance.positions)
         for b, (row, s) in enumerate(zip(confidence[:, :width].cpu().tolist(), picks)):
             for i, c in enumerate(row):
@@ -312,7 +313,7 @@ class DraftPolicy:
         available = self._offers(counts)  # [B]
         seconds = self._step_seconds(len(available), pending, context, per_draft, setup)
         width = choose_width(self._estimate(sources, confidence), available, seconds, self._value(len(available)))
-        return torch.tensor([min(a, width) for a in available], dtype=counts.dtype, device=counts.device)
+        return host_long([min(a, width) for a in available], counts.device)
 
     def _value(self, rows: int) -> torch.Tensor | None:
         """This step's :meth:`row_values` where they describe ``rows`` rows."""
