@@ -237,7 +237,7 @@ class DecodeRun(DraftSteps, TreeSteps, ScoreSteps, CommitSteps, OutputSteps):
             grammar_drafts=proposal.grammar_drafts, tree=parents is not None, depth=depth,
             hidden=TargetHidden(*committed_hidden(target, committed + verdict.accepted)) if target.hidden_layers else None)
         self._observe(record, block, committed)
-        if finished is not None and bool(finished.any()):
+        if finished is not None and any(host_ints(finished)):
             self._retire(finished)
         return bool(self.row_ids.numel())
 

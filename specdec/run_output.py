@@ -13,6 +13,7 @@ import time
 import torch
 
 from .engines import engine_report, packed_weights_report
+from .host import host_ints, host_long, hosted
 from .outputs import SpecOutput
 from .state import ModelState
 
@@ -20,12 +21,14 @@ from .state import ModelState
 class OutputSteps:
     def _retire(self, finished: torch.Tensor) -> None:
         """Finished rows [B] bool leave the batch; their new tokens become output."""
-        target = self.target
-        for b in finished.nonzero().flatten().tolist():
-            row = int(self.row_ids[b])
-            self.outputs[row] = target.tokens[b, int(self.prompt_lengths[b]): int(target.lengths[b])].clone()
-        rest = (~finished).nonzero().flatten()
-        self.row_ids, self.prompt_lengths = self.row_ids[rest], self.prompt_lengths[rest]
+        target, done = self.target, host_ints(finished)
+        row_ids, prompts, lengths = (host_ints(t) for t in (self.row_ids, self.prompt_lengths, target.lengths))
+        for b in (b for b, gone in enumerate(done) if gone):
+            self.outputs[row_ids[b]] = target.tokens[b, prompts[b]: lengths[b]].clone()
+        kept = [b for b, gone in enumerate(done) if not gone]
+        rest = host_long(kept, finished.device)
+        self.row_ids = hosted(self.row_ids[rest], [row_ids[b] for b in kept])
+        self.prompt_lengths = hosted(self.prompt_lengths[rest], [prompts[b] for b in kept])
         self.stopper.select_rows(rest)
         if rest.numel():
             for state in self.states():

@@ -178,14 +178,14 @@ class DraftPolicy:
         batch = len(rows)
         if batch <= 1:
             return None
-        last = torch.tensor([r == max(rows) for r in rows])
-        count = int(last.sum())
+        last = [r == max(rows) for r in rows]
+        count = sum(last)
         if count == batch:
             return None
         whole = float(self.costs.predict(pending * batch, context))
         fewer = float(self.costs.predict(pending * (batch - 1), context))
         share = min(max((whole - fewer) / max(whole, 1e-12), 0.0), 1.0)
-        return torch.where(last, 1.0 / count, share).double()
+        return torch.where(torch.tensor(last), 1.0 / count, share).double()
 
     def admit(self, offered: torch.Tensor, sources: torch.Tensor | None,
               confidence: torch.Tensor | None) -> torch.Tensor:

@@ -1,0 +1,121 @@
+"""A step reads the device once: its bookkeeping runs on host values (specdec/host.py).
+
+On a GPU every ``int()``, ``bool()`` or ``tolist()`` of a tensor waits for the device, so a step
+reads back only its verdict (the accepted counts and the committed block) and computes each row's
+length, room, drafts offered and stop checks from values it already holds. These tests count the
+reads a step makes (``torch.overrides.TorchFunctionMode`` sees each one) and check that the
+values a step carries always equal the tensors they describe.
+"""
+
+import traceback
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+import specdec.host as host
+from specdec import SpecDecoder
+from specdec.host import host_ints, host_long, hosted, read_rows
+from specdec.run import DecodeRun
+from specdec.stopping import Stopper
+
+from helpers import left_pad, repetitive_prompt, tiny_pair
+
+READS = {"__int__", "__bool__", "__float__", "__index__", "item", "tolist"}
+
+
+class CountReads(TorchFunctionMode):
+    """Counts reads of tensors into Python values; with ``own=True`` only specdec's own of what a
+    device would hold: not those the model's forward makes inside ``transformers``, nor those of
+    float64 tensors (the draft-length policy's arithmetic, made on the CPU whatever the device)."""
+
+    def __init__(self, own: bool = False):
+        super().__init__()
+        self.count, self.own, self.where = 0, own, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in READS:
+            stack = traceback.extract_stack()[:-1]
+            host_side = args[0].dtype == torch.float64 or any("/transformers/" in frame.filename for frame in stack)
+            if not (self.own and host_side):
+                self.count += 1
+                self.where.append(next((f"{f.filename.split('/')[-1]}:{f.lineno}" for f in reversed(stack)
+                                        if ("specdec" in f.filename or "candidate_generators" in f.filename)
+                                        and not f.filename.endswith("host.py")), "?"))
+        return func(*args, **(kwargs or {}))
+
+
+def test_values_are_read_once_attached_and_checked():
+    t = torch.tensor([3, 1, 2])
+    with CountReads() as reads:
+        assert host_ints(t) == [3, 1, 2]
+        assert host_ints(t) == [3, 1, 2]
+    assert reads.count == 1 + host.CHECK  # the second read only compares (the test suite checks)
+    made = host_long([4, 5])
+    with CountReads() as reads:
+        host.CHECK, checking = False, host.CHECK
+        try:
+            assert host_ints(made) == [4, 5]
+        finally:
+            host.CHECK = checking
+    assert reads.count == 0 and made.dtype == torch.long
+    block, accepted = torch.tensor([[7, 8, 9], [4, 5, 6]]), torch.tensor([2, 0])
+    with CountReads() as reads:
+        rows, counts = read_rows(block, accepted)
+    assert reads.count == 1 and rows == [[7, 8, 9], [4, 5, 6]] and counts == [2, 0]
+    assert getattr(block, "_specdec_host") == rows
+
+
+def test_a_value_that_no_longer_describes_its_tensor_is_caught():
+    t = hosted(torch.tensor([1, 2]), [1, 2])
+    t.add_(1)  # written in place: what no carrier of host values may be
+    with pytest.raises(AssertionError, match="host values"):
+        host.CHECK, checking = True, host.CHECK
+        try:
+            host_ints(t)
+        finally:
+            host.CHECK = checking
+
+
+def _reads_per_step(decoder, monkeypatch, *args, **kwargs) -> tuple[torch.Tensor, list[int]]:
+    """Generate -> (output, per step: (reads, where each was made, whether no row could stop in
+    its block)), the comparisons of host values switched off."""
+    monkeypatch.setattr(host, "CHECK", False)
+    counts, step, quiet, quiets = [], DecodeRun.step, Stopper.quiet, []
+
+    def counted(run):
+        quiets.clear()
+        with CountReads(own=True) as reads:
+            going = step(run)
+        counts.append((reads.count, reads.where, quiets[0]))
+        return going
+
+    def heard(stopper, generated, block):
+        quiets.append(quiet(stopper, generated, block))
+        return quiets[-1]
+
+    monkeypatch.setattr(DecodeRun, "step", counted)
+    monkeypatch.setattr(Stopper, "quiet", heard)
+    out = decoder.generate(*args, **kwargs)
+    return out, counts
+
+
+@pytest.mark.parametrize("generator, options", [(None, {}), ("prompt_lookup", {"schedule": "fixed", "num_tokens": 4}),
+                                                ("prompt_lookup", {})])
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("cache", [{"engine": "eager"}, {"cache_implementation": "static"}])
+def test_a_step_reads_the_device_once(monkeypatch, generator, options, rows, cache):
+    """Every step after the prefill that no row can stop in reads the device exactly once: batch
+    1 and a left-padded batch, a dynamic and a static cache, no drafts, a fixed schedule and the
+    draft-length policy. Output stays generate()'s."""
+    target, _, tokenizer = tiny_pair("llama")
+    target.generation_config.eos_token_id = None  # no end of sequence: rows run to their budget
+    prompts = [repetitive_prompt(24 + 7 * b, seed=b)[0] for b in range(rows)]
+    ids, mask = left_pad(prompts, tokenizer.pad_token_id)
+    new = 40
+    decoder = SpecDecoder(target, generator, **cache, **options)
+    out, counts = _reads_per_step(decoder, monkeypatch, ids, mask, max_new_tokens=new)
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+    assert torch.equal(out.sequences, expected)
+    steady = [(n, where) for n, where, quiet in counts[1:] if quiet]  # the prefill reads the prompt; stops read more
+    assert len(steady) >= 5 and {n for n, _ in steady} == {1}, [c for c in steady if c[0] != 1]
