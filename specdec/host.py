@@ -54,7 +54,10 @@ def host_long(values: list[int], device: torch.device | str = "cpu") -> torch.Te
     """A 1-D int64 tensor of ``values`` on ``device``, carrying them (:func:`host_ints` reads
     nothing): made through a buffer the tensor keeps alive, a third of ``torch.tensor``'s cost."""
     out = torch.frombuffer(array("q", values), dtype=torch.long) if values else torch.empty(0, dtype=torch.long)
-    if device_type(device) != "cpu":
+    kind = device_type(device)
+    if kind == "cuda":  # queued behind the device's work from pinned memory, as a plain copy would wait for it
+        out = out.pin_memory().to(device, non_blocking=True)
+    elif kind != "cpu":
         out = out.to(device)
     return hosted(out, values)
 

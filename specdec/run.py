@@ -51,7 +51,7 @@ import torch
 from .accepted import committed_hidden
 from .assistant import Assistant
 from .compiled import compile_seconds
-from .device import synchronize
+from .device import DeviceTimer
 from .engines import call_begins
 from .host import host_ints, host_long
 from .generators import CandidateGenerator, DecodeContext, StepRecord, TargetHidden, declared_drafting, plugin_name
@@ -118,6 +118,7 @@ class DecodeRun(DraftSteps, TreeSteps, ScoreSteps, CommitSteps, OutputSteps):
         self.row_ids = torch.arange(prompt.rows.shape[0], device=prompt.rows.device)  # original row of each row
         self.outputs: list[torch.Tensor | None] = [None] * prompt.rows.shape[0]
         self.stopper.begin(prompt.input_ids, settings.pad, self.outputs, settings.output_scores)
+        self.timer = DeviceTimer(self.target.device)  # the target's forward, each step
         self.recorder = ScoreRecorder(prompt.rows.shape[0], settings.output_scores, settings.output_logits)
         self._tree_engine = None  # the engine that runs tree forwards (CPU or eager), made at the first tree
         self._tree_refusal: str | None = None  # why this call verifies trees as chains (None: it does not)
@@ -211,8 +212,9 @@ class DecodeRun(DraftSteps, TreeSteps, ScoreSteps, CommitSteps, OutputSteps):
         draft_ids = proposal.token_ids[:, :k].to(target.device)  # [B, k]
         parents = proposal.parents[:, :k].to(target.device) if proposal.is_tree else None  # [B, k]
         committed = target.lengths  # [B] (a state's lengths are replaced, never written in place)
+        self.timer.begin(drafted)
         logits = self._forward(draft_ids, offered, committed, parents)  # [B, k+1, V]
-        forwarded = time.perf_counter()
+        self.timer.end()
         depth = None  # [B] a tree's depth
         if parents is None:
             scores = self._scores(logits, draft_ids, offered, committed)  # [B, k+1, V] as generate() processes them
@@ -233,7 +235,7 @@ class DecodeRun(DraftSteps, TreeSteps, ScoreSteps, CommitSteps, OutputSteps):
             confidence=proposal.confidence, fed=(pending + k) * target.batch_size, context=context,
             first=first, catching_up=catching_up, waiting=first and bool(self.borrowers),
             compiling=compile_seconds() - compiled_before, started=started, drafting=drafted - started,
-            forward=forwarded - drafted, verifying=time.perf_counter() - drafted,
+            forward=self.timer.seconds(), verifying=time.perf_counter() - drafted,
             grammar_drafts=proposal.grammar_drafts, tree=parents is not None, depth=depth,
             hidden=TargetHidden(*committed_hidden(target, committed + verdict.accepted)) if target.hidden_layers else None)
         self._observe(record, block, committed)
@@ -244,17 +246,14 @@ class DecodeRun(DraftSteps, TreeSteps, ScoreSteps, CommitSteps, OutputSteps):
     def _forward(self, draft_ids: torch.Tensor, offered: torch.Tensor, committed: torch.Tensor,
                  parents: torch.Tensor | None = None) -> torch.Tensor:
         """Feed the pending tokens and row b's first ``offered[b]`` drafts -> logits [B, k+1, V] from
-        each row's last committed token on; waits for the device, so the forward can be timed.
+        each row's last committed token on (queued on a GPU: the step's read of its verdict waits).
         With ``parents [B, k]`` the drafts are a tree's nodes, fed with its layout through the eager
         engine: column i+1 is then the logits after node i's own chain."""
         self.target.append(draft_ids, offered)
         start = host_long([n - 1 for n in host_ints(committed)], committed.device)  # [B] each row's last committed token
         if parents is None:
-            logits = self.target.forward(start=start)
-        else:
-            logits = self.target.forward_tree(start, (parents, offered, self._tree_engine))
-        synchronize(self.target.device)
-        return logits
+            return self.target.forward(start=start)
+        return self.target.forward_tree(start, (parents, offered, self._tree_engine))
 
     def states(self) -> list[ModelState]:
         """The target's state and every assistant's."""
