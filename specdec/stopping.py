@@ -33,6 +33,8 @@ from typing import Any, Sequence
 
 import torch
 
+from .host import host_ints, host_long
+
 
 class Stopper:
     """A call's stopping rules: EOS ids, the new-token budget, stop strings, the user's criteria.
@@ -78,12 +80,11 @@ class Stopper:
     def worth_verifying(self, draft_ids: torch.Tensor, offered: torch.Tensor) -> torch.Tensor:
         """offered [B] cut after each row's first end-of-sequence draft: a draft after it could
         never be kept (accepted, the end stops the row; rejected, so is every later draft)."""
-        width = draft_ids.shape[1]
-        if width == 0 or not self.eos.numel():
+        if draft_ids.shape[1] == 0 or not self.eos_ids:
             return offered
-        cols = torch.arange(width, device=draft_ids.device)[None, :]
-        first = torch.where(torch.isin(draft_ids, self.eos), cols, width).amin(1)  # [B] each row's first end
-        return torch.minimum(offered, (first + 1).to(offered.dtype))
+        # host values (the proposal's check has read the drafts): each row's count, cut after its first end
+        return host_long([next((i + 1 for i, token in enumerate(row[:n]) if token in self.eos_ids), n)
+                          for row, n in zip(host_ints(draft_ids), host_ints(offered))], offered.device)
 
     def quiet(self, generated: list[int], block: list[list[int]]) -> bool:
         """Whether no row can stop within its ``block`` row (host values, n tokens each) after its

@@ -104,15 +104,20 @@ def _reads_per_step(decoder, monkeypatch, *args, **kwargs) -> tuple[torch.Tensor
                                                 ("prompt_lookup", {})])
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("cache", [{"engine": "eager"}, {"cache_implementation": "static"}])
-def test_a_step_reads_the_device_once(monkeypatch, generator, options, rows, cache):
+@pytest.mark.parametrize("eos", [None, "drafted"])
+def test_a_step_reads_the_device_once(monkeypatch, generator, options, rows, cache, eos):
     """Every step after the prefill that no row can stop in reads the device exactly once: batch
     1 and a left-padded batch, a dynamic and a static cache, no drafts, a fixed schedule and the
-    draft-length policy. Output stays generate()'s."""
+    draft-length policy, with no end of sequence and with one the drafts hold. Output stays
+    generate()'s."""
     target, _, tokenizer = tiny_pair("llama")
-    target.generation_config.eos_token_id = None  # no end of sequence: rows run to their budget
+    target.generation_config.eos_token_id = None  # None: rows run to their budget
     prompts = [repetitive_prompt(24 + 7 * b, seed=b)[0] for b in range(rows)]
     ids, mask = left_pad(prompts, tokenizer.pad_token_id)
     new = 40
+    if eos == "drafted":  # a token the plain output holds late: drafts hold it before it ends a row
+        plain = target.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+        target.generation_config.eos_token_id = int(plain[0, -3])
     decoder = SpecDecoder(target, generator, **cache, **options)
     out, counts = _reads_per_step(decoder, monkeypatch, ids, mask, max_new_tokens=new)
     expected = target.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
