@@ -100,12 +100,21 @@ def _reads_per_step(decoder, monkeypatch, *args, **kwargs) -> tuple[torch.Tensor
     return out, counts
 
 
-@pytest.mark.parametrize("generator, options", [(None, {}), ("prompt_lookup", {"schedule": "fixed", "num_tokens": 4}),
-                                                ("prompt_lookup", {})])
-@pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("cache", [{"engine": "eager"}, {"cache_implementation": "static"}])
-@pytest.mark.parametrize("eos", [None, "drafted"])
-def test_a_step_reads_the_device_once(monkeypatch, generator, options, rows, cache, eos):
+FIXED = ("prompt_lookup", {"schedule": "fixed", "num_tokens": 4})
+POLICY = ("prompt_lookup", {})
+
+
+@pytest.mark.parametrize("generator, rows, cache, eos", [
+    ((None, {}), 1, {"engine": "eager"}, None),
+    ((None, {}), 3, {"cache_implementation": "static"}, "drafted"),
+    (FIXED, 1, {"engine": "eager"}, None),
+    (FIXED, 3, {"engine": "eager"}, "drafted"),
+    (FIXED, 1, {"cache_implementation": "static"}, "drafted"),
+    (POLICY, 1, {"engine": "eager"}, "drafted"),
+    (POLICY, 3, {"engine": "eager"}, None),
+    (POLICY, 3, {"cache_implementation": "static"}, "drafted"),
+])
+def test_a_step_reads_the_device_once(monkeypatch, generator, rows, cache, eos):
     """Every step after the prefill that no row can stop in reads the device exactly once: batch
     1 and a left-padded batch, a dynamic and a static cache, no drafts, a fixed schedule and the
     draft-length policy, with no end of sequence and with one the drafts hold. Output stays
@@ -118,7 +127,7 @@ def test_a_step_reads_the_device_once(monkeypatch, generator, options, rows, cac
     if eos == "drafted":  # a token the plain output holds late: drafts hold it before it ends a row
         plain = target.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
         target.generation_config.eos_token_id = int(plain[0, -3])
-    decoder = SpecDecoder(target, generator, **cache, **options)
+    decoder = SpecDecoder(target, generator[0], **cache, **generator[1])
     out, counts = _reads_per_step(decoder, monkeypatch, ids, mask, max_new_tokens=new)
     expected = target.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
     assert torch.equal(out.sequences, expected)

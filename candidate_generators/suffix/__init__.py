@@ -37,7 +37,7 @@ import os
 import torch
 
 from specdec.generators import (CandidateGenerator, DecodeContext, DraftingInfo, DraftLengthSchedule, Feedback,
-                                Proposal, continuation_trie)
+                                Proposal, continuation_trie, host_ints, long_tensor)
 from specdec.registry import register_candidate_generator
 
 from .memory import SuffixMemory, check_scope
@@ -123,8 +123,7 @@ class SuffixGenerator(CandidateGenerator):
 
     def setup(self, ctx: DecodeContext) -> None:
         self.schedule.reset(ctx.batch_size)
-        lengths = ctx.lengths.tolist()
-        self.rows = [ctx.tokens[b, : lengths[b]].tolist() for b in range(ctx.batch_size)]  # committed, per row
+        self.rows = [list(row) for row in ctx.token_lists()]  # committed, per row (own copies: they grow)
         self.tries = [SuffixTrie(self.max_depth) for _ in self.rows]  # the call's own, per row
         self.active = [trie.extend(trie.start(), row) for trie, row in zip(self.tries, self.rows)]
         self.done: list[list[int]] = []  # rows that left the batch, kept for the memory
@@ -143,7 +142,7 @@ class SuffixGenerator(CandidateGenerator):
         return own, "drafted_call", remembered
 
     def propose(self, ctx: DecodeContext, max_drafts: torch.Tensor) -> Proposal:
-        budget = torch.minimum(self.schedule.current, max_drafts.cpu()).tolist()  # [B]
+        budget = [min(a, b) for a, b in zip(host_ints(self.schedule.current), host_ints(max_drafts))]  # [B]
         chosen, trees = [], []
         for b, row in enumerate(self.rows):
             branch, where, other = self.branch(row, self.tries[b], budget[b]) if budget[b] > 0 else (
@@ -169,19 +168,18 @@ class SuffixGenerator(CandidateGenerator):
         for b, branch in enumerate(chosen):
             confidence[b, : leads[b]] = torch.tensor(branch.probs[: leads[b]])
         proposal.confidence = confidence.to(device)
-        proposal.sources = torch.tensor([match_source(b.match) for b in chosen], dtype=torch.long)
+        proposal.sources = long_tensor([match_source(b.match) for b in chosen])
         return proposal
 
     def observe(self, ctx: DecodeContext, feedback: Feedback) -> None:
         self.schedule.update(feedback)
-        lengths = ctx.lengths.tolist()
-        for b, row in enumerate(self.rows):  # the tokens just committed join the row and its trie
-            new = ctx.tokens[b, len(row): lengths[b]].tolist()
+        for b, (row, now) in enumerate(zip(self.rows, ctx.token_lists())):  # the tokens just committed join the row and its trie
+            new = now[len(row):]
             row.extend(new)
             self.active[b] = self.tries[b].extend(self.active[b], new)
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        keep = rows.tolist()
+        keep = host_ints(rows)
         kept = set(keep)
         self.done += [row for b, row in enumerate(self.rows) if b not in kept]
         self.rows = [self.rows[i] for i in keep]
