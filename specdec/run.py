@@ -53,8 +53,8 @@ from .assistant import Assistant
 from .compiled import compile_seconds
 from .device import DeviceTimer
 from .engines import call_begins
-from .host import host_ints, host_long
 from .generators import CandidateGenerator, DecodeContext, StepRecord, TargetHidden, declared_drafting, plugin_name
+from .host import host_ints, host_long
 from .kv import CacheSettings, static_problem
 from .metrics import AcceptanceStats
 from .modelinfo import kv_layout, vocab_size

@@ -214,8 +214,7 @@ class ModelState:
         Keeps the longest common prefix cached: a draft that proposed d1..dK and saw d1..da
         accepted keeps those in its cache and is never fed them again.
         """
-        width = max(max(a, b) - s for a, b, s in zip(host_ints(self.lengths), host_ints(lengths), host_ints(since)))
-        width = max(width, 0)
+        width = max([0, *(max(a, b) - s for a, b, s in zip(host_ints(self.lengths), host_ints(lengths), host_ints(since)))])
         if width:
             cols = since[:, None] + torch.arange(width, device=self.device)[None, :]  # [B, W]
             cap = min(self.tokens.shape[1], tokens.shape[1]) - 1
@@ -313,13 +312,12 @@ class ModelState:
         starts = host_ints(start)
         # each row's chunk column of the first logits it needs
         needed = [o + s - first_slot for o, s in zip(host_ints(self.offsets), starts)]
-        first_needed = host_long(needed, self.device)  # [B]
         lowest, highest = min(needed), max(needed)
         if lowest < 0:
             raise RuntimeError("ModelState.forward asked for logits of a token that is already cached")
         layout = runner = None
         if tree is not None:
-            layout, runner, width = tree_inputs(self, tree, first_needed + 1, width)
+            layout, runner, width = tree_inputs(self, tree, host_long([n + 1 for n in needed], self.device), width)
         # a causal forward keeps the hidden states through the backend's forward (a tree's runner keeps them itself)
         hidden_layers = self.hidden_layers if runner is None else ()
         padded = self.padded
@@ -357,7 +355,8 @@ class ModelState:
         shift = width - keep  # fed columns before the first kept one
         if lowest == highest:  # every row's first logits at one column: width - lowest columns from there
             return columns_from(logits, lowest - shift, width - lowest)
-        return columns_from(logits, first_needed - shift, max(n - s for n, s in zip(host_ints(self.lengths), starts)))
+        return columns_from(logits, host_long([n - shift for n in needed], self.device),
+                            max(n - s for n, s in zip(host_ints(self.lengths), starts)))
 
     # -- cache maintenance --------------------------------------------------------------------
     def _realign(self, valid_ends: list[int]) -> None:
