@@ -21,6 +21,9 @@ from specdec.models import TINY_ARCHS, tiny_config, tiny_random
 
 from helpers import left_pad, repetitive_prompt, tiny_pair
 
+# balanced into the second process of a split session (tests/conftest.py)
+pytestmark = pytest.mark.split_second
+
 
 @pytest.fixture
 def pin():

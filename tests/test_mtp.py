@@ -38,6 +38,9 @@ from transformers.modeling_layers import MtpModel
 from candidate_generators.mtp import MtpGenerator, exact_columns
 from specdec import SpecDecoder
 from specdec.sampling import SamplingParams
+# balanced into the second process of a split session (tests/conftest.py)
+pytestmark = pytest.mark.split_second
+
 
 VOCAB = 96
 NEW = 16
