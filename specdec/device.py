@@ -31,7 +31,7 @@ class DeviceTimer:
     when the calls return)."""
 
     def __init__(self, device):
-        self.cuda = device_type(device) == "cuda"
+        self.device, self.cuda = device, device_type(device) == "cuda"
         self._marks: list = [0.0, 0.0]
 
     def begin(self, now: float) -> None:
@@ -49,8 +49,7 @@ class DeviceTimer:
             return first.elapsed_time(last) / 1e3
         return last - first
 
-    @staticmethod
-    def _event():
+    def _event(self):
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))  # the stream the forward runs on, whichever GPU is current
         return event
