@@ -38,7 +38,7 @@ import torch
 
 from specdec.copies import budget_seconds
 from specdec.engines import check_weights
-from specdec.generators import DecodeContext, DraftingInfo, Feedback, Proposal
+from specdec.generators import DecodeContext, DraftingInfo, Feedback, Proposal, host_ints
 from specdec.modelinfo import tensor_bytes
 from specdec.registry import register_candidate_generator
 from specdec.validation import check_flag
@@ -100,26 +100,28 @@ class SelfDraftGenerator(DraftModelGenerator):
         if self.lookup is None:
             return super().propose(ctx, max_drafts)
         found = self.lookup.propose(ctx, max_drafts)
-        matched = found.lengths > 0  # [B]
+        # [B] bool on the CPU, from host values (no device read): the rows a lookup matched, those that may draft
+        matched = torch.tensor([n > 0 for n in host_ints(found.lengths)])
+        drafting = torch.tensor([n > 0 for n in host_ints(max_drafts)])
         lookup_sources = found.sources + 1  # [B] this generator's source of each row's match
         copy_rate = ctx.draft_rate(max_drafts, source=0) if bool(matched.any()) else None  # None: no policy
         if copy_rate is not None:  # a match is taken where it pays at least as well as the copy
             lookup_rate = torch.zeros(matched.shape, dtype=torch.float64)
-            for source in lookup_sources[matched.cpu()].unique().tolist():
+            for source in lookup_sources[matched].unique().tolist():
                 mine = lookup_sources == source
                 lookup_rate[mine] = ctx.draft_rate(found.lengths, source=source).cpu()[mine]
-            take = matched & (lookup_rate >= copy_rate.cpu()).to(matched.device)
-            if bool((~take & (max_drafts.to(take.device) > 0)).any()):
+            take = matched & (lookup_rate >= copy_rate.cpu())
+            if bool((~take & drafting).any()):
                 # the copy drafts for some row, and a batch's copy steps every row: its drafts are
                 # made for a matched row too, so a match must beat them as made
                 paid = ctx.draft_rate(max_drafts, source=0, paid=True).cpu()
-                take &= (lookup_rate >= paid).to(take.device)
+                take &= lookup_rate >= paid
             matched = take
-        missing = ~matched & (max_drafts.to(found.lengths.device) > 0)  # [B]
+        missing = ~matched & drafting  # [B]
         if bool(missing.any()):
             found = merge(found, super().propose(ctx, max_drafts), use_second=missing.to(max_drafts.device),
                           vocab=ctx.target_vocab_size)
-        found.sources = torch.where(missing.cpu(), 0, lookup_sources)  # 0: the copy's drafts, else a match's
+        found.sources = torch.where(missing, 0, lookup_sources)  # 0: the copy's drafts, else a match's
         return found
 
     def observe(self, ctx: DecodeContext, feedback: Feedback) -> None:

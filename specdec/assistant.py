@@ -22,6 +22,7 @@ from typing import Sequence
 
 import torch
 
+from .host import host_ints, host_long, hosted
 from .state import ModelState
 
 
@@ -41,7 +42,7 @@ class Assistant:
     @property
     def lengths(self) -> torch.Tensor:
         """[B] tokens per row (committed, plus drafts fed since the last verification)."""
-        return self._state.lengths.clone()
+        return hosted(self._state.lengths.clone(), list(host_ints(self._state.lengths)))
 
     def row(self, b: int, start: int = 0, end: int | None = None) -> list[int]:
         """Row b's tokens ``[start:end]`` (end defaults to the row's length)."""
@@ -50,7 +51,8 @@ class Assistant:
 
     def next_logits(self) -> torch.Tensor:
         """Feed every pending token; return ``[B, vocab]`` logits of each row's next token."""
-        return self._state.forward(start=self._state.lengths - 1)[:, -1]
+        state = self._state
+        return state.forward(start=host_long([n - 1 for n in host_ints(state.lengths)], state.device))[:, -1]
 
     def feed(self, ids: torch.Tensor, counts: torch.Tensor | None = None) -> None:
         """Append ``ids [B]`` (one token per row) or ``ids [B, n]`` (the first ``counts[b]`` of row b)."""
