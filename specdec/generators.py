@@ -40,8 +40,8 @@ from typing import Any, ClassVar
 import torch
 
 from .context import AssistantHandle, CommittedRows, DecodeContext, DraftAdvice
-from .host import host_ints, host_long, hosted
 from .feedback import Feedback, StepRecord, TargetHidden
+from .host import host_ints, host_long, hosted
 from .modelinfo import token_id_list, vocab_size
 from .sampling import SamplingParams
 from .tries import continuation_trie

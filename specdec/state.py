@@ -312,7 +312,7 @@ class ModelState:
         starts = host_ints(start)
         # each row's chunk column of the first logits it needs
         needed = [o + s - first_slot for o, s in zip(host_ints(self.offsets), starts)]
-        lowest, highest = min(needed), max(needed)
+        lowest = min(needed)
         if lowest < 0:
             raise RuntimeError("ModelState.forward asked for logits of a token that is already cached")
         layout = runner = None
@@ -320,40 +320,44 @@ class ModelState:
             layout, runner, width = tree_inputs(self, tree, host_long([n + 1 for n in needed], self.device), width)
         # a causal forward keeps the hidden states through the backend's forward (a tree's runner keeps them itself)
         hidden_layers = self.hidden_layers if runner is None else ()
-        padded = self.padded
         index, real, ids, positions = chunk(self, first_slot, width, layout)
-        keep = width - lowest
         kwargs: dict[str, Any] = {
             "input_ids": ids,
             "position_ids": positions,
             self._cache_kwarg: self.kv.cache,
             "use_cache": True,
-            "logits_to_keep": keep,
+            "logits_to_keep": width - lowest,
         }
-
-        def mask(slots: int) -> torch.Tensor:  # [B, slots]: each row's own tokens, nothing stale
-            at = torch.arange(slots, device=self.device)[None, :]
-            inside = at < (self.offsets + self.lengths)[:, None]
-            return (inside & (at >= self.offsets[:, None]) if padded else inside).long()
-
         if first:  # a first forward starts at slot 0 unless it continues a prefix
             kwargs.update(self.prefill_inputs.for_chunk(index[:, :width], real[:, :width]))
         # one row with no left padding holds a token in every slot up to its end: no mask to build
-        needs_mask = self.batch_size > 1 or runner is not None or padded
+        needs_mask = self.batch_size > 1 or runner is not None or self.padded
         logits = self.kv.forward(self.model, kwargs, first_slot=first_slot, width=width, first=first,
-                                 mask=mask, needs_mask=needs_mask, runner=runner, hidden_layers=hidden_layers)
+                                 mask=self._slot_mask, needs_mask=needs_mask, runner=runner,
+                                 hidden_layers=hidden_layers)
         if hidden_layers:
             logits, self._fed_hidden = logits  # {layer: [B, F, H]} of the fed columns
-        # [B, keep, V]: the last `keep` of the `width` columns (all of them if the model ignores logits_to_keep)
-        keep = logits.shape[1]
         self.is_first_iteration = False
         self.prefill_inputs = PrefillInputs()
         self.cached_slots = first_slot + width
         if self.hidden_layers:
             self.hidden = (self._fed_hidden, index[:, 0].clone())
         self._realign(ends)
-        shift = width - keep  # fed columns before the first kept one
-        if lowest == highest:  # every row's first logits at one column: width - lowest columns from there
+        return self._from_needed(logits, width, needed, starts)
+
+    def _slot_mask(self, slots: int) -> torch.Tensor:
+        """[B, slots] a forward's attention mask: each row's own tokens, nothing stale."""
+        at = torch.arange(slots, device=self.device)[None, :]
+        inside = at < (self.offsets + self.lengths)[:, None]
+        return (inside & (at >= self.offsets[:, None]) if self.padded else inside).long()
+
+    def _from_needed(self, logits: torch.Tensor, width: int, needed: list[int], starts: list[int]) -> torch.Tensor:
+        """A forward's ``logits [B, keep, V]`` (the last ``keep`` of the ``width`` columns it fed; all
+        of them if the model ignores ``logits_to_keep``) -> each row's from its chunk column
+        ``needed[b]`` on (the token ``starts[b]``), left-aligned."""
+        shift = width - logits.shape[1]  # fed columns before the first kept one
+        lowest = min(needed)
+        if lowest == max(needed):  # every row's first logits at one column: width - lowest columns from there
             return columns_from(logits, lowest - shift, width - lowest)
         return columns_from(logits, host_long([n - shift for n in needed], self.device),
                             max(n - s for n, s in zip(host_ints(self.lengths), starts)))
