@@ -302,7 +302,7 @@ class ModelState:
         ``tree = (parents [B, K], nodes [B], engine)`` (``Proposal.parents``), fed in one forward
         through ``engine`` (specdec.engines) with the tree layout, each at its root's position plus
         its depth; ``out[b, 1 + i]`` is the distribution after node i's own chain. The cache holds
-        every node afterwards (:meth:`keep_path` keeps the accepted ones)."""
+        every node afterwards (``specdec.accepted.keep_path`` keeps the accepted ones)."""
         return self._forward(start, tree)
 
     def _forward(self, start: torch.Tensor, tree: tuple | None = None) -> torch.Tensor:
