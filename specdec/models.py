@@ -22,7 +22,6 @@ import functools
 import importlib.util
 import os
 import re
-import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -222,39 +221,17 @@ def _quiet_transformers():
         hf_logging.set_verbosity(verbosity)
 
 
-_GGUF_PATCH = threading.Lock()  # held while _gguf_parsed_once's stand-ins are in the gguf module
-
-
 @contextlib.contextmanager
-def _gguf_parsed_once():
-    """For the duration, each GGUF file is parsed once and each tensor-name map built once.
-
-    ``transformers`` reads a GGUF file's header anew for the config, the tokenizer and the weights,
-    and builds ``gguf``'s tensor-name map once per module of the model; both take seconds for a
-    model with a large vocabulary, and give the same read-only result each time. ``gguf``'s
-    ``GGUFReader`` and ``get_tensor_name_map`` are looked up at call time, so the memoized stand-ins
-    set here are what those calls get; the originals are restored after. Loads from several
-    threads take turns (the stand-ins are the module's, for everyone)."""
+def _gguf_read():
+    """:func:`specdec.gguf_read.gguf_parsed_once` where the ``gguf`` package is installed (without
+    it, ``transformers`` says that GGUF needs it)."""
     try:
-        import gguf
-    except ImportError:  # pragma: no cover - transformers will say that GGUF needs the package
+        from .gguf_read import gguf_parsed_once
+    except ImportError:  # pragma: no cover
         yield
         return
-    with _GGUF_PATCH:
-        reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-        readers: dict = {}
-
-        def read_once(path, mode="r"):
-            key = (os.path.realpath(path), mode)
-            if key not in readers:
-                readers[key] = reader(path, mode)
-            return readers[key]
-
-        gguf.GGUFReader, gguf.get_tensor_name_map = read_once, functools.lru_cache(maxsize=None)(name_map)
-        try:
-            yield
-        finally:
-            gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+    with gguf_parsed_once():
+        yield
 
 
 def _load_packaged(name: str, dtype: torch.dtype):
@@ -268,7 +245,7 @@ def _load_packaged(name: str, dtype: torch.dtype):
             found = load_cached(name, cache, dtype, load=_load_cached_folder)
             if found is not None:
                 return found
-        with _gguf_parsed_once():
+        with _gguf_read():
             tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
             model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=dtype).eval()
         if cache is not None:

@@ -243,11 +243,12 @@ def test_cached_smollm2_loads_identical_to_the_gguf(tmp_path, monkeypatch, capfd
     assert cache.parent == tmp_path / "weights" and not cache.exists()
     import gguf
 
-    parsed, reader = [], gguf.GGUFReader
-    counting = lambda *args, **kw: parsed.append(args[0]) or reader(*args, **kw)  # noqa: E731
-    monkeypatch.setattr(gguf, "GGUFReader", counting)
+    from specdec.gguf_read import FastReader
+
+    parsed, reader, build = [], gguf.GGUFReader, FastReader.__init__
+    monkeypatch.setattr(FastReader, "__init__", lambda self, path, *a: parsed.append(path) or build(self, path, *a))
     fresh, fresh_tok = load_model("smollm2-135m")  # from the GGUF file, writing the cache
-    assert len(parsed) == 1 and gguf.GGUFReader is counting  # parsed once (not once per part), then restored
+    assert len(parsed) == 1 and gguf.GGUFReader is reader  # parsed once (not once per part), then restored
     err = capfd.readouterr().err
     assert f"cached the de-quantized smollm2-135m weights in {cache}" in err and "SPECDEC_NO_WEIGHT_CACHE" in err
     assert "Converting" not in err and "Loading weights" not in err  # no progress bars
