@@ -26,6 +26,10 @@
   same tensors of 20,000 rows many times, and by default each of those came back as fresh pages
   the kernel had to zero (a fifth of their time, in system time). Only the test processes do this;
   specdec leaves its users' allocator alone.
+* **Bytecode.** The session writes compiled bytecode (``__pycache__``, git-ignored) even where
+  ``PYTHONDONTWRITEBYTECODE`` is set, for itself and the processes it starts: otherwise every
+  process compiles specdec's modules and rewrites the test modules' assertions anew (about 6 s a
+  process on 2 cores).
 * **Prefetch.** When the process that runs the real-model tests finds their models not cached
   yet, it starts one more subprocess at collection that de-quantizes them into that folder while
   the other tests run; the real-model tests run last and each waits for it before it starts (if
@@ -65,6 +69,8 @@ def _keep_freed_memory() -> None:
 
 
 _keep_freed_memory()
+sys.dont_write_bytecode = False  # the module docstring's "Bytecode"
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 torch.set_num_threads(int(os.environ.get("SPECDEC_TEST_THREADS", "1")))
 os.environ["SPECDEC_CACHE"] = os.environ.get("SPECDEC_TEST_CACHE") or str(ROOT / ".test-cache")
 # every host value a step computes for itself is compared with the tensor it describes (specdec/host.py)

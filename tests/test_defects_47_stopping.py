@@ -29,6 +29,9 @@ from specdec.generators import CandidateGenerator, DraftingInfo, Proposal
 from helpers import ForwardRecorder, merged_tokenizer_world
 from test_processors import DRAFT_MERGES, TARGET_MERGES, TEXTS
 
+# many short cases (about 20 s in all): balanced into the second process of a split session (tests/conftest.py)
+pytestmark = pytest.mark.split_second
+
 NEW = 16
 GENERATORS = ["none", "prompt_lookup", "draft_model", "self_draft", "self_draft_lookup", "cross_tokenizer"]
 SITES = ["decoder", "custom_generate"]

@@ -70,13 +70,14 @@ def test_static_cache_is_exact(pairs, arch, drafter):
     check_rows(decoder, target, batch_rows())
 
 
-@pytest.mark.parametrize("arch, drafter", [(arch, "prompt_lookup") for arch in ARCHS]
-                         + [("llama", "draft_model"), ("gemma2", "draft_model")])
+@pytest.mark.parametrize("arch, drafter", [("llama", "prompt_lookup"), ("qwen3", "prompt_lookup"), ("gemma2", "prompt_lookup"),
+                                           ("llama", "draft_model"), ("gemma2", "draft_model")])
 def test_compiled_static_path_is_exact(pairs, arch, drafter):
     """A left-padded batch whose rows accept different drafts (each batch size and width compiles
-    its own graphs: batch 1 runs compiled in test_no_graph_compiles_after_warmup). A compiled
-    draft model on one full-attention and one sliding-window architecture (each compile costs
-    seconds; test_static_cache_is_exact runs every architecture with both drafters uncompiled)."""
+    its own graphs: batch 1 runs compiled in test_no_graph_compiles_after_warmup). Prompt lookup on
+    two full-attention architectures (one with query and key norms) and a sliding-window one, a
+    compiled draft model on one of each (each compile costs seconds; test_static_cache_is_exact
+    runs every architecture with both drafters uncompiled)."""
     target, draft, _ = pairs[arch]
     decoder = SpecDecoder(target, draft if drafter == "draft_model" else drafter, cache_implementation="static",
                           compile=AOT_COMPILE, schedule="fixed", num_tokens=3)
