@@ -11,7 +11,7 @@ from gguf import GGUFValueType
 from transformers import modeling_gguf_pytorch_utils as hf_gguf
 from transformers.integrations.ggml import _gguf_parse_value
 
-from specdec.gguf_read import FastReader, gguf_parsed_once, parse_value
+from specdec.gguf_read import FastReader, _fits, gguf_parsed_once, parse_value
 
 VALUES = [  # (key, value, GGUF type, item type of an array)
     ("t.u8", 200, GGUFValueType.UINT8, None), ("t.i8", -100, GGUFValueType.INT8, None),
@@ -102,3 +102,13 @@ def test_a_load_reads_each_file_once_and_restores_what_it_patched(gguf_file, mon
         assert hf_gguf._gguf_parse_value is not parse
         assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
     assert (gguf.GGUFReader, hf_gguf._gguf_parse_value, gguf.get_tensor_name_map) == (reader, parse, names)
+
+
+def test_a_gguf_whose_reader_differs_is_read_by_its_own_reader(gguf_file):
+    assert _fits(gguf.GGUFReader)  # the installed gguf: FastReader reads it (compared above)
+
+    class Other(gguf.GGUFReader):
+        def _get_field_parts(self, offset, raw_type, extra=None):  # internals renamed in some other version
+            return super()._get_field_parts(offset, raw_type)
+
+    assert not _fits(Other)
