@@ -221,22 +221,11 @@ def _quiet_transformers():
         hf_logging.set_verbosity(verbosity)
 
 
-@contextlib.contextmanager
-def _gguf_read():
-    """:func:`specdec.gguf_read.gguf_parsed_once` where the ``gguf`` package is installed (without
-    it, ``transformers`` says that GGUF needs it)."""
-    try:
-        from .gguf_read import gguf_parsed_once
-    except ImportError:  # pragma: no cover
-        yield
-        return
-    with gguf_parsed_once():
-        yield
-
-
 def _load_packaged(name: str, dtype: torch.dtype):
     """A packaged model from the weight cache, else de-quantized from its GGUF file (and cached)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .gguf_read import gguf_parsed_once
 
     folder, gguf_file = packaged_location(name)
     cache = weight_cache_path(name, dtype)
@@ -245,7 +234,7 @@ def _load_packaged(name: str, dtype: torch.dtype):
             found = load_cached(name, cache, dtype, load=_load_cached_folder)
             if found is not None:
                 return found
-        with _gguf_read():
+        with gguf_parsed_once():
             tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
             model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=dtype).eval()
         if cache is not None:

@@ -39,10 +39,12 @@ def load_recorded_run(config_file: str | Path, results: str | Path | None = None
     if tokenizer is None:
         from transformers import AutoTokenizer
 
+        from ..gguf_read import gguf_parsed_once
         from ..models import packaged_location
 
         location, gguf = packaged_location(config.target)
-        tokenizer = AutoTokenizer.from_pretrained(location, gguf_file=gguf)
+        with gguf_parsed_once():
+            tokenizer = AutoTokenizer.from_pretrained(location, gguf_file=gguf)
     reference = config.methods[0].name
     turns = sorted((r for r in rows if r["method"] == reference and not is_batched(r)),
                    key=lambda r: (r["question_id"], r["turn"]))
