@@ -17,8 +17,10 @@ With no ``--copy``: drafts from the call's own text (its prompt and what it has 
   ``prompt_lookup``'s continuations accepts more.
 
 With ``--copy WEIGHTS`` (``w8a8``, ``int4``, ...): drafts from ``self_draft``'s copy of the target
-at that precision (its lookup left out), read teacher-forced over each answer (a chain's accepted
-drafts are the answer's tokens, so this is exactly what it drafts up to its first miss), two ways:
+at that precision (its lookup left out), read teacher-forced over each answer: a chain's accepted
+drafts are the answer's tokens, so this is what it drafts up to its first miss (save that when
+decoding the copy reads the target's keys and values of the committed tokens, here its own), four
+ways:
 
 * ``chain``: the copy's top token at each depth;
 * ``tree``: the chain and, at each depth, the copy's second choice as a leaf beside it
