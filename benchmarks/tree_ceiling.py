@@ -16,6 +16,9 @@ With no ``--copy``: drafts from the call's own text (its prompt and what it has 
 * ``all``: the best of every occurrence of every matched suffix length: no tree of
   ``prompt_lookup``'s continuations accepts more.
 
+``--branch-min-ngram 1`` lets a tree add the continuations of shorter matches (down to one token)
+beside a chain, while a step with no match of ``--min-ngram`` tokens still drafts nothing.
+
 With ``--copy WEIGHTS`` (``w8a8``, ``int4``, ...): drafts from ``self_draft``'s copy of the target
 at that precision (its lookup left out), read teacher-forced over each answer: a chain's accepted
 drafts are the answer's tokens, so this is what it drafts up to its first miss (save that when
@@ -58,9 +61,10 @@ COPY_WAYS = ("chain", "tree", "branch", "subtree")
 def accepted(index: Occurrences, context: list[int], answer: list[int], args) -> dict[str, int]:
     """Drafts the target accepts at this step, each way (see the module docstring)."""
     sequence, found = index.sequences[0], []  # (n, start of what followed) from the longest suffix down
-    for n in range(min(args.max_ngram, len(context) - 1), args.min_ngram - 1, -1):
+    shortest = min(args.min_ngram, args.branch_min_ngram or args.min_ngram)
+    for n in range(min(args.max_ngram, len(context) - 1), shortest - 1, -1):
         found += [(n, at + n) for _, at in reversed(index.ends.get(tuple(context[len(context) - n:]), []))]
-    if not found:
+    if not found or found[0][0] < args.min_ngram:  # no chain: no drafts, tree or not
         return dict.fromkeys(WAYS, 0)
     agree = [min(_agree(sequence, start, answer), args.depth) for _, start in found]
     branches, best = [], 0
@@ -134,6 +138,8 @@ def main() -> None:
     parser.add_argument("--min-ngram", type=int, default=2, help="prompt_lookup's min_ngram (its default: 2)")
     parser.add_argument("--depth", type=int, default=10, help="the most drafts a step verifies (its max_tokens: 10)")
     parser.add_argument("--branches", type=int, default=4, help="continuations in a tree (its branches: 4)")
+    parser.add_argument("--branch-min-ngram", type=int, help="shorter matches whose continuations a tree may add "
+                        "beside a chain (default: --min-ngram)")
     parser.add_argument("--copy", help="draft from self_draft's copy at this precision (w8a8, int4, ...) instead")
     parser.add_argument("--threads", type=int, default=2, help="torch threads for the copy's forwards")
     args = parser.parse_args()
@@ -147,7 +153,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
         copy = build_copy(load_model(run.config.target)[0], args.copy)
     totals = replay(calls, args, copy)
-    drafter = f"the {args.copy} copy" if copy is not None else f"n-grams {args.min_ngram}-{args.max_ngram}, {args.branches} branches"
+    branch_n = f" (a tree's from {args.branch_min_ngram})" if args.branch_min_ngram else ""
+    drafter = (f"the {args.copy} copy" if copy is not None
+               else f"n-grams {args.min_ngram}-{args.max_ngram}{branch_n}, {args.branches} branches")
     folder = os.path.relpath(run.folder)
     print(f"{run.config.methods[0].name}'s {len(calls)} turns of {folder}; {drafter}, depth {args.depth}\n")
     ways = COPY_WAYS if copy is not None else WAYS

@@ -54,8 +54,20 @@ def test_a_branch_grows_only_where_the_copy_was_least_sure():
 def test_lookup_ways_take_the_latest_match_then_any_continuation():
     # "1 2" occurred twice: followed by 3 9 0 (older) and 3 4 0 (latest); the answer goes 3 9 0 7
     prompt = [1, 2, 3, 9, 0, 1, 2, 3, 4, 0, 1, 2]
-    args = SimpleNamespace(max_ngram=2, min_ngram=2, depth=10, branches=4)
+    args = SimpleNamespace(max_ngram=2, min_ngram=2, depth=10, branches=4, branch_min_ngram=None)
     # chain: the latest continuation holds 3 (+9); then "3 9" was followed by 0: 0 (+7): 2 steps.
     # tree and all: the older continuation holds 3 9 0 (+7): 1 step
     assert lookup_steps(prompt, [3, 9, 0, 7], args) == {"chain": 2, "tree": 1, "all": 1}
     assert lookup_steps(prompt, [3, 9, 0, 7], SimpleNamespace(**{**vars(args), "branches": 1}))["tree"] == 2
+
+
+def test_shorter_matches_add_branches_only_beside_a_chain():
+    one = SimpleNamespace(max_ngram=2, min_ngram=2, depth=10, branches=4, branch_min_ngram=1)
+    two = SimpleNamespace(**{**vars(one), "branch_min_ngram": None})
+    # "1 2" was followed by 4 7; "2" alone also by 3 8; the answer goes 3 8 6. The chain misses (+3),
+    # then "2 3" gives 8 (+6): 2 steps; a tree with the one-token match's continuation: 3 8 (+6)
+    prompt = [9, 2, 3, 8, 1, 2, 4, 7, 1, 2]
+    assert lookup_steps(prompt, [3, 8, 6], one) == {"chain": 2, "tree": 1, "all": 1}
+    assert lookup_steps(prompt, [3, 8, 6], two) == {"chain": 2, "tree": 2, "all": 2}
+    # no two-token match at the end ("7 2"): no drafts at all, though "2" alone was followed by 3 8
+    assert lookup_steps([5, 1, 2, 3, 8, 1, 2, 4, 7, 2], [3, 8], one) == {"chain": 2, "tree": 2, "all": 2}
