@@ -15,6 +15,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
+from .host import host_ints
 from .modelinfo import vocab_size
 from .sampling import SamplingParams
 
@@ -150,11 +151,12 @@ class DecodeContext:
         policy, while it expects a longer block to pay, valued with these drafts' own acceptance;
         True when the generator sets its own draft lengths."""
         made = drafts.shape[1]
-        open_rows = made < max_drafts.to(drafts.device)
-        if self._ended is not None and made:
-            open_rows &= ~self._ended(drafts)[:, -1]
-        if not bool(open_rows.any()):
+        room = [made < n for n in host_ints(max_drafts)]  # host values: no read where no row can end
+        if not any(room):
             return False
+        if self._ended is not None and made:  # a row whose last draft ends its sequence drafts no more
+            if not bool((torch.tensor(room, device=drafts.device) & ~self._ended(drafts)[:, -1]).any()):
+                return False
         if self._advice is None or confidence is None:
             return True
         return self._advice.step_keep(confidence, max_drafts)

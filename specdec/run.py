@@ -101,7 +101,8 @@ class DecodeRun(DraftSteps, TreeSteps, ScoreSteps, CommitSteps, OutputSteps):
                                            target.device.type, self.plugin)  # None: the generator's own lengths
         self.processors = settings.processors or None  # an empty list processes nothing
         self.ctx = DecodeContext(target, tokenizer, draft_tokenizer, settings.sampling, settings.generator,
-                                 prompt.spec.user_inputs, self.target, self._attach, self.policy, self.stopper.ended,
+                                 prompt.spec.user_inputs, self.target, self._attach, self.policy,
+                                 self.stopper.ended if self.stopper.eos_ids else None,  # None: no draft can end a row
                                  self._draft_scores if self.processors is not None else None,
                                  can_mirror=self.target.kv.cache is not None)
         # validates and attaches assistants: still before any forward (every rank agrees it went well)

@@ -18,6 +18,9 @@ from .verify import Verdict
 
 
 class CommitSteps:
+    #: this step's :meth:`ModelState.held` values per follower the controller syncs, read with the verdict
+    _held: dict = {}
+
     def _commit(self, scores: torch.Tensor, draft_ids: torch.Tensor, verdict: Verdict, committed: torch.Tensor,
                 chain: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """-> (block [B, k+1]: the accepted drafts, then the target's token; kept [B]: how much of
@@ -30,7 +33,10 @@ class CommitSteps:
         block = torch.cat([draft_ids, verdict.next_token[:, None]], dim=1)  # [B, k+1]
         if draft_ids.shape[1]:  # the target's token after the accepted drafts
             block.scatter_(1, verdict.accepted[:, None], verdict.next_token[:, None])
-        rows, accepted = read_rows(block, verdict.accepted)  # the step's one read of the device
+        synced = [state for state in self.followers if state not in self.borrowers]
+        held = [state.held(committed, block) for state in synced]  # read with the verdict: _observe's syncs
+        rows, accepted, *held = read_rows(block, verdict.accepted, *held)  # the step's one read of the device
+        self._held = dict(zip(synced, held))
         done = [n - p for n, p in zip(host_ints(committed), host_ints(self.prompt_lengths))]  # new tokens before
         counts = host_long([a + 1 for a in accepted], block.device)
         if self.stopper.quiet(done, rows):  # most steps: every row keeps its block
@@ -52,7 +58,7 @@ class CommitSteps:
                 if not state.is_first_iteration:  # the first copy waits for drafts (_draft)
                     state.mirror(self.target)
             else:
-                state.sync(self.target.tokens, self.target.lengths, since=committed)
+                state.sync(self.target.tokens, self.target.lengths, since=committed, held=self._held.get(state))
         drafter = record.drafter_view()  # the generator's drafts only
         self.session.observe(self.ctx, drafter)
         if self.policy is not None:

@@ -208,23 +208,29 @@ class ModelState:
             del row[n:]
         self._realign([o + min(self.cached_slots - o, n) for o, n in zip(host_ints(self.offsets), host_ints(self.lengths))])
 
-    def sync(self, tokens: torch.Tensor, lengths: torch.Tensor, since: torch.Tensor) -> None:
+    def held(self, since: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+        """[B]: how many leading tokens of ``block [B, n]`` row b holds right after its first
+        ``since[b]`` (within its length), computed on the device: what :meth:`sync` needs when
+        ``block`` is what the target committed after ``since``, so a step can read it with its verdict."""
+        width = min(block.shape[1], max([0, *(n - s for n, s in zip(host_ints(self.lengths), host_ints(since)))]))
+        cols = since.to(self.device)[:, None] + torch.arange(width, device=self.device)[None, :]  # [B, W]
+        same = self.tokens.gather(1, cols.clamp(max=self.tokens.shape[1] - 1)) == block[:, :width].to(self.device)
+        return (same & (cols < self.lengths[:, None])).long().cumprod(dim=1).sum(dim=1)
+
+    def sync(self, tokens: torch.Tensor, lengths: torch.Tensor, since: torch.Tensor, held: list[int] | None = None) -> None:
         """Make the rows equal ``tokens[:, :lengths]``, given they already agree before ``since``.
 
         Keeps the longest common prefix cached: a draft that proposed d1..dK and saw d1..da
-        accepted keeps those in its cache and is never fed them again.
+        accepted keeps those in its cache and is never fed them again. ``held``: :meth:`held`'s
+        values for what ``tokens`` holds after ``since`` (else compared here, one read).
         """
-        width = max([0, *(max(a, b) - s for a, b, s in zip(host_ints(self.lengths), host_ints(lengths), host_ints(since)))])
-        if width:
-            cols = since[:, None] + torch.arange(width, device=self.device)[None, :]  # [B, W]
-            cap = min(self.tokens.shape[1], tokens.shape[1]) - 1
-            same = (self.tokens.gather(1, cols.clamp(max=cap)) == tokens.gather(1, cols.clamp(max=cap)))
-            same &= (cols < self.lengths[:, None]) & (cols < lengths[:, None])
-            common = since + same.long().cumprod(dim=1).sum(dim=1)
-        else:
-            common = torch.minimum(since, lengths)
+        if held is None:
+            width = max([0, *(n - s for n, s in zip(host_ints(lengths), host_ints(since)))])
+            cols = since.to(tokens.device)[:, None] + torch.arange(width, device=tokens.device)[None, :]
+            held = host_ints(self.held(since, tokens.gather(1, cols.clamp(max=tokens.shape[1] - 1))))
         # the last token stays uncached: the next forward must produce the logits that follow it
-        self.truncate(torch.minimum(common, lengths - 1))
+        self.truncate(host_long([min(s + h, n - 1) for s, h, n in zip(host_ints(since), held, host_ints(lengths))],
+                                self.device))
         self.grow(tokens.shape[1])
         self._lists = None
         first = min(host_ints(since))  # rows already agree before `since`: copy only what may differ
