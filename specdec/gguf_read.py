@@ -107,9 +107,7 @@ def gguf_parsed_once():
     with _PATCH:
         name_map, parse = gguf.get_tensor_name_map, getattr(hf_gguf, "_gguf_parse_value", None)
         original = gguf.GGUFReader
-        readers: dict = {}
-
-        reader = FastReader if _fits(original) else original
+        reader, readers = (FastReader if _fits(original) else original), {}
 
         def read_once(path, mode="r"):
             key = (os.path.realpath(path), mode)

@@ -225,7 +225,7 @@ class DecodeRun(DraftSteps, TreeSteps, ScoreSteps, CommitSteps, OutputSteps):
         else:  # a tree: verified from the root, then the chain it accepted (columns and cache entries)
             scores, logits, draft_ids, verdict, dead, depth = self._tree_step(logits, draft_ids, parents, offered,
                                                                               committed, proposal.probs)
-        block, kept, finished = self._commit(scores, draft_ids, verdict, committed, chain=parents is None)
+        block, kept, finished, held = self._commit(scores, draft_ids, verdict, committed, chain=parents is None)
         if dead is not None:
             self._refuse_dead_end(dead, kept, committed)
         if self.recorder:
@@ -239,7 +239,7 @@ class DecodeRun(DraftSteps, TreeSteps, ScoreSteps, CommitSteps, OutputSteps):
             forward=self.timer.seconds(), verifying=time.perf_counter() - drafted,
             grammar_drafts=proposal.grammar_drafts, tree=parents is not None, depth=depth,
             hidden=TargetHidden(*committed_hidden(target, committed + verdict.accepted)) if target.hidden_layers else None)
-        self._observe(record, block, committed)
+        self._observe(record, block, committed, held)
         if finished is not None and any(host_ints(finished)):
             self._retire(finished)
         return bool(self.row_ids.numel())

@@ -18,15 +18,13 @@ from .verify import Verdict
 
 
 class CommitSteps:
-    #: this step's :meth:`ModelState.held` values per follower the controller syncs, read with the verdict
-    _held: dict = {}
-
     def _commit(self, scores: torch.Tensor, draft_ids: torch.Tensor, verdict: Verdict, committed: torch.Tensor,
-                chain: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                chain: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict]:
         """-> (block [B, k+1]: the accepted drafts, then the target's token; kept [B]: how much of
         it each row keeps (cut where it stops; a stopped row that ``generate()`` would not pad
         goes on); finished [B] bool: the rows that leave the batch, None where no row can stop
-        in this block). The target's cache then holds the committed prefix. ``scores`` [B, k+1,
+        in this block; held: each synced follower's :meth:`ModelState.held` values, read with the
+        verdict). The target's cache then holds the committed prefix. ``scores`` [B, k+1,
         V]: what the stopping criteria may see; ``chain``: the drafts were fed as a chain, so the
         target's tokens already hold them in place (a tree's accepted path is gathered into place)."""
         target = self.target
@@ -36,7 +34,6 @@ class CommitSteps:
         synced = [state for state in self.followers if state not in self.borrowers]
         held = [state.held(committed, block) for state in synced]  # read with the verdict: _observe's syncs
         rows, accepted, *held = read_rows(block, verdict.accepted, *held)  # the step's one read of the device
-        self._held = dict(zip(synced, held))
         done = [n - p for n, p in zip(host_ints(committed), host_ints(self.prompt_lengths))]  # new tokens before
         counts = host_long([a + 1 for a in accepted], block.device)
         if self.stopper.quiet(done, rows):  # most steps: every row keeps its block
@@ -47,9 +44,9 @@ class CommitSteps:
             kept, finished = self.stopper.settle(generated, counts, keep, stopped)
         cached = hosted(committed + verdict.accepted, [n + a for n, a in zip(host_ints(committed), accepted)])
         target.commit(committed, block, kept, cached=cached, placed=verdict.accepted if chain and draft_ids.shape[1] else None)
-        return block, kept, finished
+        return block, kept, finished, dict(zip(synced, held))
 
-    def _observe(self, record: StepRecord, block: torch.Tensor, committed: torch.Tensor) -> None:
+    def _observe(self, record: StepRecord, block: torch.Tensor, committed: torch.Tensor, held: dict) -> None:
         """Everyone who learns from the step hears it: statistics, streamer, followers, generator, policy."""
         self._count(record)
         self.feed.tokens(block, record.kept)
@@ -58,7 +55,7 @@ class CommitSteps:
                 if not state.is_first_iteration:  # the first copy waits for drafts (_draft)
                     state.mirror(self.target)
             else:
-                state.sync(self.target.tokens, self.target.lengths, since=committed, held=self._held.get(state))
+                state.sync(self.target.tokens, self.target.lengths, since=committed, held=held.get(state))
         drafter = record.drafter_view()  # the generator's drafts only
         self.session.observe(self.ctx, drafter)
         if self.policy is not None:
