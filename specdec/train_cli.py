@@ -27,13 +27,16 @@ def add_parser(sub, positive_int, positive_float, threads) -> None:
     t.add_argument("--lr", type=positive_float, default=None, help="peak learning rate (default 1e-3)")
     t.add_argument("--answer-tokens", type=positive_int, default=None,
                    help="new tokens per self-distilled answer (default 256)")
+    t.add_argument("--synthetic-prompts", type=positive_int, default=None, metavar="N",
+                   help="also answer N user turns the target writes itself (a chat model; default 0)")
     t.add_argument("--threads", type=threads, default="auto", help="intra-op threads: a number, or 'auto'")
     t.set_defaults(func=cmd_train_head)
 
 
 #: flag -> the settings field it sets
 FLAGS = {"steps": "steps", "minutes": "minutes", "draft_vocab": "draft_vocab_size", "depth": "depth",
-         "batch_tokens": "batch_tokens", "lr": "lr", "answer_tokens": "answer_tokens"}
+         "batch_tokens": "batch_tokens", "lr": "lr", "answer_tokens": "answer_tokens",
+         "synthetic_prompts": "synthetic_prompts"}
 
 
 def cmd_train_head(args) -> int:

@@ -8,6 +8,7 @@ rejecting ones."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -224,6 +225,10 @@ def test_the_command_trains_on_a_prompt_file_and_refuses_bad_input(tmp_path, cap
     assert main(["train-head", "--out", str(out), "--steps", "1", "--prompts", str(bad)]) == 2
     assert "line 1" in capsys.readouterr().err
     assert main(["train-head", "--out", str(out)]) == 2  # no limit
+    # the flag reaches the settings: the tiny model's tokenizer has no chat template to write prompts with
+    assert main(["train-head", "--target", "tiny-random:llama", "--out", str(tmp_path / "synthetic"), "--steps", "1",
+                 "--synthetic-prompts", "2", "--threads", "1"]) == 2
+    assert "chat template" in capsys.readouterr().err
 
 
 def test_a_generator_asking_for_a_hidden_state_the_target_lacks_is_refused(llama):
@@ -242,3 +247,39 @@ def test_a_generator_asking_for_a_hidden_state_the_target_lacks_is_refused(llama
 
     with pytest.raises(ValueError, match=r"'deep' reads hidden state \d+ of LlamaForCausalLM, which has \d+"):
         SpecDecoder(target, Deep()).generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2)
+
+
+def test_synthetic_prompts_are_distinct_complete_turns_and_resume(llama, tmp_path, monkeypatch):
+    """The target writes user turns after its chat template's opening; a rerun writes the same ones,
+    continuing the file, and a tokenizer without a template is refused."""
+    from candidate_generators.eagle3.data import synthetic_prompts
+
+    target, tokenizer = llama
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = ("{% for m in messages %}[{{ m.role }}]{{ m.content }}<eos>{% endfor %}"
+                               "{% if add_generation_prompt %}[assistant]{% endif %}")
+    end = tokenizer.eos_token_id
+    # a random model seldom ends a turn: make its end-of-turn token likely enough to end some
+    hook = target.lm_head.register_forward_hook(lambda module, args, out: out.index_add(
+        -1, torch.tensor([end]), torch.full((*out.shape[:-1], 1), 4.0)))
+    try:
+        path = tmp_path / "prompts.jsonl"
+        made = synthetic_prompts(target, tokenizer, 6, path, seed=3, batch_size=8, max_tokens=40, progress=False)
+        texts = [p["turns"][0] for p in made]
+        assert len(texts) == 6 and len(set(texts)) == 6 and all(len(t) >= 16 for t in texts)
+        assert [p["key"] for p in made] == [f"synthetic:{i}" for i in range(6)]
+        lines = path.read_text().splitlines()
+        path.write_text("\n".join(lines[:3]) + "\n")  # an interrupted run kept the first three
+        again = synthetic_prompts(target, tokenizer, 6, tmp_path / "fresh.jsonl", seed=3, batch_size=8, max_tokens=40,
+                                  progress=False)
+        resumed = synthetic_prompts(target, tokenizer, 6, path, seed=3, batch_size=8, max_tokens=40, progress=False)
+        assert [p["turns"][0] for p in again] == texts  # the same seed writes the same prompts
+        assert [p["turns"][0] for p in resumed][:3] == texts[:3] and len(resumed) == 6
+        monkeypatch.setattr(target, "generate", lambda *a, **k: pytest.fail("a finished file generates nothing"))
+        assert synthetic_prompts(target, tokenizer, 6, path, seed=3, progress=False) == resumed
+    finally:
+        hook.remove()
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = None
+    with pytest.raises(ValueError, match="chat template"):
+        synthetic_prompts(target, plain, 2, tmp_path / "none.jsonl", progress=False)

@@ -6,8 +6,11 @@ per answer to ``answers.jsonl`` as each batch finishes: a rerun skips the prompt
 answered. Hidden states are never stored here; training takes them from the target on the fly.
 
 Prompts (:func:`held_out_prompts`): the Spec-Bench questions that no benchmark config evaluates on
-(first turns, then each second turn after the target's own first answer), and summaries and
-questions over the standard library's module documentation (text every Python install carries).
+(first turns, then each second turn after the target's own first answer), summaries and
+questions over the standard library's module documentation (text every Python install carries),
+and, as many as asked, user turns the target writes itself (:func:`synthetic_prompts`): a chat
+model given its template up to where a user's message begins writes one, so the prompts are
+bounded by time, not by what text the machine holds.
 """
 
 from __future__ import annotations
@@ -103,8 +106,73 @@ def documentation_text(tokenizer, tokens: int, chunk: int = 512) -> list[dict]:
             for i in range(0, len(ids) - 1, chunk)]
 
 
-def read_answers(path: Path) -> list[dict]:
-    """The answers written so far (a torn last line, from an interrupted run, is dropped)."""
+#: the first word of a synthetic prompt, one per batch in turn ("": the model's own choice)
+OPENERS = ("", "Write", "Explain", "Translate", "Summarize", "Solve", "How", "What", "Why", "Calculate", "Compare",
+           "Describe", "Give", "List", "Create", "Rewrite", "Imagine", "Suggest", "If", "Can")
+
+
+def synthetic_prompts(model, tokenizer, count: int, path: Path, *, seed: int = 0, batch_size: int = 16,
+                      max_tokens: int = 96, progress: bool = True) -> list[dict]:
+    """``count`` distinct user turns written by ``model`` itself: its chat template up to where a
+    user's message begins and the batch's first word (:data:`OPENERS`, in turn: kinds of request
+    the model would seldom start with on its own), then sampled (temperature 1, top-p 0.95) until
+    the turn ends. A turn cut off at ``max_tokens``, shorter than 16 characters, or already
+    written is dropped. Each batch draws from its own seed (``seed`` and its number), so a rerun
+    writes the same prompts; kept ones are appended to ``path`` as each batch finishes and a rerun
+    continues from there. -> prompt records ``{"key": "synthetic:N", "turns": [text]}``."""
+    from tqdm import tqdm
+
+    start, end = _user_turn_frame(tokenizer)
+    rows = read_jsonl(path)
+    seen = {_normalized(r["text"]) for r in rows}
+    batch = max((r["batch"] for r in rows), default=-1) + 1
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end[0]
+    bar = tqdm(total=count, initial=min(len(rows), count), desc="prompts", unit="prompt", disable=not progress)
+    with path.open("a") as out:
+        while len(rows) < count and batch < 4 * (count // batch_size + 1):  # a model that seldom ends its turns
+            opener = tokenizer(OPENERS[batch % len(OPENERS)], add_special_tokens=False)["input_ids"]
+            ids = torch.tensor([start + opener] * batch_size)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed * 1_000_003 + batch)
+                made = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                      temperature=1.0, top_p=0.95, top_k=0, max_new_tokens=max_tokens,
+                                      eos_token_id=end, pad_token_id=pad)[:, ids.shape[1]:].tolist()
+            for row in made:
+                ended = next((i for i, token in enumerate(row) if token in end), None)
+                text = tokenizer.decode(opener + row[:ended], skip_special_tokens=True).strip() if ended is not None else ""
+                if len(text) >= 16 and _normalized(text) not in seen and len(rows) < count:
+                    seen.add(_normalized(text))
+                    rows.append({"batch": batch, "text": text})
+                    out.write(json.dumps(rows[-1]) + "\n")
+                    bar.update(1)
+            out.flush()
+            batch += 1
+    bar.close()
+    return [{"key": f"synthetic:{i}", "turns": [r["text"]]} for i, r in enumerate(rows[:count])]
+
+
+def _user_turn_frame(tokenizer) -> tuple[list[int], list[int]]:
+    """(the chat template's ids up to where a user's message begins, the ids that may end it)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("synthetic prompts need a chat model: this tokenizer has no chat template")
+    mark = "\x00SPECDEC\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": mark}], tokenize=False)
+    before, after = text.split(mark, 1)
+    start = tokenizer(before, add_special_tokens=False)["input_ids"]
+    closing = tokenizer(after, add_special_tokens=False)["input_ids"][:1]  # the template's end of a turn
+    eos = tokenizer.eos_token_id
+    end = list(dict.fromkeys(closing + (eos if isinstance(eos, list) else [eos] if eos is not None else [])))
+    if not start or not end:
+        raise ValueError("synthetic prompts: the chat template neither opens nor closes a user's turn with tokens")
+    return start, end
+
+
+def _normalized(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSON-lines file written so far (a torn last line, from an interrupted run, is dropped)."""
     if not path.is_file():
         return []
     rows = []
@@ -124,7 +192,7 @@ def self_distill(model, tokenizer, prompts: list[dict], path: Path, *, answer_to
     turns already answered there are skipped. -> every answer in ``path``."""
     from tqdm import tqdm
 
-    done = read_answers(path)
+    done = read_jsonl(path)
     answered = {(r["key"], r["turn"]): r for r in done}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     turns = max((len(p["turns"]) for p in prompts), default=0)
@@ -160,7 +228,7 @@ def self_distill(model, tokenizer, prompts: list[dict], path: Path, *, answer_to
                 out.flush()
                 bar.update(len(chunk))
     bar.close()
-    return read_answers(path)
+    return read_jsonl(path)
 
 
 def _messages(prompt: dict, turn: int, answered: dict, tokenizer) -> list[dict]:

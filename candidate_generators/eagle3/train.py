@@ -2,9 +2,11 @@
 
 The pipeline, each part resumable from ``out``:
 
-1. prompts -> the target's own greedy answers (``data.py``, ``out/answers.jsonl``), and the
-   standard library's documentation as plain text (``doc_text_tokens``; the target's
-   distribution at every position of it is a label as good as any);
+1. prompts (with ``synthetic_prompts``, also user turns the target writes itself,
+   ``out/synthetic_prompts.jsonl``) -> the target's own greedy answers (``data.py``,
+   ``out/answers.jsonl``), and the standard library's documentation as plain text
+   (``doc_text_tokens``; the target's distribution at every position of it is a label as good
+   as any);
 2. the draft vocabulary: the ``draft_vocab_size`` most frequent ids in the answers (the prompts'
    ids too when the answers hold fewer distinct ids), ``d2t``/``t2d`` of the head;
 3. training, step by step: a batch of answered sequences goes through the target once (no
@@ -37,7 +39,8 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from .data import documentation_prompts, documentation_text, evaluated_question_ids, held_out_prompts, self_distill
+from .data import (documentation_prompts, documentation_text, evaluated_question_ids, held_out_prompts, self_distill,
+                   synthetic_prompts)
 from .head import Eagle3Head, HeadConfig
 
 #: the target's most likely draft-vocabulary tokens kept per position as the soft label
@@ -62,6 +65,7 @@ class TrainSettings:
     seed: int = 0
     doc_prompts: int = 200
     doc_text_tokens: int = 200_000  # the standard library's documentation read as text (data.documentation_text)
+    synthetic_prompts: int = 0  # user turns the target writes itself, answered too (data.synthetic_prompts)
 
     def __post_init__(self):
         if self.steps is None and self.minutes is None:
@@ -70,6 +74,9 @@ class TrainSettings:
             raise ValueError(f"steps must be >= 1 and minutes > 0, got steps={self.steps}, minutes={self.minutes}")
         if self.depth < 1:
             raise ValueError(f"depth must be >= 1, got {self.depth}")
+        if isinstance(self.synthetic_prompts, bool) or not isinstance(self.synthetic_prompts, int) \
+                or self.synthetic_prompts < 0:
+            raise ValueError(f"synthetic_prompts must be an int >= 0, got {self.synthetic_prompts!r}")
 
 
 # -- the training-time test -------------------------------------------------------------------------
@@ -253,6 +260,10 @@ def _training_records(target, tokenizer, out: Path, settings: TrainSettings, pro
     the documentation text; a ValueError when there are none."""
     if prompts is None:
         prompts = default_prompts(settings.doc_prompts)
+    if settings.synthetic_prompts:
+        prompts = prompts + synthetic_prompts(target, tokenizer, settings.synthetic_prompts,
+                                              out / "synthetic_prompts.jsonl", seed=settings.seed,
+                                              batch_size=settings.generate_batch, progress=progress)
     records = self_distill(target, tokenizer, prompts, out / "answers.jsonl", answer_tokens=settings.answer_tokens,
                            batch_size=settings.generate_batch, max_prompt_tokens=settings.max_prompt_tokens,
                            progress=progress)
