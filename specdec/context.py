@@ -98,6 +98,11 @@ class DecodeContext:
         accepts more often. The logits unchanged when the call has no processors."""
         return logits if self._scores is None else self._scores(logits, drafts)
 
+    @property
+    def processed(self) -> bool:
+        """Whether the call has processors, so :meth:`scores` may change a drafter's logits."""
+        return self._scores is not None
+
     def probs(self, scores: torch.Tensor) -> torch.Tensor:
         """[B, V] scores from :meth:`scores` -> [B, V] the distribution to draft from: their softmax
         where the call's processors (warpers included) made them, else ``sampling.probs`` when

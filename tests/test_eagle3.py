@@ -119,6 +119,31 @@ def test_left_padded_batch_with_processors(llama, heads):
         assert torch.equal(out.sequences[b, ids.shape[1]: ids.shape[1] + want.numel()], want), b
 
 
+def test_drafts_without_processors_are_those_the_processed_scores_give(llama, heads):
+    """Greedy drafting without processors takes the argmax over the draft vocabulary's own columns;
+    a processor that changes nothing sends the head's logits through the target's vocabulary
+    instead: the same drafts, so the same acceptance, step by step."""
+    target, _ = llama
+    vocab = target.config.vocab_size
+    row = train_prompts(vocab)[0][None]
+    # the trained head cut to a draft vocabulary of its own: the ids the target writes after the
+    # prompt, and every third id, so that draft index and target id differ
+    keep = torch.tensor(sorted(set(reference(target, row, 30)[0].tolist()) | set(range(0, vocab, 3))))
+    trained = heads["trained"]
+    head = Eagle3Head(HeadConfig(**{**trained.config.to_dict(), "draft_vocab_size": keep.numel()}))
+    head.load_state_dict({k: v[keep] if k == "lm_head.weight" else v for k, v in trained.state_dict().items()
+                          if k not in ("d2t", "t2d")}, strict=False)
+    head.set_vocab(keep)
+    stats = []
+    for processors in ([], [lambda ids, scores: scores]):
+        decoder = SpecDecoder(target, "eagle3", head=head.eval(), schedule="fixed", num_tokens=3)
+        out = decoder.generate(row, max_new_tokens=30, logits_processor=processors)
+        assert torch.equal(out.sequences, reference(target, row, 30))
+        stats.append((out.stats.steps, out.stats.drafted_tokens, out.stats.accepted_at_position))
+    assert stats[0] == stats[1], stats
+    assert stats[0][0] < 20, stats  # the trained head's drafts are accepted: fewer steps than 30 tokens ask
+
+
 @pytest.fixture(scope="module")
 def tiny_vocab():
     target = tiny_vocab_llama(0)

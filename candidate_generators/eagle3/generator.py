@@ -148,14 +148,15 @@ class Eagle3Generator(CandidateGenerator):
         position = lengths - 1  # [B] where the next pair goes
         ids, probs, confidence = [], [], []
         for i in range(k):
-            scores = self.drafted_logits(ctx, last, ids)  # [B, V]
             if ctx.sampling.do_sample:
-                p = ctx.probs(scores)
+                p = ctx.probs(self.drafted_logits(ctx, last, ids))  # [B, V]
                 token = sample(p, ctx.generator)
                 probs.append(p)
                 confidence.append(p.gather(1, token[:, None]))
-            else:
+            else:  # with no processors, the argmax over the draft vocabulary's own columns: the same token
+                scores = self.drafted_logits(ctx, last, ids) if ctx.processed else self.head.logits(last).float()
                 top, token = scores.max(dim=-1)
+                token = token if ctx.processed else self.to_target[token]
                 confidence.append(torch.exp(scores - top[:, None]).sum(dim=-1, keepdim=True).reciprocal())
             ids.append(token)
             if i + 1 == k or not ctx.keep_drafting(torch.stack(ids, dim=1), torch.cat(confidence, dim=1), limit):
