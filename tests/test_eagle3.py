@@ -304,6 +304,10 @@ def test_synthetic_prompts_are_distinct_complete_turns_and_resume(llama, tmp_pat
         assert synthetic_prompts(target, tokenizer, 6, path, seed=3, progress=False) == resumed
     finally:
         hook.remove()
+        monkeypatch.undo()
+    # a model that never ends a turn within max_tokens: a bounded number of batches, fewer prompts
+    assert synthetic_prompts(target, tokenizer, 3, tmp_path / "short.jsonl", batch_size=2, max_tokens=2,
+                             progress=False) == []
     plain = copy.deepcopy(tokenizer)
     plain.chat_template = None
     with pytest.raises(ValueError, match="chat template"):

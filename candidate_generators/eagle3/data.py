@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.compiled import say
 from specdec.prompts import encode_chat, left_pad
 
 #: the standard library's documentation, as prompts: what is asked of each module's text
@@ -139,7 +140,9 @@ def synthetic_prompts(model, tokenizer, count: int, path: Path, *, seed: int = 0
                                       eos_token_id=end, pad_token_id=pad)[:, ids.shape[1]:].tolist()
             for row in made:
                 ended = next((i for i, token in enumerate(row) if token in end), None)
-                text = tokenizer.decode(opener + row[:ended], skip_special_tokens=True).strip() if ended is not None else ""
+                if ended is None:
+                    continue
+                text = tokenizer.decode(opener + row[:ended], skip_special_tokens=True).strip()
                 if len(text) >= 16 and _normalized(text) not in seen and len(rows) < count:
                     seen.add(_normalized(text))
                     rows.append({"batch": batch, "text": text})
@@ -148,6 +151,9 @@ def synthetic_prompts(model, tokenizer, count: int, path: Path, *, seed: int = 0
             out.flush()
             batch += 1
     bar.close()
+    if len(rows) < count:
+        say(f"synthetic prompts: {len(rows)} of {count} after {batch} batches (the model seldom finished a "
+            f"turn within {max_tokens} tokens, or repeated itself); training goes on with those")
     return [{"key": f"synthetic:{i}", "turns": [r["text"]]} for i, r in enumerate(rows[:count])]
 
 
