@@ -80,6 +80,8 @@ BLOCK_PROCESSORS = {
     "no_repeat_3": lambda p: lp.NoRepeatNGramLogitsProcessor(3),
     "no_repeat_longer_than_any_row": lambda p: lp.NoRepeatNGramLogitsProcessor(40),
     "bad_words": lambda p: lp.NoBadWordsLogitsProcessor([[3], [4, 5], [1, 2, 3]], eos_token_id=7),
+    # bad words that are only EOS ids: transformers drops them all, and the processor changes nothing
+    "bad_words_only_eos": lambda p: lp.NoBadWordsLogitsProcessor([[7], [8]], eos_token_id=[7, 8]),
     "sequence_bias": lambda p: lp.SequenceBiasLogitsProcessor([[[3], 1.5], [[4, 5], -2.0]]),
     "min_length": lambda p: lp.MinLengthLogitsProcessor(15, 7),
     "min_new_tokens": lambda p: lp.MinNewTokensLengthLogitsProcessor(6, 5, [7, 8]),
@@ -138,6 +140,7 @@ SETTINGS = {
     "encoder_repetition_penalty": lambda t: {"encoder_repetition_penalty": 2.0},
     "no_repeat_ngram_size": lambda t: {"no_repeat_ngram_size": 2},
     "bad_words_ids": lambda t: {"bad_words_ids": [[t[1]], [t[3], t[4]]]},
+    "bad_words_ids_only_eos": lambda t: {"eos_token_id": t[2], "bad_words_ids": [[t[2]]]},
     "suppress_tokens": lambda t: {"suppress_tokens": [t[0], t[2]]},
     "begin_suppress_tokens": lambda t: {"begin_suppress_tokens": [t[0]]},
     "min_length": lambda t: {"eos_token_id": t[2], "min_length": 24},
@@ -153,7 +156,7 @@ SETTINGS = {
     "mix": lambda t: {"repetition_penalty": 1.2, "no_repeat_ngram_size": 3, "eos_token_id": t[2],
                       "min_new_tokens": 6, "bad_words_ids": [[t[1]], [t[3], t[4]]]},
 }
-UNCHANGED = {"renormalize_logits"}  # log-softmax keeps the argmax
+UNCHANGED = {"renormalize_logits", "bad_words_ids_only_eos"}  # log-softmax keeps the argmax; EOS is never a bad word
 GENERATORS = ["none", "prompt_lookup", "draft_model", "self_draft", "cross_tokenizer"]  # every built-in
 
 
