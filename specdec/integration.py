@@ -39,7 +39,9 @@ takes both tokenizers as ``target_tokenizer=`` and ``draft_tokenizer=``.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import os
 import sys
 import threading
 import weakref
@@ -92,9 +94,9 @@ class Drafters:
         if isinstance(draft, CandidateGenerator):
             if options:
                 raise TypeError(f"draft_options {sorted(options)} cannot be applied to a generator instance")
-        elif isinstance(draft, (str, type)) or draft is None:  # a name, a generator class, or plain decoding
+        elif (isinstance(draft, (str, type)) or draft is None) and plain(options) and plain(decoder_options):
             draft = self._kept(model, draft, options, tokenizer, draft_tokenizer, decoder_options)
-        else:  # the caller's object (a draft model): built for this call, not kept (see the class doc)
+        else:  # the caller's object (a draft model, or one among the options): built for this call, not kept
             return SpecDecoder(model, draft, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer,
                                **decoder_options, **options)
         return SpecDecoder(model, draft, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer, **decoder_options)
@@ -135,6 +137,19 @@ class Drafters:
 
 
 DRAFTERS = Drafters()
+
+
+def plain(value) -> bool:
+    """Whether ``value`` is told apart from any other by its ``repr`` alone: None, numbers, strings,
+    paths, dtypes, and lists, tuples, sets, dicts and frozen dataclasses of them (an object's
+    ``repr``, a module's above all, can be the same for two different ones)."""
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes, os.PathLike, torch.dtype)):
+        return True
+    if dataclasses.is_dataclass(value) and not isinstance(value, type) and value.__dataclass_params__.frozen:
+        return plain(dataclasses.asdict(value))
+    if isinstance(value, dict):
+        return all(plain(k) and plain(v) for k, v in value.items())
+    return isinstance(value, (list, tuple, set, frozenset)) and all(plain(v) for v in value)
 
 
 def release(model=None) -> None:

@@ -6,7 +6,8 @@ batch; ``return_dict_in_generate`` gives ``generate()``'s output type with the s
 streamer gets the prompt once and then exactly the committed tokens; a text-generation pipeline
 returns the plain pipeline's text; ``hub/specdec_custom_generate`` loads by local path (offline,
 ``trust_remote_code=True``); the drafter a call builds is kept per model, shared by threads, and
-released on request.
+released on request; options holding an object (a head module) are never matched to an earlier
+call's.
 """
 
 from __future__ import annotations
@@ -200,3 +201,30 @@ def test_a_draft_with_another_tokenizer_takes_both_tokenizers():
                           target_tokenizer=target_tok, draft_tokenizer=draft_tok,
                           draft_options={"num_tokens": 4, "schedule": "fixed"}, return_dict_in_generate=True, **MIX)
     assert torch.equal(out.sequences, want) and out.stats.generator["steps"] > 0  # the cross-tokenizer generator ran
+
+
+def test_options_holding_a_module_draft_with_that_module_never_an_earlier_calls(model, prompts):
+    """Two heads of one shape have the same ``repr``: the second call must draft with its own."""
+    from candidate_generators.eagle3 import Eagle3Head, HeadConfig
+
+    target, _, _ = model
+    ids, _ = prompts[0]["single"]
+    release(target)
+    vocab = target.config.vocab_size
+    used = {}
+    heads = []
+    for seed in (0, 1):
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            head = Eagle3Head(HeadConfig.for_target(target.config, draft_vocab_size=vocab))
+        head.set_vocab(torch.arange(vocab))
+        for part in head.modules():  # drafting calls its parts
+            part.register_forward_pre_hook(lambda *_, seed=seed: used.__setitem__(seed, used.get(seed, 0) + 1))
+        heads.append(head.eval())
+    for seed, head in enumerate(heads):
+        out = target.generate(ids, max_new_tokens=NEW, custom_generate=specdec.generate, draft="eagle3",
+                              draft_options={"head": head, "schedule": "fixed", "num_tokens": 3}, **MIX)
+        assert torch.equal(out, prompts[1]["single"])
+        assert used.get(seed, 0) > 0 and sum(used.values()) == used[seed], used  # this call's head alone drafted
+        used.clear()
+    assert DRAFTERS.count(target) == 0  # the caller's modules are not kept alive by the table
