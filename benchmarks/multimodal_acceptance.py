@@ -5,8 +5,10 @@
 8 image prompts x 48 new tokens per cell, K = 4 fixed, greedy; last column: transformers' assisted
 generation with an exact copy of the target as assistant.
 """
-import copy, sys
+import argparse, copy, sys
 from pathlib import Path
+
+argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
 
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))

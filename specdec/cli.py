@@ -75,7 +75,8 @@ def _demo_parser(sub) -> None:
                    help=f"the first N questions of each category (default: {demo['first_per_category']})")
     d.add_argument("--categories", default=None,
                    help=f"comma-separated Spec-Bench categories (default: {','.join(demo['categories'])})")
-    d.add_argument("--dataset", default=None, help="Spec-Bench question.jsonl (default: ../shared/spec_bench)")
+    d.add_argument("--dataset", default=None, help="Spec-Bench question.jsonl (default: $SPECDEC_SPEC_BENCH, else "
+                        "../shared/spec_bench/question.jsonl beside the checkout)")
     d.add_argument("--out", default=None, metavar="DIR",
                    help="keep the results and a full report.md in DIR (default: a temporary directory, removed "
                         "at the end)")

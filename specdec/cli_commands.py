@@ -96,7 +96,9 @@ def cmd_demo(args) -> int:
     options = parse_options(args.option)
     plan = plan_draft(args.draft, options)
     if not Path(args.dataset).is_file():
-        raise UsageError(f"Spec-Bench question file not found: {args.dataset} (set SPECDEC_SPEC_BENCH or pass --dataset)")
+        from .prompts import WHERE_SPEC_BENCH
+
+        raise UsageError(f"Spec-Bench question file not found: {args.dataset} (pass --dataset). {WHERE_SPEC_BENCH}")
     method = {"name": args.draft, "generator": args.draft, "options": options}
     if plan.model is not None:  # a bench method names its generator: a draft model drafts with draft_model
         method.update(generator="draft_model", draft=plan.model)

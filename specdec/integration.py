@@ -166,8 +166,8 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
 
     ``draft`` is anything ``SpecDecoder`` takes (a registered generator name, a draft model, a
     ``CandidateGenerator``; None decodes plainly through the same loop), ``draft_options`` its
-    options (``{"num_tokens": 4}``); ``decoder_options`` ``SpecDecoder``'s own
-    (``cache_implementation``, ``compile``, ``fast_head``); ``generator`` a ``torch.Generator`` for
+    options (``{"num_tokens": 4}``); ``decoder_options`` ``SpecDecoder``'s own (``cache_implementation``,
+    ``compile``, ``fast_head``, ``engine``, ``distributed``); ``generator`` a ``torch.Generator`` for
     the sampling's randomness; ``grammar`` what ``SpecDecoder.generate`` takes (compiled for
     ``target_tokenizer``); ``draft_call_options`` the generator's options for this call alone
     (``CandidateGenerator.call_options``, e.g. ``{"memory_scope": "alice"}`` for ``suffix``).

@@ -12,6 +12,10 @@ import torch
 DEFAULT_SPEC_BENCH = Path(os.environ.get(
     "SPECDEC_SPEC_BENCH", Path(__file__).resolve().parent.parent.parent / "shared" / "spec_bench" / "question.jsonl"))
 
+#: where the question file comes from, for a machine without it
+WHERE_SPEC_BENCH = ("It is data/spec_bench/question.jsonl of github.com/hemingkx/Spec-Bench (Apache-2.0): put it at "
+                    "../shared/spec_bench/question.jsonl beside the checkout, or set SPECDEC_SPEC_BENCH to its path")
+
 #: Spec-Bench subtasks; MT-Bench's eight categories form the ``mt_bench`` subtask
 SUBTASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
@@ -24,7 +28,7 @@ def subtask_of(category: str) -> str:
 def load_questions(path: str | Path = DEFAULT_SPEC_BENCH) -> list[dict]:
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"Spec-Bench question file not found: {path}")
+        raise FileNotFoundError(f"Spec-Bench question file not found: {path}. {WHERE_SPEC_BENCH}")
     with path.open() as f:
         return [json.loads(line) for line in f if line.strip()]
 

@@ -123,6 +123,9 @@ def _load_entry_points() -> None:
     if _entry_points_loaded:
         return
     _entry_points_loaded = True
+    from .engines import import_torchao_quietly
+
+    import_torchao_quietly()  # a plugin's module may import transformers' modeling code, which imports torchao
     for ep in _declared_entry_points().values():
         if ep.name in _REGISTRY:
             continue

@@ -3,7 +3,8 @@
 * ``@register_candidate_generator`` registers a class under a name (and sets ``cls.name``);
 * the built-ins are found through the ``specdec.candidate_generators`` entry-point group, as a
   third-party package's would be, and the core never imports them;
-* unknown names list the known ones with a "did you mean"; duplicate names are refused;
+* unknown names list the known ones with a "did you mean"; duplicate names are refused; listing
+  them prints nothing;
 * a generator written at run time, and the two complete examples of docs/plugins.md (run
   exactly as the page prints them), decode with output identical to ``target.generate``.
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 import sys
 from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
@@ -441,3 +443,12 @@ def test_docs_hook_examples_run_as_printed_and_stay_exact(llama):
         SpecDecoder(target, namespace["NeedsTokenizer"]()).generate(ids, max_new_tokens=4)
     shared = namespace["SharedTable"]()
     assert shared.session().table is shared.table
+
+
+def test_listing_the_generators_prints_nothing():
+    """Loading the plugins imports transformers' modeling layers (``mtp``), and with them torchao,
+    whose import logs messages about GPU kernels on a CPU build: specdec imports it quietly first."""
+    done = subprocess.run([sys.executable, "-c", "import specdec; print(specdec.available_generators())"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "mtp" in done.stdout and done.stderr == "", done.stderr
