@@ -150,8 +150,9 @@ def with_siblings(chain: Proposal, depths: list[torch.Tensor], budget: torch.Ten
     the chain's token, each with the distribution it was drawn from (``probs``), so recursive
     rejection verifies it exactly (docs/trees.md), and valued before it is drawn (the chance that
     the chain's token is wrong times that of two draws from what is left agreeing). A row takes its
-    best alternatives while the k-th best is worth ``prices[k]`` tokens (``ctx.node_prices``; None:
-    all), within its budget. The chain leads (node order: the chain, then the alternatives by
+    best open alternative, one at a time (at each depth in the order they were drawn:
+    :func:`_best_in_draw_order`), while the k-th taken is worth ``prices[k]`` tokens
+    (``ctx.node_prices``; None: all), within its budget. The chain leads (node order: the chain, then the alternatives by
     depth); a step where no row takes an alternative is the chain proposal."""
     n = chain.token_ids.shape[1]
     device = chain.token_ids.device
@@ -165,15 +166,35 @@ def with_siblings(chain: Proposal, depths: list[torch.Tensor], budget: torch.Ten
     if not bool((room > 0).any()):
         return chain
     tokens, value, drawn = _alternatives(chain, depths, confidence, width - 1, generator)
-    slot_value = (reach[:, :, None] * value).flatten(1)  # [B, n * (width-1)] in (depth, alternative) order
-    order = slot_value.argsort(dim=1, descending=True, stable=True)
-    rank = order.argsort(dim=1)
-    chosen = (rank < room[:, None]) & (slot_value > 0)
-    if prices is not None:  # the k-th best is taken while it is worth its price
-        best = slot_value.gather(1, order)[:, : prices.numel()]  # [B, m]
-        worth = (best >= prices.to(device)[None, : best.shape[1]]).long().cumprod(dim=1).sum(dim=1)  # [B]
-        chosen &= rank < worth[:, None]
-    return _as_tree(chain, chosen, tokens.flatten(1), None if drawn is None else drawn.flatten(1, 2), width - 1)
+    chosen = _best_in_draw_order(reach[:, :, None] * value, room, prices)
+    return _as_tree(chain, chosen.flatten(1), tokens.flatten(1), None if drawn is None else drawn.flatten(1, 2),
+                    width - 1)
+
+
+def _best_in_draw_order(value: torch.Tensor, room: torch.Tensor, prices: torch.Tensor | None) -> torch.Tensor:
+    """``value [B, n, m]`` of each depth's alternatives in the order they were drawn -> which a row
+    takes ``[B, n, m]``: the best one left, one at a time, while the k-th taken is worth ``prices[k]``
+    (None: anything above 0), within ``room [B]``; at each depth only the next one drawn is open.
+    So whether an alternative is taken never depends on its own token: its value is known before
+    it is drawn, and a later one's (which may depend on it) is looked at only once it is taken,
+    which recursive rejection needs to stay exact (a draw chosen by its own token is not a draw
+    from the distribution it reports)."""
+    batch, n, m = value.shape
+    device = value.device
+    chosen = torch.zeros(batch, n, m, dtype=torch.bool, device=device)
+    taken = torch.zeros(batch, n, dtype=torch.long, device=device)  # [B, n] alternatives taken at each depth
+    alive = torch.ones(batch, dtype=torch.bool, device=device)
+    rows = torch.arange(batch, device=device)
+    steps = int(room.max()) if prices is None else min(int(room.max()), prices.numel())
+    for k in range(steps):
+        open_value = value.gather(2, taken.clamp(max=m - 1)[:, :, None])[:, :, 0].masked_fill(taken >= m, 0.0)
+        best, depth = open_value.max(dim=1)  # [B]: the first of equal values, the shallowest
+        alive &= (best > 0) & (k < room)
+        if prices is not None:
+            alive &= best >= float(prices[k])
+        chosen[rows[alive], depth[alive], taken[rows, depth][alive]] = True
+        taken[rows[alive], depth[alive]] += 1
+    return chosen
 
 
 def _alternatives(chain: Proposal, depths: list[torch.Tensor], confidence: torch.Tensor, others: int,
