@@ -152,8 +152,8 @@ def with_siblings(chain: Proposal, depths: list[torch.Tensor], budget: torch.Ten
     the chain's token is wrong times that of two draws from what is left agreeing). A row takes its
     best open alternative, one at a time (at each depth in the order they were drawn:
     :func:`_best_in_draw_order`), while the k-th taken is worth ``prices[k]`` tokens
-    (``ctx.node_prices``; None: all), within its budget. The chain leads (node order: the chain, then the alternatives by
-    depth); a step where no row takes an alternative is the chain proposal."""
+    (``ctx.node_prices``; None: all), within its budget. The chain leads (node order: the chain,
+    then the alternatives by depth); a step where no row takes an alternative is the chain proposal."""
     n = chain.token_ids.shape[1]
     device = chain.token_ids.device
     chain_len = chain.lengths.to(device)
