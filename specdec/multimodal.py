@@ -83,7 +83,9 @@ def placeholder_ids(model) -> tuple[int, ...]:
 
 
 def _present(inputs: dict[str, Any]) -> set[str]:
-    return {k for k, v in inputs.items() if v is not None}
+    """The inputs given: not None, and not an empty container (``generate()`` passes its
+    pre-encoded ``mm_encoder_outputs`` as ``{}`` for a prompt without media)."""
+    return {k for k, v in inputs.items() if v is not None and not (isinstance(v, (dict, list, tuple)) and not v)}
 
 
 # -- validation: every check runs before any forward ----------------------------------------------
@@ -110,6 +112,12 @@ def check_call(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, mo
     if media and not bool(in_prompt.any()):
         raise ValueError(f"image inputs {media} were given but the prompt holds no image placeholder token "
                          f"(ids {list(placeholders)}); build the prompt with the model's processor, which expands them")
+    if media and not given & set(GRID_INPUTS) and rope_index_function(target) is not None:
+        # generate() encodes the images itself before a custom_generate loop, and drops the grids with the pixels
+        raise ValueError(f"{name} lays images out with 3-D (mRoPE) positions, which need image_grid_thw / "
+                         f"video_grid_thw, and only {media} were given (model.generate(custom_generate=...) "
+                         "encodes the images first and drops the grids): call SpecDecoder(...).generate with what "
+                         "the processor returned")
     if given & set(GRID_INPUTS) and rope_index_function(target) is not None:
         if "mm_token_type_ids" in _rope_index_params(target) and "mm_token_type_ids" not in given:
             raise ValueError(f"{name} lays images out with 3-D (mRoPE) positions, which need mm_token_type_ids "
@@ -136,6 +144,9 @@ class TokenPositions:
     def select_rows(self, rows: torch.Tensor) -> "TokenPositions":
         return self
 
+    def continued(self) -> "TokenPositions":
+        return self
+
 
 class MRopePositions:
     """3-D (temporal, height, width) positions for models with multimodal RoPE.
@@ -144,13 +155,23 @@ class MRopePositions:
     ``get_rope_index``); ``lengths [B]``: prompt tokens per row. Token ``i >= lengths[b]`` sits at
     ``prompt[:, b, lengths[b] - 1] + 1 + (i - lengths[b])`` on every axis, i.e. ``i + deltas[:, b]``.
     When the prompt ends with text (as chat templates do) all three deltas equal the model's
-    ``rope_deltas``.
+    ``rope_deltas``. A prefix (:meth:`continued`) is continued by more of a prompt instead, whose
+    text the model's ``get_rope_index`` places after the highest position so far on every axis
+    (which differs where the prefix ends in an image).
     """
 
-    def __init__(self, prompt: torch.Tensor, lengths: torch.Tensor):
-        self.prompt, self.lengths = prompt, lengths.long()
-        last = prompt.gather(2, (self.lengths - 1)[None, :, None].expand(3, -1, 1))[..., 0]  # [3, B]
+    def __init__(self, prompt: torch.Tensor, lengths: torch.Tensor, after_highest: bool = False):
+        self.prompt, self.lengths, self.after_highest = prompt, lengths.long(), after_highest
+        if after_highest:
+            valid = torch.arange(prompt.shape[2], device=prompt.device)[None, :] < self.lengths[:, None]  # [B, P]
+            last = prompt.masked_fill(~valid[None], torch.iinfo(prompt.dtype).min).amax(dim=(0, 2)).expand(3, -1)
+        else:
+            last = prompt.gather(2, (self.lengths - 1)[None, :, None].expand(3, -1, 1))[..., 0]  # [3, B]
         self.deltas = last + 1 - self.lengths[None, :]  # [3, B]
+
+    def continued(self) -> "MRopePositions":
+        """The positions where this prompt is a prefix that more of a prompt continues."""
+        return MRopePositions(self.prompt, self.lengths, after_highest=True)
 
     def __call__(self, index: torch.Tensor) -> torch.Tensor:
         i = index.clamp_min(0)  # [B, W]
@@ -159,7 +180,7 @@ class MRopePositions:
         return torch.where((i < self.lengths[:, None])[None], inside, after)
 
     def select_rows(self, rows: torch.Tensor) -> "MRopePositions":
-        return MRopePositions(self.prompt[:, rows], self.lengths[rows])
+        return MRopePositions(self.prompt[:, rows], self.lengths[rows], self.after_highest)
 
 
 def rope_index_function(model):

@@ -258,7 +258,7 @@ class ModelState:
         self.kv.load(prefix.cache, int(prefix.cached_slots))
         self.offsets = prefix.offsets.clone().to(self.device)
         self.cached_slots = int(prefix.cached_slots)
-        self.positions = prefix.positions
+        self.positions = prefix.positions.continued()  # more of a prompt follows the prefix
         self.prefill_inputs = PrefillInputs()
 
     def mirror(self, other: "ModelState") -> None:

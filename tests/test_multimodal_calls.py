@@ -1,0 +1,65 @@
+"""Vision-language targets through ``model.generate(custom_generate=...)``, and prefixes that end in
+an image (defects a randomized comparison against ``generate()`` found).
+
+* ``generate()`` passes its pre-encoded media as ``mm_encoder_outputs``, ``{}`` for a prompt
+  without an image: a text-only prompt to a vision-language target decodes as ``generate()`` does
+  (it was refused as "image inputs given without placeholders");
+* with an image, Llava- and Gemma-3-style targets equal ``generate()``; an mRoPE target
+  (Qwen2-VL), whose grids ``generate()`` drops with the pixels, is refused naming them (its 3-D
+  positions cannot be rebuilt, and the output differed from ``generate()``'s);
+* a Qwen2-VL prefix that ends right after its image placeholders, continued by text: the text
+  sits after the highest position on every axis, as ``get_rope_index`` over the whole prompt puts
+  it (it continued each axis from the prefix's last position).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specdec
+from specdec import SpecDecoder
+
+from test_multimodal import BLOCK_END, BLOCK_START, FAMILIES, IMAGE, image_prompt, pixels, tiny_vlm, token_types
+
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def targets():
+    return {family: tiny_vlm(family) for family in FAMILIES}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_text_only_prompt_through_custom_generate_equals_generate(targets, family):
+    target = targets[family]
+    ids = torch.tensor([[5, 17, 99, 5, 17, 99, 5, 17]])
+    out = target.generate(ids, max_new_tokens=NEW, do_sample=False, custom_generate=specdec.generate,
+                          draft="prompt_lookup")
+    assert torch.equal(out, target.generate(ids, max_new_tokens=NEW, do_sample=False))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_image_prompt_through_custom_generate(targets, family):
+    target = targets[family]
+    ids, inputs = image_prompt(family, seed=3)
+    call = lambda **more: target.generate(ids, **inputs, max_new_tokens=NEW, do_sample=False, **more)  # noqa: E731
+    if family == "qwen2_vl":
+        with pytest.raises(ValueError, match="image_grid_thw"):
+            call(custom_generate=specdec.generate, draft="prompt_lookup")
+        assert torch.equal(SpecDecoder(target, "prompt_lookup").generate(ids, **inputs, max_new_tokens=NEW).sequences,
+                           call())
+    else:
+        assert torch.equal(call(custom_generate=specdec.generate, draft="prompt_lookup"), call())
+
+
+@pytest.mark.parametrize("draft", [None, "prompt_lookup"])
+def test_a_prefix_ending_in_an_image_continued_by_text(targets, draft):
+    target = targets["qwen2_vl"]
+    prefix_ids = torch.tensor([[11, 22, 33, 44, 55, BLOCK_START] + [IMAGE] * 6])
+    full = torch.cat([prefix_ids, torch.tensor([[BLOCK_END, 60, 61, 62, 63, 64, 11, 22]])], 1)
+    image = pixels("qwen2_vl", 3)
+    reference = target.generate(full, **image, **token_types("qwen2_vl", full), max_new_tokens=NEW, do_sample=False)
+    decoder = SpecDecoder(target, draft)
+    prefix = decoder.prefill(prefix_ids, **image, **token_types("qwen2_vl", prefix_ids))
+    assert torch.equal(decoder.generate(full, prefix=prefix, max_new_tokens=NEW).sequences, reference)
