@@ -245,6 +245,14 @@ class PrefillInputs:
         first_bad = torch.where(bad.any(dim=1), bad.long().argmax(dim=1), torch.full_like(offered, k))
         return torch.minimum(offered, first_bad)
 
+    def placed(self, tokens: torch.Tensor, start: torch.Tensor, end: torch.Tensor) -> bool:
+        """Whether a placeholder id sits in a row of ``tokens [B, T]`` from ``start[b]`` to ``end[b]``."""
+        if not self.placeholders or not bool((end > start).any()):
+            return False
+        cols = torch.arange(tokens.shape[1], device=tokens.device)[None, :]
+        inside = (cols >= start[:, None]) & (cols < end[:, None])
+        return bool((torch.isin(tokens, torch.tensor(self.placeholders, device=tokens.device)) & inside).any())
+
     def __bool__(self) -> bool:
         return bool(self.inputs or self.per_token)
 

@@ -15,19 +15,19 @@ shortest and the others re-feed their few extra tokens next time; otherwise rows
 shifted right inside the cache (their left padding grows), so re-feeding stays bounded.
 Common left padding is trimmed, so memory is bounded by the longest row plus one block.
 
-First iteration is explicit: ``is_first_iteration`` is True until the first forward, which is
-the only one that receives ``prefill_inputs`` (pixel values and the like). It is not the same as
-"cache is empty": ``continue_from(prefix)`` starts from a cache that already holds a prefix.
+First iteration is explicit: ``is_first_iteration`` is True until the first forward, the only
+one that receives ``prefill_inputs`` (pixel values and the like; over the prompt alone where a
+media placeholder id follows it). It is not "cache is empty": ``continue_from(prefix)`` starts
+from a cache that already holds a prefix.
 
 The cache itself lives in a backend (``specdec.kv``): a ``DynamicCache`` of full-length layers,
 or a ``StaticCache`` written in place, optionally with compiled forwards. ``specdec.feed`` builds
 each forward's inputs and picks the logits each row reads.
 
 Position ids come from ``positions``, a pure function of (row, token index) chosen per model by
-``specdec.multimodal`` (the token index itself for text models; 3-D mRoPE positions for Qwen2-VL
-and kin), so re-feeding or shifting rows never changes a token's position. A model with learned
-absolute positions (``position_limit``: GPT-2, OPT) takes no prompt row longer than its table and
-feeds no token past it (the run bounds the drafts by it, ``specdec.feed`` checks each forward).
+``specdec.multimodal`` (3-D mRoPE positions for Qwen2-VL and kin), so re-feeding or shifting rows
+never changes a token's position. A model with learned absolute positions (``position_limit``:
+GPT-2, OPT) takes no prompt row longer than its table and feeds no token past it.
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ class ModelState:
         self.tokens = torch.full((batch, capacity), pad_token_id, dtype=torch.long, device=self.device)
         self.tokens[:, : tokens.shape[1]] = tokens
         self.lengths = lengths.clone().long()  # [B]
+        self.prompt_lengths = self.lengths.clone()  # [B] what the prefill-only inputs describe
         # left-pad so that every prompt ends at the same slot: the first forward needs no shift
         self.offsets = (self.lengths.max() - self.lengths).long()  # [B]
         self.cached_slots = 0
@@ -89,12 +90,10 @@ class ModelState:
         self._mirrored: tuple[torch.Tensor, int] | None = None  # see mirror()
         self._lists: list[list[int]] | None = None  # see token_lists()
         self.refeed_limit = self.REFEED_LIMIT  # ends at most this far apart re-feed; farther ones shift
-        #: hidden states every forward returns (``output_hidden_states`` indices; set by the run for a
-        #: generator that reads them): a causal forward asks its cache backend's forward for them (the
-        #: fast paths keep them, ``forwards.head.model_logits``), a tree forward its engine
+        #: hidden states every forward returns (``output_hidden_states`` indices, set by the run for a
+        #: generator that reads them; a causal forward's cache backend or a tree's engine keeps them)
         self.hidden_layers: tuple[int, ...] = ()
-        #: after a forward with ``hidden_layers``: ({layer: [B, F, H]} of its fed columns, [B] the token
-        #: index of column 0 of each row, negative where a row's first columns are padding)
+        #: after such a forward: ({layer: [B, F, H]} of its fed columns, [B] the token index of column 0)
         self.hidden: tuple[dict[int, torch.Tensor], torch.Tensor] | None = None
 
     @property
@@ -118,10 +117,8 @@ class ModelState:
 
     def cache_slots(self, width: int, max_new_tokens: int | None) -> tuple[int, int]:
         """(slots a static cache starts with, slots the call can reach) for a prompt ``width`` wide:
-        the prompt, the new tokens ``max_new_tokens`` and the model's positions allow (a row holds at
-        most ``position_limit + 1`` tokens), one block and the re-feed margin; it starts with room for
-        ``HEADROOM`` new tokens and grows when needed (``specdec.kv``), so memory follows what is
-        generated rather than ``max_new_tokens``."""
+        the prompt, the new tokens the call and the model's positions allow, a block and the re-feed
+        margin; it starts with room for ``HEADROOM`` new tokens and grows when needed (``specdec.kv``)."""
         new = max_new_tokens or self.HEADROOM
         if self.position_limit is not None:
             new = min(new, self.position_limit + 1)
@@ -129,8 +126,7 @@ class ModelState:
         return min(reach, width + self.HEADROOM + self.margin()), reach
 
     def grow(self, needed: int) -> None:
-        """Make room for ``needed`` tokens per row; capacity at least doubles (amortised O(1) per token),
-        so memory follows what is generated, not ``max_new_tokens``."""
+        """Make room for ``needed`` tokens per row; capacity at least doubles (amortised O(1) per token)."""
         capacity = self.tokens.shape[1]
         if needed > capacity:
             extra = self.tokens.new_full((self.batch_size, max(needed, 2 * capacity) - capacity), self.pad_token_id)
@@ -155,9 +151,8 @@ class ModelState:
 
     # -- sequence edits -----------------------------------------------------------------------
     def append(self, ids: torch.Tensor, counts: torch.Tensor | None = None) -> None:
-        """Append ``ids [B, E]`` (the first ``counts[b]`` of each row) to the row sequences. A row's
-        columns past its count are written too: what a row holds past its length is never read
-        (rejected drafts lie there after every step)."""
+        """Append ``ids [B, E]`` (the first ``counts[b]`` of each row) to the row sequences (columns
+        past a row's count are written too: what a row holds past its length is never read)."""
         extra = ids.shape[1]
         if extra == 0:
             return
@@ -210,8 +205,7 @@ class ModelState:
 
     def held(self, since: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
         """[B]: how many leading tokens of ``block [B, n]`` row b holds right after its first
-        ``since[b]`` (within its length), computed on the device: what :meth:`sync` needs when
-        ``block`` is what the target committed after ``since``, so a step can read it with its verdict."""
+        ``since[b]`` (within its length), on the device: :meth:`sync`'s ``held``, read with a verdict."""
         width = min(block.shape[1], max([0, *(n - s for n, s in zip(host_ints(self.lengths), host_ints(since)))]))
         cols = since.to(self.device)[:, None] + torch.arange(width, device=self.device)[None, :]  # [B, W]
         same = self.tokens.gather(1, cols.clamp(max=self.tokens.shape[1] - 1)) == block[:, :width].to(self.device)
@@ -244,6 +238,7 @@ class ModelState:
         lengths, offsets = host_ints(self.lengths), host_ints(self.offsets)
         self.tokens = self.tokens[rows]
         self.lengths = hosted(self.lengths[rows], [lengths[r] for r in kept])
+        self.prompt_lengths = self.prompt_lengths[rows]
         self.offsets = hosted(self.offsets[rows], [offsets[r] for r in kept])
         self._lists = None if self._lists is None else [self._lists[r] for r in kept]
         if self._mirrored is not None:  # the rows kept hold what they held at the last mirror
@@ -312,6 +307,8 @@ class ModelState:
         return self._forward(start, tree)
 
     def _forward(self, start: torch.Tensor, tree: tuple | None = None) -> torch.Tensor:
+        if self.is_first_iteration and self.prefill_inputs.placed(self.tokens, self.prompt_lengths, self.lengths):
+            self._prefill_prompt()
         first_slot = self.cached_slots
         ends = self.ends()  # each row's slot after its last token
         width, first = max(ends) - first_slot, self.is_first_iteration
@@ -350,6 +347,13 @@ class ModelState:
             self.hidden = (self._fed_hidden, index[:, 0].clone())
         self._realign(ends)
         return self._from_needed(logits, width, needed, starts)
+
+    def _prefill_prompt(self) -> None:
+        """The prompt alone, with the media: a late assistant's first forward would feed the
+        committed tokens with them, and the model would count a placeholder id the target wrote."""
+        lengths, self.lengths, self._lists = self.lengths, self.prompt_lengths, None
+        self._forward(self.prompt_lengths - 1)
+        self.lengths, self._lists = lengths, None
 
     def _slot_mask(self, slots: int) -> torch.Tensor:
         """[B, slots] a forward's attention mask: each row's own tokens, nothing stale."""
@@ -398,8 +402,7 @@ class ModelState:
         return getattr(self.kv, "compiled", None) is not None
 
     def warm_up(self) -> None:
-        """Run one forward at each compiled width (after the prefill, if still to come) and roll
-        each back: compiles what a call will run, on this state's cache."""
+        """Compile what a call will run: one forward at each compiled width (after the prefill), each rolled back."""
         if self.is_first_iteration:
             self.forward(start=self.lengths - 1)
         base = self.lengths  # never written in place

@@ -9,7 +9,9 @@ an image (defects a randomized comparison against ``generate()`` found).
   positions cannot be rebuilt, and the output differed from ``generate()``'s);
 * a Qwen2-VL prefix that ends right after its image placeholders, continued by text: the text
   sits after the highest position on every axis, as ``get_rope_index`` over the whole prompt puts
-  it (it continued each axis from the prefix's last position).
+  it (it continued each axis from the prefix's last position);
+* a first forward (a late draft's) whose tokens after the prompt hold a placeholder id the target
+  wrote prefills the prompt alone with the media (the model counted the id as an image slot).
 """
 
 from __future__ import annotations
@@ -63,3 +65,23 @@ def test_a_prefix_ending_in_an_image_continued_by_text(targets, draft):
     decoder = SpecDecoder(target, draft)
     prefix = decoder.prefill(prefix_ids, **image, **token_types("qwen2_vl", prefix_ids))
     assert torch.equal(decoder.generate(full, prefix=prefix, max_new_tokens=NEW).sequences, reference)
+
+
+def test_a_first_forward_after_a_written_placeholder_feeds_the_media_with_the_prompt_alone(targets):
+    """A vision-language draft asked late feeds the prompt and the committed tokens in its first
+    forward; a placeholder id the target wrote among them was counted as an image slot."""
+    from specdec.multimodal import PrefillSpec
+    from specdec.state import ModelState
+
+    target = targets["qwen2_vl"]
+    ids, inputs = image_prompt("qwen2_vl", seed=3)
+    lengths = torch.tensor([ids.shape[1]])
+    prefill, positions = PrefillSpec.from_call(ids, lengths, inputs).for_model(target)
+    written = torch.tensor([[7, IMAGE, 9]])  # committed after the prompt, a placeholder id among them
+    late = ModelState(target, ids, lengths, prefill_inputs=prefill, positions=positions)
+    late.append(written)
+    logits = late.forward(start=late.lengths - 1)  # raised "Image features and image tokens do not match"
+    early = ModelState(target, ids, lengths, prefill_inputs=prefill, positions=positions)
+    early.forward(start=early.lengths - 1)
+    early.append(written)
+    assert torch.allclose(logits, early.forward(start=early.lengths - 1), atol=1e-5)
