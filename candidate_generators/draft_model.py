@@ -192,6 +192,8 @@ def _best_in_draw_order(value: torch.Tensor, room: torch.Tensor, prices: torch.T
         alive &= (best > 0) & (k < room)
         if prices is not None:
             alive &= best >= float(prices[k])
+        if not bool(alive.any()):  # every row has stopped
+            break
         chosen[rows[alive], depth[alive], taken[rows, depth][alive]] = True
         taken[rows[alive], depth[alive]] += 1
     return chosen
