@@ -32,6 +32,7 @@ from transformers.generation.stopping_criteria import MaxTimeCriteria
 
 from .compiled import warming
 from .distributed import Ranks, call_fingerprint, coordinated
+from .call_inputs import check_token_input, prefill_only
 from .engines import check_engine, resolve_engine_name
 from .generation import Resolved, build_processors, resolve_config, resolved, split_settings
 from .generators import CandidateGenerator, declared_drafting, most_drafts, plugin_name
@@ -124,9 +125,13 @@ class SpecDecoder:
             # the generator's own per-call options (CandidateGenerator.call_options) first
             options = {k: kwargs.pop(k) for k in self.candidate_generator.call_options if k in kwargs}
             settings, model_inputs = split_settings(kwargs)
-            prompt = self._prompt(input_ids, attention_mask, model_inputs, prefix)
             settings.update(self._explicit(max_new_tokens, do_sample, temperature, top_k, top_p, min_p, eos_token_id))
-            config = resolve_config(self.target, generation_config, settings, prompt.input_ids.shape[1])
+            input_ids = check_prompt(input_ids, None)[0]
+            config = resolve_config(self.target, generation_config, settings, input_ids.shape[1])
+            if attention_mask is None:  # as generate(): the pad id's columns are padding, unless it is an EOS id
+                attention_mask = self.target._prepare_attention_mask_for_generation(
+                    input_ids.to(self.target.device), config, {})
+            prompt = self._prompt(input_ids, attention_mask, model_inputs, prefix)
             check_generation_config(config)
             call = resolved(config, prompt.input_ids.shape[1])
             if stop_strings:
@@ -286,6 +291,9 @@ class SpecDecoder:
         with self.calling() as coordinator:  # a sharded target's ranks agree on the prefix before its forward
             if self.cache.static:
                 raise ValueError("prefill() needs the dynamic cache (cache_implementation='dynamic')")
+            if self.cache.engine == "llama_cpp":
+                raise ValueError("prefill() keeps a transformers cache, which engine='llama_cpp' cannot continue "
+                                 "(it keeps its own keys and values); pass the whole prompt to generate()")
             prompt = self._prompt(input_ids, attention_mask, model_inputs, None)
             if self.ranks is not None:
                 coordinator.given(call_fingerprint(prompt.input_ids, prompt.mask(), "prefill",
@@ -299,10 +307,14 @@ class SpecDecoder:
             return Prefix(self.target, prompt.spec, state.offsets.clone(), state.cached_slots, state.cache,
                           state.positions)
 
-    def _prompt(self, input_ids, attention_mask, model_inputs: dict, prefix: Prefix | None) -> Prompt:
+    def _prompt(self, input_ids, attention_mask, model_inputs: dict, prefix: Prefix | None,
+                prepared: bool = False) -> Prompt:
         """Validate a prompt against the target (before any forward) and strip its left padding;
-        every tensor on the target's device."""
+        every tensor on the target's device. ``model_inputs``: the call's model keywords
+        (``prepared``: as ``generate()`` prepared them, ``specdec/call_inputs.py``)."""
+        check_token_input(model_inputs)
         input_ids, attention_mask = check_prompt(input_ids, attention_mask)
+        model_inputs = prefill_only(self.target, model_inputs, attention_mask, prepared=prepared)
         batch, width = input_ids.shape
         problem = cache_problem(self.target, batch)
         if problem:

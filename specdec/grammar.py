@@ -344,10 +344,10 @@ class _RowState:
 def no_allowed_token(row: int, new_token: int) -> ValueError:
     """The error of a position where the grammar and the other logits processors together allow
     no token (``generate()`` would take token 0 there and go on outside the grammar)."""
-    return ValueError(f"no token is allowed at new token {new_token} of row {row}: the grammar allows only tokens "
-                      f"that the other logits processors forbid there (suppress_tokens, bad_words_ids, a min length "
-                      f"that forbids the end of sequence, ...), so no output can follow the grammar; relax them or "
-                      f"the grammar")
+    return ValueError(f"no token is allowed at new token {new_token} of row {row}: the grammar allows none there, "
+                      f"or only tokens that the other logits processors forbid (suppress_tokens, bad_words_ids, a min "
+                      f"length that forbids the end of sequence, ...), so no output can follow the grammar. An EOS id "
+                      f"the grammar needs as text does this too (it only ends the output); relax them or the grammar")
 
 
 def only_token(words: torch.Tensor, vocab: int) -> int | None:

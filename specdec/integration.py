@@ -59,11 +59,6 @@ from .names import did_you_mean
 from .processors import with_user_processor
 from .validation import check_generation_config
 
-#: model_kwargs that generate() prepares for its own loop and a decode run makes itself
-PREPARED = frozenset({"attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "logits_to_keep",
-                      "cache_position", "output_attentions", "output_hidden_states", "return_dict"})
-
-
 #: drafters kept per target model, the most recently used first: a call with another draft name,
 #: other options or other tokenizers builds one more, and the least recently used goes
 MAX_DRAFTERS = 4
@@ -181,14 +176,12 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
         check_decoder_options(decoder_options or {})
         decoder = DRAFTERS.decoder(model, draft, dict(draft_options or {}), target_tokenizer, draft_tokenizer,
                                    dict(decoder_options or {}))
-        _refuse_filled_cache(model_kwargs)
         options = dict(draft_call_options or {})  # generate() refuses keywords no model input takes: a dict
         unknown = sorted(set(options) - set(decoder.candidate_generator.call_options))
         if unknown:
             raise TypeError(f"draft_call_options {unknown}: the candidate generator takes "
                             f"{list(decoder.candidate_generator.call_options)} per call")
-        model_inputs = {k: v for k, v in model_kwargs.items() if k not in PREPARED}
-        prompt = decoder._prompt(input_ids, model_kwargs.get("attention_mask"), model_inputs, None)
+        prompt = decoder._prompt(input_ids, model_kwargs.get("attention_mask"), model_kwargs, None, prepared=True)
         max_length, eos, criteria = _split_criteria(stopping_criteria)
         call = resolved(generation_config, input_ids.shape[1], max_length, eos)
         call.stop_strings = None  # generate()'s StopStringCriteria is among the criteria
@@ -219,18 +212,10 @@ def _split_criteria(stopping_criteria) -> tuple[int | None, list[int] | None, li
         if type(criterion) is MaxLengthCriteria:
             max_length = criterion.max_length if max_length is None else min(max_length, criterion.max_length)
         elif type(criterion) is EosTokenCriteria:
-            eos = sorted({*(eos or []), *criterion.eos_token_id.flatten().tolist()})
+            eos = list(dict.fromkeys([*(eos or []), *criterion.eos_token_id.flatten().tolist()]))  # eos[0] pads
         else:
             rest.append(criterion)
     return max_length, eos if eos is not None else [], rest
-
-
-def _refuse_filled_cache(model_kwargs: dict) -> None:
-    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
-    length = cache.get_seq_length() if cache is not None and hasattr(cache, "get_seq_length") else 0
-    if length:
-        raise ValueError(f"generate() was given a cache holding {length} tokens; specdec's custom_generate builds "
-                         "its own caches (SpecDecoder.prefill() keeps a prefix's)")
 
 
 def _streamer_of_generate():

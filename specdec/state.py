@@ -72,20 +72,20 @@ class ModelState:
         capacity = tokens.shape[1] + self.HEADROOM if capacity is None else max(capacity, tokens.shape[1])
         first, reach = self.cache_slots(tokens.shape[1], max_new_tokens)
         self.kv = make_kv(model, batch, first, kv, reach=reach)
-        self.tokens = torch.full((batch, capacity), pad_token_id, dtype=torch.long, device=self.device)
+        table = getattr(model.get_input_embeddings(), "weight", None)  # None: a pipeline stage without it
+        self.vocab_limit = int(table.shape[0]) if table is not None else vocab_size(model)
+        self.pad_token_id = pad_token_id if 0 <= pad_token_id < self.vocab_limit else 0  # fills unattended slots
+        self.tokens = torch.full((batch, capacity), self.pad_token_id, dtype=torch.long, device=self.device)
         self.tokens[:, : tokens.shape[1]] = tokens
         self.lengths = lengths.clone().long()  # [B]
         self.prompt_lengths = self.lengths.clone()  # [B] what the prefill-only inputs describe
         # left-pad so that every prompt ends at the same slot: the first forward needs no shift
         self.offsets = (self.lengths.max() - self.lengths).long()  # [B]
         self.cached_slots = 0
-        self.pad_token_id = pad_token_id
         self.is_first_iteration = True
         self.prefill_inputs = (prefill_inputs if isinstance(prefill_inputs, PrefillInputs)
                                else PrefillInputs(dict(prefill_inputs or {})))
         self.positions = positions if positions is not None else TokenPositions()
-        table = getattr(model.get_input_embeddings(), "weight", None)  # None: a pipeline stage without it
-        self.vocab_limit = int(table.shape[0]) if table is not None else vocab_size(model)
         self._cache_kwarg = cache_argument(model)
         self._mirrored: tuple[torch.Tensor, int] | None = None  # see mirror()
         self._lists: list[list[int]] | None = None  # see token_lists()

@@ -108,6 +108,17 @@ def test_trees_are_exact_and_accept_deeper(llama, heads, cache):
     assert depth[True] > 1.3 and depth[False] > 1.3, depth
 
 
+@pytest.mark.parametrize("tree", [False, True])
+def test_one_token_prompts_draft_once_a_pair_exists(llama, heads, tree):
+    """A one-token row has no (feature, next token) pair for the head: it drafts nothing at first,
+    alone or beside longer rows (it crashed on both)."""
+    target, _ = llama
+    decoder = SpecDecoder(target, "eagle3", head=heads["trained"], tree=tree, schedule="fixed", num_tokens=4)
+    for ids, mask in [(torch.tensor([[5]]), None), left_pad([torch.tensor([5]), torch.tensor([5, 6, 7])], pad_id=0)]:
+        want = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+        assert torch.equal(decoder.generate(ids, mask, max_new_tokens=12).sequences, want)
+
+
 def test_left_padded_batch_with_processors(llama, heads):
     target, _ = llama
     rows = prompts(target.config.vocab_size)

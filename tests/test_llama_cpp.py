@@ -141,6 +141,8 @@ def test_what_the_engine_refuses_is_said_before_any_forward(tiny):
 
     with pytest.raises(ValueError, match="reads the target's hidden states, which engine='llama_cpp' does not return"):
         SpecDecoder(model, ReadsHidden(), engine="llama_cpp").generate(_ids(REPEAT), max_new_tokens=2)
+    with pytest.raises(ValueError, match="prefill.. keeps a transformers cache, which engine='llama_cpp' cannot"):
+        SpecDecoder(model, "prompt_lookup", engine="llama_cpp").prefill(_ids(REPEAT))
     with pytest.raises(ValueError, match="export_gguf writes plain Llama-architecture models"):
         export_gguf(load_model("tiny-random:gpt2")[0], "/nonexistent/never-written.gguf")
 

@@ -137,7 +137,8 @@ class Eagle3Generator(CandidateGenerator):
     @torch.no_grad()
     def propose(self, ctx: DecodeContext, max_drafts: torch.Tensor) -> Proposal:
         lengths = ctx.lengths  # [B] committed tokens
-        ready = self.known >= lengths - 1  # [B] features up to the last committed token's predecessor
+        # [B] features up to the last committed token's predecessor, which a one-token row lacks
+        ready = (self.known >= lengths - 1) & (lengths > 1)
         limit = torch.where(ready, torch.minimum(self.schedule.current.to(max_drafts.device), max_drafts), 0)
         k = int(limit.clamp_min(0).max())
         if k == 0:
@@ -215,7 +216,7 @@ class Eagle3Generator(CandidateGenerator):
         start = torch.minimum(self.fed, end - 1).clamp_min(0)  # re-run the last pair when nothing is new
         width = int((end - start).max())
         positions = start[:, None] + torch.arange(width, device=start.device)[None, :]  # [B, T]
-        positions = torch.minimum(positions, (end - 1)[:, None])  # a short row repeats its last pair
+        positions = torch.minimum(positions, (end - 1)[:, None]).clamp_min(0)  # a short row repeats its last pair
         features = self.features.gather(1, positions[..., None].expand(-1, -1, self.features.shape[-1]))
         tokens = ctx.tokens.gather(1, positions + 1)  # [B, T] each pair's next token
         out = step(self.head, self.cache, features, self.embed(tokens), positions)  # [B, T, H]

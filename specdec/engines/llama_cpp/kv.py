@@ -112,7 +112,7 @@ class LlamaCppKV:
         raise ValueError("engine='llama_cpp' verifies chains, not token trees")
 
     def load(self, cache, slots: int) -> None:
-        raise ValueError("engine='llama_cpp' cannot continue from a transformers cache (a multimodal prefix)")
+        raise ValueError("engine='llama_cpp' cannot continue from a transformers cache (a prefix from prefill())")
 
     def adopt(self, cache, slots: int, dtype: torch.dtype, start: int = 0, rows: torch.Tensor | None = None) -> None:
         raise ValueError("engine='llama_cpp' keeps its own keys and values; a copy cannot mirror them")
