@@ -98,7 +98,7 @@ class SpecDecoder:
 
     def generate(self, input_ids, attention_mask=None, *, max_new_tokens=UNSET, do_sample=UNSET, temperature=UNSET,
                  top_k=UNSET, top_p=UNSET, min_p=UNSET, generator: torch.Generator | None = None, eos_token_id=UNSET,
-                 stop_strings=None, stopping_criteria=None, streamer=None, logits_processor=None,
+                 stop_strings=UNSET, stopping_criteria=None, streamer=None, logits_processor=None,
                  prefix_allowed_tokens_fn=None, generation_config=None, prefix: Prefix | None = None,
                  grammar=None, **kwargs) -> SpecOutput:
         """Decode up to ``max_new_tokens`` per row; output as ``target.generate`` would give it.
@@ -134,8 +134,8 @@ class SpecDecoder:
             prompt = self._prompt(input_ids, attention_mask, model_inputs, prefix)
             check_generation_config(config)
             call = resolved(config, prompt.input_ids.shape[1])
-            if stop_strings:
-                call.stop_strings = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings)
+            if stop_strings is not UNSET:  # None or [] on the call: none, whatever the config says
+                call.stop_strings = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings or []) or None
             if grammar is not None:  # placed as a user's processor: after the config's, before the warpers
                 logits_processor = [*(logits_processor or []), self.constraint(grammar, call.eos)]
             processors = build_processors(self.target, config, prompt.input_ids, prompt.mask(),

@@ -136,6 +136,7 @@ OTHER_EFFECTS = (
     ("output_hidden_states", bool, "hidden states at every step"),
     ("guidance_scale", lambda v: v != 1, "classifier-free guidance: a second forward per step, on a cache of "
                                          "its own"),
+    ("cache_implementation", lambda v: v == "quantized", "a quantized key/value cache, which changes the logits"),
 )
 
 

@@ -1,7 +1,8 @@
-"""What a call passes besides its prompt and settings, through both doors (``SpecDecoder.generate``
-and ``model.generate(custom_generate=specdec.generate)``): a prompt with no mask, pad and EOS ids,
-and the model keywords ``generate()`` handles per step (``specdec/call_inputs.py``). Each case
-equals ``generate()`` or is refused by name before any forward."""
+"""Edges of what a call passes, through both doors (``SpecDecoder.generate`` and
+``model.generate(custom_generate=specdec.generate)``): a prompt with no mask, pad and EOS ids, the
+model keywords ``generate()`` handles per step (``specdec/call_inputs.py``), and settings read
+their own way (an explicit ``stop_strings=None``, a quantized cache). Each case equals
+``generate()`` or is refused by name before any forward."""
 
 from __future__ import annotations
 
@@ -103,3 +104,22 @@ def test_token_types_of_a_text_model_are_refused():
                  lambda: gpt2.generate(ids, token_type_ids=types, max_new_tokens=2, custom_generate=specdec.generate)):
         with pytest.raises(ValueError, match="token_type_ids on GPT2LMHeadModel"):
             door()
+
+
+def test_stop_strings_none_on_the_call_overrides_the_config(llama):
+    tokenizer = load_model("tiny-random:llama")[1]
+    ids = torch.tensor([list(b"hello hello")])
+    free = llama.generate(ids, max_new_tokens=12, do_sample=False)
+    stop = tokenizer.decode(free[0, ids.shape[1] + 2:ids.shape[1] + 3])  # the third new token's text
+    llama.generation_config.stop_strings = [stop]
+    try:
+        decoder = SpecDecoder(llama, "prompt_lookup", tokenizer=tokenizer)
+        assert decoder.generate(ids, max_new_tokens=12).sequences.shape[1] <= ids.shape[1] + 3  # the config's
+        assert torch.equal(decoder.generate(ids, max_new_tokens=12, stop_strings=None).sequences, free)
+    finally:
+        llama.generation_config.stop_strings = None
+
+
+def test_a_quantized_cache_is_refused(llama):
+    with pytest.raises(ValueError, match="cache_implementation='quantized' .a quantized key/value cache"):
+        SpecDecoder(llama).generate(torch.tensor([[5, 6]]), max_new_tokens=2, cache_implementation="quantized")
