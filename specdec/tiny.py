@@ -87,6 +87,9 @@ def tiny_random(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float32,
     """A tiny random model of ``arch`` and a byte-level tokenizer (ids: 256 bytes, 256 <eos>, 257 <pad>)."""
     from transformers import AutoModelForCausalLM
 
+    from .engines import import_torchao_quietly
+
+    import_torchao_quietly()  # as load_model: transformers' modeling code imports it, with messages
     tokenizer = tokenizer or byte_tokenizer()
     ids = dict(bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
                pad_token_id=tokenizer.pad_token_id)
