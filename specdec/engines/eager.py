@@ -35,6 +35,7 @@ import torch
 
 from ..modelinfo import cache_argument
 from .base import CAUSAL, EngineOutput, Layout, LayoutNotSupported, model_kwargs, tree_visibility
+from .forwards.attention import GROUPED_SDPA
 
 #: attention implementations that apply an arbitrary 4-D additive mask
 MASKED_ATTENTION = ("eager", "sdpa")
@@ -99,6 +100,8 @@ class EagerEngine:
 
     def _static_refusal(self) -> str | None:
         implementation = getattr(self.model.config, "_attn_implementation", None)
+        # another thread's multi-token forward may be running sdpa as grouped_sdpa (forwards/attention.py)
+        implementation = "sdpa" if implementation == GROUPED_SDPA else implementation
         if implementation not in MASKED_ATTENTION:
             return (f"its attention implementation {implementation!r} takes no custom 4-D mask "
                     f"(one of {', '.join(MASKED_ATTENTION)} does)")
