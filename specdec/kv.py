@@ -19,13 +19,14 @@ import copy
 
 import torch
 
-from .cache_pool import new_static_cache
+from .cache_pool import new_static_cache, release_caches
 from .cache_settings import IMPLEMENTATIONS, WIDTHS, CacheSettings, static_problem
 from .cache_slots import filled_layers, gather_cache_slots, shift_cache_rows
 from .compiled import compiled_forward
 from .distributed import stage_layout
 from .engines import ChainForward, llama_cpp_kv
 from .growing import new_dynamic_cache
+from .model_plan import plan_of
 from .static_kv import LENGTH_STEP, StaticKV, length_ladder
 
 __all__ = ["IMPLEMENTATIONS", "LENGTH_STEP", "WIDTHS", "CacheSettings", "DynamicKV", "StaticKV", "compiled_forward",
@@ -118,6 +119,8 @@ def make_kv(model, batch: int, capacity: int, settings: CacheSettings | None, re
     ``engine="llama_cpp"`` (``specdec.engines.llama_cpp``); a static one starts with room for
     ``capacity`` slots and grows up to ``reach`` (``specdec.static_kv``); a dynamic one holds what it is given."""
     settings = settings or CacheSettings()
+    if plan_of(model).changed(model):  # another dtype, device or layer since the last call: decide and pool anew
+        release_caches(model)
     if settings.engine == "llama_cpp":  # a model with a GGUF file; any other runs as "auto" does
         kv = llama_cpp_kv(model, batch, capacity, settings, reach or 0)
         if kv is not None:

@@ -14,7 +14,8 @@ for that, is a field of the model's one :class:`ModelPlan` (:func:`plan_of`), no
 
 A plan lives as long as its model (held weakly: a plan never keeps a model alive) and is shared by
 every decoder of that model in the process, so two decoders of one target pack its weights once
-and time it once. :meth:`ModelPlan.forget` decides everything again at the next use. Across
+and time it once. :meth:`ModelPlan.forget` decides everything again at the next use, as a call does
+for a model whose parameters changed since the last (:meth:`ModelPlan.changed`). Across
 processes, the copy a generator drafts with is remembered on disk (``specdec/copies/choice_file.py``);
 nothing else is.
 
@@ -38,7 +39,21 @@ class ModelPlan:
 
     def __init__(self):
         self.lock = threading.RLock()
+        self.layout: tuple | None = None  # the parameters the decisions were made for (see changed)
         self.forget()
+
+    def changed(self, model) -> bool:
+        """Whether ``model``'s parameters differ from those at the last check (another dtype or
+        device, a resized or replaced layer); a plan made for other parameters is forgotten.
+        Values changed in place are not looked at: the decisions hold for any values."""
+        layout = tuple((p.dtype, p.device, p.shape, 0 if p.is_meta else id(p))  # meta: offloaded, swapped in
+                       for p in model.parameters())
+        with self.lock:
+            changed = self.layout is not None and layout != self.layout
+            if changed:
+                self.forget()
+            self.layout = layout
+        return changed
 
     def forget(self) -> None:
         """Decide and measure everything again at the model's next use."""

@@ -63,3 +63,59 @@ def test_a_tree_call_beside_another_threads_forward_still_verifies_trees():
     call("second")
     first.join()
     assert torch.equal(results["first"], want) and torch.equal(results["second"], want)
+
+
+def _pinned(seed: int = 1):
+    """A tiny llama whose fast output layer and packed weights are pinned on (timing declines both
+    on models this small; larger ones get them where they time faster)."""
+    from specdec.engines.forwards.head import FastHead
+    from specdec.engines.forwards.packed import PackedLinears
+
+    target, tokenizer = tiny_random("llama", seed=seed)
+    FastHead.pin(target, True)
+    PackedLinears.pin(target, True)
+    return target, tokenizer
+
+
+def _exact(decoder, target, ids=IDS, new=16):
+    return torch.equal(decoder.generate(ids, max_new_tokens=new).sequences,
+                       target.generate(ids, max_new_tokens=new, do_sample=False))
+
+
+def test_a_model_changed_between_calls_is_decided_again():
+    """Another dtype (the packed-weights probe and the pooled static caches kept float32), a
+    replaced output layer (the fast head kept the old one) and weights rewritten through .data
+    (untracked: the packed copies kept the old values) each gave errors or other tokens."""
+    import copy
+
+    for cache in ("dynamic", "static"):
+        target, tokenizer = _pinned()
+        decoder = SpecDecoder(target, "prompt_lookup", tokenizer=tokenizer, cache_implementation=cache)
+        assert _exact(decoder, target)
+        target.to(torch.float64)
+        assert _exact(decoder, target) and _exact(SpecDecoder(target, "prompt_lookup", cache_implementation=cache),
+                                                  target)
+    target, tokenizer = _pinned()
+    other, _ = tiny_random("llama", seed=2)
+    decoder = SpecDecoder(target, "prompt_lookup", tokenizer=tokenizer, schedule="fixed", num_tokens=6)
+    assert _exact(decoder, target)
+    target.lm_head = copy.deepcopy(other.lm_head)
+    assert _exact(decoder, target)
+    with torch.no_grad():  # e.g. a weight sync written through .data
+        for mine, theirs in zip(target.parameters(), other.parameters()):
+            mine.data.copy_(theirs.data)
+    assert _exact(decoder, target)
+
+
+def test_the_self_draft_copy_runs_none_of_the_targets_hooks():
+    """The copy was deep-copied with the hooks on the target at its first call, and ran them in
+    every later call after the user had removed them."""
+    target, tokenizer = tiny_random("llama", seed=1)
+    decoder = SpecDecoder(target, "self_draft", tokenizer=tokenizer, weights="bfloat16", compile_draft=False,
+                          schedule="fixed", num_tokens=3)
+    calls = []
+    handle = target.register_forward_hook(lambda module, args, output: calls.append(1))
+    decoder.generate(IDS, max_new_tokens=8)
+    handle.remove()
+    calls.clear()
+    assert _exact(decoder, target, new=8) and not calls

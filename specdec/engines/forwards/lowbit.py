@@ -123,6 +123,11 @@ def _plain_copy(model):
     draft = copy.deepcopy(model)
     for name in (ATTACHED, PACKAGED):  # the copy's weights are not the file's: llama.cpp never serves it
         draft.__dict__.pop(name, None)
+    for module in draft.modules():  # the target's hooks are its user's, who may remove them; the copy runs none
+        for hooks in (module._forward_hooks, module._forward_pre_hooks, module._forward_hooks_with_kwargs,
+                      module._forward_hooks_always_called, module._forward_pre_hooks_with_kwargs):
+            hooks.clear()
+        module.__dict__.pop("_output_capturing_hooks_installed", None)  # transformers installs its own again
     if getattr(draft.config, "_attn_implementation", None) == "sdpa":
         register_grouped_sdpa()
         draft.set_attn_implementation(GROUPED_SDPA)  # the copy's config only: the model keeps its own

@@ -27,7 +27,9 @@ packed copies cost memory (about one to two times the layers' weights), so a mod
 
 The logits differ from the unpacked forward's only in rounding (the same products, summed in
 another order), as those of a multi-token verification already differ from one-token steps'.
-A layer whose weight is changed in place, or replaced, is packed again before its next use.
+A layer whose weight is changed in place, or replaced, is packed again before its next use; one
+changed through ``.data`` (which torch does not track) before the next call's, where about 64 of
+its values, spread over it, differ from those packed.
 """
 
 from __future__ import annotations
@@ -96,17 +98,28 @@ def memory_available() -> int | None:
     return None
 
 
+def _sample(weight: torch.Tensor) -> torch.Tensor:
+    """About 64 of ``weight``'s values, spread over it."""
+    flat = weight.detach().reshape(-1)
+    return flat[:: max(1, flat.numel() // 64)].clone()
+
+
 class _Packed:
     """One layer's packed weight, with what it was packed from (to notice a changed weight)."""
 
-    __slots__ = ("packed", "source", "version")
+    __slots__ = ("packed", "source", "version", "sample")
 
     def __init__(self, weight: torch.Tensor):
         self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, HINT_ROWS)
-        self.source, self.version = weight.data_ptr(), weight._version
+        self.source, self.version, self.sample = weight.data_ptr(), weight._version, _sample(weight)
 
     def current(self, weight: torch.Tensor) -> bool:
+        """Whether ``weight`` is the one packed (the same storage, changed by no tracked operation)."""
         return self.source == weight.data_ptr() and self.version == weight._version
+
+    def same_values(self, weight: torch.Tensor) -> bool:
+        """Whether the sampled values are still the packed ones (a write through ``.data`` bumps no version)."""
+        return self.current(weight) and torch.equal(self.sample, _sample(weight))
 
 
 class PackedLinears:
@@ -143,7 +156,16 @@ class PackedLinears:
         """A decoding call of ``model`` begins (counted on a CPU only: elsewhere nothing is packed)."""
         weight = next(model.parameters(), None)
         if weight is not None and weight.device.type == "cpu":
-            cls.of(model).calls += 1
+            state = cls.of(model)
+            state.calls += 1
+            state.drop_changed()
+
+    def drop_changed(self) -> None:
+        """Forget the packed copies of weights whose values changed untracked since they were packed."""
+        for layer in self.layers:
+            packed = self._packed.get(id(layer))
+            if packed is not None and not packed.same_values(layer.weight):
+                del self._packed[id(layer)]
 
     @classmethod
     def decision(cls, model: torch.nn.Module) -> str | None:
