@@ -28,13 +28,13 @@ from dataclasses import replace
 
 import torch
 from transformers import LogitsProcessorList
-from transformers.generation.stopping_criteria import MaxTimeCriteria
+from transformers.generation.stopping_criteria import MaxTimeCriteria, StopStringCriteria
 
 from .compiled import warming
 from .distributed import Ranks, call_fingerprint, coordinated
 from .call_inputs import check_token_input, prefill_only
 from .engines import check_engine, resolve_engine_name
-from .generation import Resolved, build_processors, resolve_config, resolved, split_settings
+from .generation import Resolved, build_processors, inferred_mask, resolve_config, resolved, split_settings
 from .generators import CandidateGenerator, declared_drafting, most_drafts, plugin_name
 from .grammar import GrammarConstraint, compile_grammar
 from .kv import CacheSettings, length_ladder, static_problem
@@ -112,8 +112,10 @@ class SpecDecoder:
         at every verified position; what cannot be reproduced (beam search, several sequences per
         prompt, ...) is refused by name before any forward. An explicit ``eos_token_id=None`` means
         "no EOS" and ``[]`` an EOS criterion of no ids (finished rows padded), as in
-        ``transformers``. Other keyword arguments are prefill-only model inputs (pixel values,
-        grids, token type ids, ...), except the candidate generator's own per-call options
+        ``transformers``. ``tokenizer`` (as ``generate()``'s) reads the stop strings, else the
+        decoder's does. Other keyword arguments go to the model (specdec/call_inputs.py: prefill-only
+        inputs such as pixel values and grids; ``generate()``'s per-step ones dropped or refused),
+        except the candidate generator's own per-call options
         (``CandidateGenerator.call_options``, e.g. ``suffix``'s ``memory_scope``). With ``prefix`` (from
         :meth:`prefill`) the prompt rows must extend the prefix rows and carry no such inputs.
         ``generator`` (a ``torch.Generator``) draws the sampling's randomness. ``grammar`` (a JSON
@@ -124,13 +126,13 @@ class SpecDecoder:
         with self.calling() as coordinator:  # a sharded target's ranks check the arguments inside the call
             # the generator's own per-call options (CandidateGenerator.call_options) first
             options = {k: kwargs.pop(k) for k in self.candidate_generator.call_options if k in kwargs}
+            tokenizer = kwargs.pop("tokenizer", None)  # generate()'s: the stop strings' (else the decoder's)
             settings, model_inputs = split_settings(kwargs)
             settings.update(self._explicit(max_new_tokens, do_sample, temperature, top_k, top_p, min_p, eos_token_id))
             input_ids = check_prompt(input_ids, None)[0]
             config = resolve_config(self.target, generation_config, settings, input_ids.shape[1])
-            if attention_mask is None:  # as generate(): the pad id's columns are padding, unless it is an EOS id
-                attention_mask = self.target._prepare_attention_mask_for_generation(
-                    input_ids.to(self.target.device), config, {})
+            if attention_mask is None:
+                attention_mask = inferred_mask(self.target, input_ids, config)
             prompt = self._prompt(input_ids, attention_mask, model_inputs, prefix)
             check_generation_config(config)
             call = resolved(config, prompt.input_ids.shape[1])
@@ -141,6 +143,9 @@ class SpecDecoder:
             processors = build_processors(self.target, config, prompt.input_ids, prompt.mask(),
                                           prefix_allowed_tokens_fn, LogitsProcessorList(logits_processor or []))
             criteria = [*(stopping_criteria or []), *([MaxTimeCriteria(config.max_time)] if config.max_time else [])]
+            if call.stop_strings and tokenizer is not None:
+                criteria.append(StopStringCriteria(tokenizer, call.stop_strings))
+                call.stop_strings = None
             return self.run(prompt, call, processors, criteria, streamer=streamer, generator=generator, started=started,
                             coordinator=coordinator, generator_options=options)
 
@@ -294,6 +299,8 @@ class SpecDecoder:
             if self.cache.engine == "llama_cpp":
                 raise ValueError("prefill() keeps a transformers cache, which engine='llama_cpp' cannot continue "
                                  "(it keeps its own keys and values); pass the whole prompt to generate()")
+            if attention_mask is None and isinstance(input_ids, torch.Tensor):
+                attention_mask = inferred_mask(self.target, check_prompt(input_ids, None)[0])
             prompt = self._prompt(input_ids, attention_mask, model_inputs, None)
             if self.ranks is not None:
                 coordinator.given(call_fingerprint(prompt.input_ids, prompt.mask(), "prefill",

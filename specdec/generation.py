@@ -21,6 +21,8 @@ processors that remember earlier steps (``specdec/processors.py``).
 
 from __future__ import annotations
 
+import copy
+
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +70,16 @@ def resolve_config(model, generation_config: GenerationConfig | None, settings: 
     return model._prepare_generated_length(config, has_default_max_length=default_max,
                                            has_default_min_length=default_min, model_input_name="input_ids",
                                            input_ids_length=prompt_width, inputs_tensor=None)
+
+
+def inferred_mask(model, input_ids: torch.Tensor, config: GenerationConfig | None = None) -> torch.Tensor:
+    """``[B, L]`` the attention mask ``generate()`` uses when given none, with ``config``'s special
+    tokens (default: the model's ``generation_config``): the pad id's columns are padding, unless
+    the pad id is an EOS id."""
+    if config is None:
+        config = copy.deepcopy(model.generation_config)
+        model._prepare_special_tokens(config, kwargs_has_attention_mask=False, device=model.device)
+    return model._prepare_attention_mask_for_generation(input_ids.to(model.device), config, {})
 
 
 def build_processors(model, config: GenerationConfig, input_ids: torch.Tensor, attention_mask: torch.Tensor,

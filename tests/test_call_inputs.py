@@ -41,6 +41,9 @@ def test_a_padded_batch_without_its_mask_is_unpadded_as_generate_does(llama):
                        as_eos)
     with pytest.raises(ValueError, match="row 0 has a hole .*every pad_token_id is padding"):
         SpecDecoder(llama).generate(torch.tensor([[1, 2, PAD, 4]]), max_new_tokens=2)
+    decoder = SpecDecoder(llama, "prompt_lookup")  # a prefix given without its mask is read the same way
+    prefix = decoder.prefill(ids[:, :4])
+    assert torch.equal(decoder.generate(ids, max_new_tokens=8, prefix=prefix).sequences, want)
 
 
 def test_finished_rows_are_padded_with_the_first_eos_as_listed(llama):
@@ -106,7 +109,7 @@ def test_token_types_of_a_text_model_are_refused():
             door()
 
 
-def test_stop_strings_none_on_the_call_overrides_the_config(llama):
+def test_stop_strings_none_on_the_call_overrides_the_config_and_the_calls_tokenizer_reads_them(llama):
     tokenizer = load_model("tiny-random:llama")[1]
     ids = torch.tensor([list(b"hello hello")])
     free = llama.generate(ids, max_new_tokens=12, do_sample=False)
@@ -116,6 +119,9 @@ def test_stop_strings_none_on_the_call_overrides_the_config(llama):
         decoder = SpecDecoder(llama, "prompt_lookup", tokenizer=tokenizer)
         assert decoder.generate(ids, max_new_tokens=12).sequences.shape[1] <= ids.shape[1] + 3  # the config's
         assert torch.equal(decoder.generate(ids, max_new_tokens=12, stop_strings=None).sequences, free)
+        want = llama.generate(ids, max_new_tokens=12, do_sample=False, tokenizer=tokenizer)  # generate()'s keyword
+        assert torch.equal(SpecDecoder(llama, "prompt_lookup").generate(ids, max_new_tokens=12,
+                                                                        tokenizer=tokenizer).sequences, want)
     finally:
         llama.generation_config.stop_strings = None
 

@@ -87,6 +87,13 @@ def test_stop_strings_as_the_criterion_generate_builds_stop_as_generate_does(mod
     hub = target.generate(ids, custom_generate=str(HUB), trust_remote_code=True, stop_strings=[text],
                           tokenizer=tokenizer, **drafting, **common)
     assert torch.equal(hub, want)
+    target.generation_config.stop_strings = [text]  # the config's, as a model may ship them
+    try:
+        hub = target.generate(ids, custom_generate=str(HUB), trust_remote_code=True, tokenizer=tokenizer, **drafting,
+                              **common)
+    finally:
+        target.generation_config.stop_strings = None
+    assert torch.equal(hub, want)
 
 
 def test_a_misspelt_decoder_option_is_named_as_one(model, prompts):
