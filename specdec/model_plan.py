@@ -43,11 +43,11 @@ class ModelPlan:
         self.forget()
 
     def changed(self, model) -> bool:
-        """Whether ``model``'s parameters differ from those at the last check (another dtype or
-        device, a resized or replaced layer); a plan made for other parameters is forgotten.
-        Values changed in place are not looked at: the decisions hold for any values."""
+        """Whether ``model``'s parameters and buffers differ from those at the last check (another
+        dtype or device, a resized or replaced layer, a replaced rotary embedding); a plan made for
+        others is forgotten. Values and attributes changed in place (a norm's eps) are not looked at."""
         layout = tuple((p.dtype, p.device, p.shape, 0 if p.is_meta else id(p))  # meta: offloaded, swapped in
-                       for p in model.parameters())
+                       for tensors in (model.parameters(), model.buffers()) for p in tensors)
         with self.lock:
             changed = self.layout is not None and layout != self.layout
             if changed:

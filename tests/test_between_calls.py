@@ -119,3 +119,20 @@ def test_the_self_draft_copy_runs_none_of_the_targets_hooks():
     handle.remove()
     calls.clear()
     assert _exact(decoder, target, new=8) and not calls
+
+
+def test_a_replaced_rotary_embedding_is_seen_by_the_scripted_stack():
+    """The scripted decoder stack kept the rotary embedding it was set up with (a buffer, no
+    parameter: another rope_theta gave other tokens)."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
+
+    import copy
+
+    target, tokenizer = tiny_random("qwen2", seed=1)
+    ids = torch.tensor([[(7 * i) % 250 for i in range(60)]])  # positions far enough apart for rope_theta to matter
+    decoder = SpecDecoder(target, "prompt_lookup", tokenizer=tokenizer)
+    assert _exact(decoder, target, ids)
+    config = copy.deepcopy(target.config)
+    config.rope_parameters = {"rope_type": "default", "rope_theta": 10.0}
+    target.model.rotary_emb = Qwen2RotaryEmbedding(config=config)
+    assert _exact(decoder, target, ids)

@@ -689,3 +689,13 @@ def test_a_noisy_calibration_round_gives_no_forward_a_negative_cost():
     costs = model.seconds[0]
     assert bool((costs > 0).all()) and all(b >= a for a, b in zip(costs.tolist(), costs[1:].tolist()))
     assert float(model.predict(max(COST_GRID))) >= 9e-4
+
+
+@pytest.mark.parametrize("arch, key", [("gpt2", "n_positions"), ("opt", "max_position_embeddings")])
+def test_calibration_fits_a_small_position_table(arch, key):
+    """The first call times forwards of up to 16 tokens; on a model with fewer learned positions
+    than that they indexed past the table (IndexError) where generate() decodes."""
+    target, _ = tiny_random(arch, seed=1, **{key: 8})
+    ids = torch.tensor([[11, 89, 175, 11, 89]])
+    want = target.generate(ids, max_new_tokens=2, do_sample=False)
+    assert torch.equal(SpecDecoder(target, "prompt_lookup").generate(ids, max_new_tokens=2).sequences, want)

@@ -202,7 +202,7 @@ def _cost_key(model, cache: CacheSettings) -> tuple:
 def calibrate(model, tokens: torch.Tensor, cache: CacheSettings | None = None, slots: int = 0,
               reps: int = 3, kv=None, budget: float | None = None) -> CostModel:
     """A :class:`CostModel` from timed forwards: the median of ``reps`` forwards at each
-    ``CALIBRATED`` count after a cached context of 32 tokens (fewer where the model's positions,
+    ``CALIBRATED`` count the model's positions allow after a cached context of 32 tokens (fewer where they,
     or a static cache of ``slots`` slots, do not allow 32), the counts taken in turn within a
     round, made into a model by :meth:`CostModel.from_timings` (no longer context is timed, so
     that a first call spends no second on a context it may never reach: docs/draft_length.md,
@@ -224,12 +224,13 @@ def calibrate(model, tokens: torch.Tensor, cache: CacheSettings | None = None, s
     if cache.static and slots:
         room = min(room, slots)  # a static cache's length is part of its compiled graphs
     context = max(1, min(CONTEXT_GRID[0], room - CALIBRATED[-1] - 1))
+    counts = tuple(c for c in CALIBRATED if context + c <= room) or CALIBRATED[:1]  # a small position table
     cache_kwarg = cache_argument(model)
     if cache.static:
         own = kv if kv is not None and getattr(kv, "batch", None) == 1 else None
-        made = own or make_kv(model, 1, max(slots, context + CALIBRATED[-1] + 1), cache)
+        made = own or make_kv(model, 1, max(slots, context + counts[-1] + 1), cache)
     else:
-        own, made = None, make_kv(model, 1, context + CALIBRATED[-1] + 1, cache)
+        own, made = None, make_kv(model, 1, context + counts[-1] + 1, cache)
     try:
         with torch.no_grad(), measuring():  # timing forwards: no sign of use, they get no weights packed
             prefix = tokens.repeat(context // tokens.numel() + 1)[:context]
@@ -237,11 +238,11 @@ def calibrate(model, tokens: torch.Tensor, cache: CacheSettings | None = None, s
                 # a sharded target's calibration forwards are collectives: every rank must run the same
                 # rounds, which a clock of each rank's own cannot promise (docs/distributed.md)
                 budget = float("inf") if sharding(model) else CALIBRATION_BUDGET
-            curve = _time_widths(model, made, cache_kwarg, prefix, reps, CALIBRATED, budget)
+            curve = _time_widths(model, made, cache_kwarg, prefix, reps, counts, budget)
     finally:
         if made is not own:
             made.release()
-    return CostModel.from_timings(list(CALIBRATED), curve)
+    return CostModel.from_timings(list(counts), curve)
 
 
 def _on_grid(counts: tuple[int, ...], values: list[float]) -> list[float]:
