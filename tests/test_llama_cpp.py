@@ -145,6 +145,8 @@ def test_what_the_engine_refuses_is_said_before_any_forward(tiny):
         SpecDecoder(model, "prompt_lookup", engine="llama_cpp").prefill(_ids(REPEAT))
     with pytest.raises(ValueError, match="export_gguf writes plain Llama-architecture models"):
         export_gguf(load_model("tiny-random:gpt2")[0], "/nonexistent/never-written.gguf")
+    with pytest.raises(ValueError, match="sliding_window=8"):  # a window the file could not hold was dropped
+        export_gguf(load_model("tiny-random:mistral")[0], "/nonexistent/never-written.gguf")
 
 
 def test_without_llama_cpp_python_the_error_says_how_to_install_it(tiny, monkeypatch):

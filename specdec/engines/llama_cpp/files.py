@@ -138,10 +138,15 @@ def export_gguf(model, path: str) -> str:
     import gguf
 
     config = model.config.get_text_config()
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    window = getattr(config, "sliding_window", None)
     if config.model_type not in ("llama", "mistral") or getattr(config, "attention_bias", False) \
-            or getattr(config, "mlp_bias", False) or (getattr(config, "rope_scaling", None) or {}).get("rope_type", "default") != "default":
-        raise ValueError(f"export_gguf writes plain Llama-architecture models; {type(model).__name__} "
-                         f"({config.model_type}) needs llama.cpp's convert_hf_to_gguf.py")
+            or getattr(config, "mlp_bias", False) or rope.get("rope_type", "default") != "default" \
+            or (window is not None and window < config.max_position_embeddings):
+        raise ValueError(f"export_gguf writes plain Llama-architecture models (full attention, no biases, plain "
+                         f"RoPE); {type(model).__name__} ({config.model_type}"
+                         f"{f', sliding_window={window}' if window is not None else ''}) needs llama.cpp's "
+                         "convert_hf_to_gguf.py")
     state = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
     writer = gguf.GGUFWriter(path, "llama")
     _write_metadata(writer, config, vocab=state["model.embed_tokens.weight"].shape[0])
