@@ -296,3 +296,21 @@ def test_the_policy_prices_a_copy_by_the_bytes_its_steps_read(target):
     assert step_bytes(copy_) < 0.3 * step_bytes(target)
     tied = tiny_random("llama", seed=1, tie_word_embeddings=True)[0]
     assert step_bytes(tied) == tensor_bytes(tied)  # the head reads the whole shared table
+
+
+@pytest.mark.parametrize("arch, weights", [("llama", "w8a8"), ("qwen2", "int4"), ("llama", "auto")])
+def test_low_bit_copies_of_a_bfloat16_target_draft(arch, weights):
+    """A bfloat16 target: the w8a8 copy rotated its bfloat16 MLP activations by float32 factors,
+    and the int4 copy's float32 biases promoted its keys and values to float32; both raised at the
+    first draft, and so did weights="auto" (it tries w8a8 first where int8 products are fast).
+    dynamic_int8 (float32 activations only) is refused by name, and never tried by "auto"."""
+    from specdec.copies.choose import candidates
+
+    target, tokenizer = tiny_random(arch, seed=1, dtype=torch.bfloat16)
+    ids = repetitive_prompt(24)
+    out = SpecDecoder(target, "self_draft", tokenizer=tokenizer, weights=weights, compile_draft=False,
+                      choice_budget=5, schedule="fixed", num_tokens=3).generate(ids, max_new_tokens=12)
+    assert out.stats.drafted_tokens > 0  # bfloat16 rounds a verification apart at near ties: no output compared
+    assert "dynamic_int8" not in candidates(target)
+    with pytest.raises(ValueError, match="weights='dynamic_int8' .* takes float32 activations; the target is bfloat16"):
+        SpecDecoder(target, "self_draft", tokenizer=tokenizer, weights="dynamic_int8").generate(ids, max_new_tokens=2)

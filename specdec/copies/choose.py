@@ -166,12 +166,13 @@ def candidates(model) -> tuple[str, ...]:
     docs/self_draft.md, int4's 0.27-0.41), and timing it first cost a first call seconds for nothing.
     torchao's weight-only int8 is not among them: its eager step costs more than the fp32 target's
     on every CPU measured (benchmarks/results/forward_cost_isa/README.md), and a call drafts eagerly
-    unless warmed up; name it (``weights="int8"``) to draft with it compiled."""
+    unless warmed up; name it (``weights="int8"``) to draft with it compiled. dynamic_int8 only for a
+    float32 target (torch's dynamically quantized layers take float32 activations)."""
     from ..machine import fast_int8_products
 
-    if fast_int8_products():
-        return ("w8a8", "int4", "bfloat16", "dynamic_int8")
-    return ("int4", "bfloat16", "dynamic_int8", "w8a8")
+    order = ("w8a8", "int4", "bfloat16", "dynamic_int8") if fast_int8_products() else (
+        "int4", "bfloat16", "dynamic_int8", "w8a8")
+    return tuple(w for w in order if w != "dynamic_int8" or next(model.parameters()).dtype == torch.float32)
 
 
 # -- the choice ---------------------------------------------------------------------------------

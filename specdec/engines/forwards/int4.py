@@ -44,7 +44,7 @@ def int4_linear(x2: torch.Tensor, weight_int4: torch.Tensor, scales_zeros: torch
     group = x2.shape[1] // scales_zeros.shape[0]
     y = torch._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), weight_int4, group, scales_zeros).to(dtype)
     if bias is not None:
-        y = y + bias
+        y = y + bias.to(dtype)  # the float32 bias would promote a bfloat16 output
     return y
 
 
@@ -123,7 +123,7 @@ class Bfloat16Head(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.nn.functional.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
-        return y if self.bias is None else y + self.bias
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, weights=bfloat16"

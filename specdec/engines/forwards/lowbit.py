@@ -83,6 +83,10 @@ def build_copy(model, weights: str):
         quantize, config = _torchao(weights)
     if weights == "dynamic_int8" and not on_cpu:
         raise ValueError("weights='dynamic_int8' (torch's quantize_dynamic) runs on a CPU only")
+    dtype = next(model.parameters()).dtype
+    if weights == "dynamic_int8" and dtype != torch.float32:
+        raise ValueError(f"weights='dynamic_int8' (torch's quantize_dynamic) takes float32 activations; the target "
+                         f"is {str(dtype).removeprefix('torch.')}: choose w8a8, int4 or bfloat16")
     draft = _plain_copy(model)
     if weights == "dynamic_int8":
         return _dynamic_int8(draft).eval()

@@ -152,7 +152,7 @@ def _low_bit_layer(hidden: torch.Tensor, p: List[torch.Tensor], b: List[Optional
     inner = gate_up.shape[1] // 2
     gated = torch.nn.functional.silu(gate_up.narrow(1, 0, inner)) * gate_up.narrow(1, inner, inner)
     if p[14].numel() > 0:
-        gated = rotate_input(gated, p[14], p[15])
+        gated = rotate_input(gated.float(), p[14], p[15])  # in the factors' float32, as Int8Linear rotates
     return hidden + _low_bit_product(gated, p[11], p[12], p[13], b[3], dtype, rowwise).view(batch, width, size)
 
 
