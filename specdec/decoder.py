@@ -49,7 +49,7 @@ from .sampling import SamplingParams
 from .state import ModelState, cache_problem
 from .stopping import Stopper
 from .validation import (check_generation_config, check_ids_in_vocab, check_max_new_tokens, check_positive_int,
-                         check_prompt)
+                         check_prompt, check_rope_reach)
 
 __all__ = ["SpecDecoder", "SpecOutput"]
 
@@ -187,6 +187,7 @@ class SpecDecoder:
         ``generator_options``: the generator's per-call options (``CandidateGenerator.for_call``)."""
         started = time.perf_counter() if started is None else started
         call.sampling.validate()
+        check_rope_reach(self.target, int(prompt.lengths.max()) + call.max_new_tokens)
         if call.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer: SpecDecoder(target, draft, tokenizer=...)")
         if streamer is not None and prompt.rows.shape[0] > 1:

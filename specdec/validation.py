@@ -122,6 +122,31 @@ def check_prompt_positions(model, lengths: torch.Tensor) -> None:
                          f"shorten it to at most {limit} tokens")
 
 
+def check_rope_reach(model, reach: int) -> None:
+    """Refuse a call whose rows may reach ``reach`` positions, past where ``model``'s RoPE changes
+    with the sequence's length (dynamic NTK past ``max_position_embeddings``, LongRoPE past
+    ``original_max_position_embeddings``): ``generate()`` rotates each new token by the
+    frequencies of its own step's length (and Phi-3 then rebuilds its cache), a verification a
+    whole block by its last token's."""
+    config = model.config.get_text_config()
+    rope = getattr(config, "rope_parameters", None) or {}
+    per_layer_type = rope and all(isinstance(v, dict) for v in rope.values())
+    kinds = list(rope.values()) if per_layer_type else [rope]
+    for kind in kinds:
+        name = kind.get("rope_type", "default")
+        if "dynamic" in name:
+            limit = config.max_position_embeddings
+        elif name == "longrope":
+            limit = kind.get("original_max_position_embeddings") or config.max_position_embeddings
+        else:
+            continue
+        if reach > limit:
+            raise ValueError(f"{type(model).__name__}'s RoPE ({name}) changes its frequencies past {limit} positions, "
+                             f"which this call may reach ({reach}: the longest row and max_new_tokens); generate() "
+                             "rotates each new token by its own step's, a verification a block by its last "
+                             f"token's: keep rows within {limit} positions")
+
+
 # -- the call's generation config ------------------------------------------------------------------
 #: the settings that select a generation mode other than greedy search and sampling, and the
 #: value each has when it does not

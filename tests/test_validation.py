@@ -195,3 +195,23 @@ def test_a_train_mode_model_is_left_in_train_mode(models):
     out = SpecDecoder(trained, "prompt_lookup").generate(PROMPT, max_new_tokens=6)
     assert out.sequences.requires_grad is False
     assert_unchanged(trained, before)
+
+
+def test_a_rope_that_changes_with_the_length_is_refused_past_where_it_does():
+    """Dynamic NTK and LongRoPE rotate by frequencies of the sequence's length: past their limit,
+    generate()'s one-token steps and a verified block disagree (found by a randomized comparison)."""
+    from specdec.tiny import tiny_random
+
+    dynamic, _ = tiny_random("qwen3", seed=1, max_position_embeddings=8,
+                             rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0})
+    longrope, _ = tiny_random("phi3", seed=1, max_position_embeddings=128, original_max_position_embeddings=32,
+                              rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                               "short_factor": [1.0 + i / 10 for i in range(8)],
+                                               "long_factor": [2.0 + i / 2 for i in range(8)],
+                                               "original_max_position_embeddings": 32})
+    for model, limit in ((dynamic, 8), (longrope, 32)):
+        ids = torch.tensor([[5, 6, 5, 6]])
+        want = model.generate(ids, max_new_tokens=limit - 4, do_sample=False)  # within the limit: exact
+        assert torch.equal(SpecDecoder(model, "prompt_lookup").generate(ids, max_new_tokens=limit - 4).sequences, want)
+        with pytest.raises(ValueError, match=f"changes its frequencies past {limit} positions"):
+            SpecDecoder(model, "prompt_lookup").generate(ids, max_new_tokens=limit)
