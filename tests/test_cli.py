@@ -341,3 +341,21 @@ def test_demo_with_a_compiled_static_cache_stays_identical(tmp_path, capsys, qui
     kept = tmp_path / "out"  # --out keeps the results, the config the flags made and the full report
     assert (kept / "report.md").is_file() and (kept / "demo.yaml").is_file()
     assert len((kept / "results.jsonl").read_text().splitlines()) == 2 * 2  # 2 prompts x (plain, speculative)
+
+
+def test_generate_is_greedy_without_sample_whatever_the_models_config_says(tmp_path, capsys):
+    """A model whose generation_config samples: without --sample the command sampled anyway, unseeded
+    (three runs, three texts), where --help says --sample chooses sampling."""
+    from specdec import load_model
+
+    model, tokenizer = load_model("tiny-random:llama")
+    model.generation_config.do_sample, model.generation_config.temperature = True, 1.5
+    model.save_pretrained(tmp_path), tokenizer.save_pretrained(tmp_path)
+    ids = tokenizer("hello hello hello", return_tensors="pt").input_ids
+    want = tokenizer.decode(model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:],
+                            skip_special_tokens=True)
+    for _ in range(2):
+        code, out, err, _ = run_cli(["generate", "--target", str(tmp_path), "--max-new-tokens", "12", "--threads", "1",
+                                     "--raw", "hello hello hello"], capsys)
+        assert code == 0, err
+        assert out == want + "\n"
