@@ -167,11 +167,16 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
     ``target_tokenizer``); ``draft_call_options`` the generator's options for this call alone
     (``CandidateGenerator.call_options``, e.g. ``{"memory_scope": "alice"}`` for ``suffix``).
     Returns what ``generate()`` returns."""
-    streamer = streamer if streamer is not None else _streamer_of_generate()
+    called = _generate_arguments()  # transformers 5.25 leaves these out of a custom_generate callable's
+    streamer = streamer if streamer is not None else called.get("streamer")
+    synced_gpus = synced_gpus or bool(called.get("synced_gpus"))
     # a sharded target's ranks check the arguments inside the call: a check failing on one rank fails every rank
     with coordinated(Ranks.of(model, (decoder_options or {}).get("distributed"))) as coordinator:
         if synced_gpus:
             raise ValueError("synced_gpus=True (DeepSpeed ZeRO-3 / FSDP) is not supported by specdec's custom_generate")
+        if called.get("assistant_model") is not None:
+            raise ValueError("assistant_model= is transformers' own assisted generation, which custom_generate "
+                             "replaces: pass the model as draft= instead")
         check_generation_config(generation_config)
         check_decoder_options(decoder_options or {})
         decoder = DRAFTERS.decoder(model, draft, dict(draft_options or {}), target_tokenizer, draft_tokenizer,
@@ -218,14 +223,15 @@ def _split_criteria(stopping_criteria) -> tuple[int | None, list[int] | None, li
     return max_length, eos if eos is not None else [], rest
 
 
-def _streamer_of_generate():
-    """The ``streamer`` of the ``GenerationMixin.generate`` call that called us: transformers 5.24
-    gives it the prompt, then leaves it out of a custom_generate callable's arguments."""
+def _generate_arguments() -> dict:
+    """The arguments of the ``GenerationMixin.generate`` call that called us (its frame's locals):
+    transformers 5.24+ gives the streamer the prompt and then leaves it, ``synced_gpus`` and
+    ``assistant_model`` out of a custom_generate callable's arguments."""
     frame = sys._getframe(1)
     for _ in range(4):  # generate() calls the callable directly; allow a wrapper or two
         frame = frame.f_back
         if frame is None:
-            return None
+            return {}
         if frame.f_code.co_name == "generate" and frame.f_globals.get("__name__") == "transformers.generation.utils":
-            return frame.f_locals.get("streamer")
-    return None
+            return frame.f_locals
+    return {}

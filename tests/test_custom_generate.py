@@ -235,3 +235,16 @@ def test_options_holding_a_module_draft_with_that_module_never_an_earlier_calls(
         assert used.get(seed, 0) > 0 and sum(used.values()) == used[seed], used  # this call's head alone drafted
         used.clear()
     assert DRAFTERS.count(target) == 0  # the caller's modules are not kept alive by the table
+
+
+def test_arguments_generate_keeps_from_the_callable_are_still_read(model, prompts):
+    """transformers leaves synced_gpus and assistant_model out of a custom_generate callable's
+    arguments: both were ignored silently (the call ran without DeepSpeed's sync, or without the
+    named assistant); they are read from generate()'s own frame, as the streamer is."""
+    target, draft, _ = model
+    ids, mask = prompts[0]["single"]
+    call = dict(attention_mask=mask, max_new_tokens=4, custom_generate=specdec.generate, draft="prompt_lookup")
+    with pytest.raises(ValueError, match="synced_gpus=True .* is not supported"):
+        target.generate(ids, synced_gpus=True, **call)
+    with pytest.raises(ValueError, match="assistant_model= is transformers' own assisted generation"):
+        target.generate(ids, assistant_model=draft, **call)
