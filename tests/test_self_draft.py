@@ -127,6 +127,9 @@ def test_bad_options_and_vision_language_targets_are_refused(target):
         SpecDecoder(target, "self_draft", compile_draft="always")
     with pytest.raises(ValueError, match="text-only"):
         build_copy(tiny_llava(), "bfloat16")
+    narrow, _ = tiny_random("llama", seed=1, num_attention_heads=8, num_key_value_heads=1)  # k, v: 64 -> 8
+    with pytest.raises(ValueError, match="weights='int4': a linear layer of 64 -> 8 features"):
+        build_copy(narrow, "int4")  # torch's kernel raised from inside its packing
 
 
 def test_merge_takes_each_row_from_its_source():

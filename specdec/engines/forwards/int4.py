@@ -68,8 +68,10 @@ class Int4Linear(torch.nn.Module):
 
     def __init__(self, linear: torch.nn.Linear, group: int = GROUP):
         super().__init__()
-        if linear.in_features % group:
-            raise ValueError(f"int4 weights: in_features {linear.in_features} is not a multiple of {group}")
+        if linear.in_features % group or linear.out_features % 16:
+            raise ValueError(f"weights='int4': a linear layer of {linear.in_features} -> {linear.out_features} "
+                             f"features, where torch's int4 kernel needs inputs in multiples of {group} and "
+                             "outputs in multiples of 16; choose w8a8 or bfloat16")
         q, scales_zeros = quantize(linear.weight.detach(), group)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer("weight_int4", torch._convert_weight_to_int4pack_for_cpu(q, 1))  # [N, K / 2]
