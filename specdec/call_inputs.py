@@ -29,9 +29,9 @@ NO_EFFECT = ("use_cache", "return_dict", "labels", "output_attentions", "output_
 
 
 def prefill_only(model, inputs: dict[str, Any], attention_mask: torch.Tensor, *, prepared: bool = False) -> dict:
-    """``inputs`` (the call's model keywords) -> the prefill-only ones; ValueError naming what a
-    speculative run cannot reproduce. ``attention_mask [B, L]`` is the prompt's."""
-    check_token_input(inputs)
+    """``inputs`` (the call's model keywords, :func:`check_token_input` passed) -> the prefill-only
+    ones; ValueError naming what a speculative run cannot reproduce. ``attention_mask [B, L]`` is
+    the prompt's."""
     inputs = {k: v for k, v in inputs.items() if k not in NO_EFFECT and k not in ("attention_mask", "inputs_embeds")}
     keep = inputs.pop("logits_to_keep", None)
     if keep is not None and not isinstance(keep, int):

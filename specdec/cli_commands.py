@@ -52,7 +52,7 @@ def cmd_generate(args) -> int:
         _status("compiling ...")
         _compiled_status(decoder.warmup(batch_size=1, max_length=input_ids.shape[1] + args.max_new_tokens))
     sampling = dict(do_sample=True, temperature=1.0 if args.temperature is None else args.temperature,
-                    top_k=args.top_k, top_p=args.top_p) if args.sample else {"do_sample": False}  # whatever the config says
+                    top_k=args.top_k, top_p=args.top_p) if args.sample else {"do_sample": False}  # not the config's
     seeded = lambda: torch.Generator(device=placement.device).manual_seed(args.seed) if args.sample else None  # noqa: E731
     _first_call(decoder, input_ids, min(2, args.max_new_tokens), dict(sampling, generator=seeded()))
     out = decoder.generate(input_ids, max_new_tokens=args.max_new_tokens, generator=seeded(), **sampling)
