@@ -53,8 +53,9 @@ def chunk(state, first_slot: int, width: int, layout: Layout | None = None) -> t
         columns = torch.arange(fed, device=state.device)[None, :]
         at = index + layout.chain_columns(fed, state.batch_size, state.device) - columns
     if state.position_limit is not None:  # learned positions: refuse a token past them, keep padding inside
-        check_positions(state)
-        at = at.clamp(max=state.position_limit - 1)  # only padded columns move (real ones are below)
+        if state.strict_positions:
+            check_positions(state)
+        at = at.clamp(max=state.position_limit - 1)  # only padded columns move (and an assistant's past the table)
     return index, real, ids, state.positions(at)
 
 

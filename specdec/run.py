@@ -187,14 +187,14 @@ class DecodeRun(DraftSteps, TreeSteps, ScoreSteps, CommitSteps, OutputSteps):
             prefill, positions = self.spec.for_model(model)  # the inputs its forward declares; its own positions
             state = ModelState(model, self.target.tokens[:, : self.width], self.target.lengths,
                                pad_token_id=self.settings.pad, prefill_inputs=prefill, positions=positions,
-                               **self._cache_args(model, cache))
+                               strict_positions=False, **self._cache_args(model, cache))
             self.followers.append(state)
             if prefill_from_target:
                 self.borrowers.append(state)
         else:  # its own token space (another tokenizer): the generator keeps it in step
             pad = self.settings.pad if pad_token_id is None else pad_token_id
             state = ModelState(model, tokens, lengths, pad_token_id=pad, prefill_inputs=self.spec.plain_inputs(model),
-                               **self._cache_args(model, cache))
+                               strict_positions=False, **self._cache_args(model, cache))
             self.own.append(state)
         return Assistant(state, follows_target=tokens is None)
 

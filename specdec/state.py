@@ -27,7 +27,8 @@ each forward's inputs and picks the logits each row reads.
 Position ids come from ``positions``, a pure function of (row, token index) chosen per model by
 ``specdec.multimodal`` (3-D mRoPE positions for Qwen2-VL and kin), so re-feeding or shifting rows
 never changes a token's position. A model with learned absolute positions (``position_limit``:
-GPT-2, OPT) takes no prompt row longer than its table and feeds no token past it.
+GPT-2, OPT) takes no prompt row longer than its table and feeds no token past it (an assistant's,
+``strict_positions=False``, feeds them at the table's last position: drafts only).
 """
 
 from __future__ import annotations
@@ -52,7 +53,6 @@ class ModelState:
     #: default of ``refeed_limit``; a state that makes every row's next forward wider by re-feeding,
     #: as the target's does, sets it lower: docs/performance.md, "Batches")
     REFEED_LIMIT = 16
-
     #: token columns (and static cache slots) allocated beyond the prompt at first; both grow as they fill
     HEADROOM = 64
 
@@ -63,12 +63,14 @@ class ModelState:
 
     def __init__(self, model, tokens: torch.Tensor, lengths: torch.Tensor, capacity: int | None = None, *,
                  pad_token_id: int = 0, prefill_inputs: dict[str, Any] | PrefillInputs | None = None,
-                 positions=None, kv: CacheSettings | None = None, max_new_tokens: int | None = None):
+                 positions=None, kv: CacheSettings | None = None, max_new_tokens: int | None = None,
+                 strict_positions: bool = True):
         batch = tokens.shape[0]
         self.model = model
         self.device = tokens.device
-        check_prompt_positions(model, lengths)
-        self.position_limit = position_limit(model)  # learned absolute positions: none at or past it
+        self.position_limit, self.strict_positions = position_limit(model), strict_positions  # see the module doc
+        if strict_positions:
+            check_prompt_positions(model, lengths)
         capacity = tokens.shape[1] + self.HEADROOM if capacity is None else max(capacity, tokens.shape[1])
         first, reach = self.cache_slots(tokens.shape[1], max_new_tokens)
         self.kv = make_kv(model, batch, first, kv, reach=reach)
@@ -90,8 +92,7 @@ class ModelState:
         self._mirrored: tuple[torch.Tensor, int] | None = None  # see mirror()
         self._lists: list[list[int]] | None = None  # see token_lists()
         self.refeed_limit = self.REFEED_LIMIT  # ends at most this far apart re-feed; farther ones shift
-        #: hidden states every forward returns (``output_hidden_states`` indices, set by the run for a
-        #: generator that reads them; a causal forward's cache backend or a tree's engine keeps them)
+        #: ``output_hidden_states`` indices every forward keeps (set by the run for a generator reading them)
         self.hidden_layers: tuple[int, ...] = ()
         #: after such a forward: ({layer: [B, F, H]} of its fed columns, [B] the token index of column 0)
         self.hidden: tuple[dict[int, torch.Tensor], torch.Tensor] | None = None
@@ -116,9 +117,8 @@ class ModelState:
         return self._padded
 
     def cache_slots(self, width: int, max_new_tokens: int | None) -> tuple[int, int]:
-        """(slots a static cache starts with, slots the call can reach) for a prompt ``width`` wide:
-        the prompt, the new tokens the call and the model's positions allow, a block and the re-feed
-        margin; it starts with room for ``HEADROOM`` new tokens and grows when needed (``specdec.kv``)."""
+        """(slots a static cache starts with, slots the call can reach) for a prompt ``width`` wide: the prompt,
+        the new tokens the call and positions allow, a block, the re-feed margin; ``HEADROOM`` new at first."""
         new = max_new_tokens or self.HEADROOM
         if self.position_limit is not None:
             new = min(new, self.position_limit + 1)

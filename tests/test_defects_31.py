@@ -216,6 +216,20 @@ def test_new_tokens_run_to_the_learned_positions_and_stop_where_generate_raises(
             decoder.generate(ids, max_new_tokens=16, eos_token_id=None)
 
 
+def test_a_draft_models_position_table_limits_its_drafts_not_the_call():
+    """A draft model with learned positions behind a target without them (or a longer table): a
+    prompt past the draft's table was refused naming the draft's class, and a batch whose finished
+    row reached past it failed mid-call, where generate() decodes. The draft now reads such tokens
+    at its table's last position: drafts only."""
+    target, _ = tiny_random("llama", seed=1)
+    draft = positioned("gpt2", limit=32)
+    rows = [torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 40)]
+    ids, mask = left_pad(rows, pad_id=0)
+    want = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None)
+    out = SpecDecoder(target, draft).generate(ids, mask, max_new_tokens=12, eos_token_id=None)
+    assert torch.equal(out.sequences, want)
+
+
 # -- 5. argument checks ---------------------------------------------------------------------------
 @pytest.mark.parametrize("options, match", [
     ({"weights": None}, r"weights must be one of \('auto'"),
