@@ -187,7 +187,7 @@ class SpecDecoder:
         ``generator_options``: the generator's per-call options (``CandidateGenerator.for_call``)."""
         started = time.perf_counter() if started is None else started
         call.sampling.validate()
-        check_rope_reach(self.target, int(prompt.lengths.max()) + call.max_new_tokens)
+        check_rope_reach(self.target, int(prompt.lengths.max()) + call.max_new_tokens - 1)  # the last is never fed
         if call.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer: SpecDecoder(target, draft, tokenizer=...)")
         if streamer is not None and prompt.rows.shape[0] > 1:

@@ -45,7 +45,8 @@ class ModelPlan:
     def changed(self, model) -> bool:
         """Whether ``model``'s parameters and buffers differ from those at the last check (another
         dtype or device, a resized or replaced layer, a replaced rotary embedding); a plan made for
-        others is forgotten. Values and attributes changed in place (a norm's eps) are not looked at."""
+        others is forgotten (the caller drops what it keeps outside the plan: ``specdec.kv.make_kv``
+        its pooled static caches). Values and attributes changed in place (a norm's eps) are not looked at."""
         layout = tuple((p.dtype, p.device, p.shape, 0 if p.is_meta else id(p))  # meta: offloaded, swapped in
                        for tensors in (model.parameters(), model.buffers()) for p in tensors)
         with self.lock:

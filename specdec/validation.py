@@ -123,7 +123,7 @@ def check_prompt_positions(model, lengths: torch.Tensor) -> None:
 
 
 def check_rope_reach(model, reach: int) -> None:
-    """Refuse a call whose rows may reach ``reach`` positions, past where ``model``'s RoPE changes
+    """Refuse a call whose rows may feed ``reach`` positions, past where ``model``'s RoPE changes
     with the sequence's length (dynamic NTK past ``max_position_embeddings``, LongRoPE past
     ``original_max_position_embeddings``): ``generate()`` rotates each new token by the
     frequencies of its own step's length (and Phi-3 then rebuilds its cache), a verification a
@@ -142,7 +142,7 @@ def check_rope_reach(model, reach: int) -> None:
             continue
         if reach > limit:
             raise ValueError(f"{type(model).__name__}'s RoPE ({name}) changes its frequencies past {limit} positions, "
-                             f"which this call may reach ({reach}: the longest row and max_new_tokens); generate() "
+                             f"which this call may feed ({reach}: the longest row and max_new_tokens, less one); generate() "
                              "rotates each new token by its own step's, a verification a block by its last "
                              f"token's: keep rows within {limit} positions")
 

@@ -339,6 +339,8 @@ def test_an_offloaded_device_map_decodes_as_the_whole_model(saved, references, t
     output = SpecDecoder(target, "prompt_lookup").generate(ids, (ids != 257).long(), max_new_tokens=NEW,
                                                            eos_token_id=None)
     assert output.sequences[:, ids.shape[1]:].tolist() == references["padded"]
+    with pytest.raises(ValueError, match="keeps some offloaded"):  # a copy of weights it does not hold raised deep inside
+        SpecDecoder(target, "self_draft").generate(ids, (ids != 257).long(), max_new_tokens=4)
 
 
 def test_the_bench_schema_takes_a_distributed_target(tmp_path):

@@ -211,7 +211,8 @@ def test_a_rope_that_changes_with_the_length_is_refused_past_where_it_does():
                                                "original_max_position_embeddings": 32})
     for model, limit in ((dynamic, 8), (longrope, 32)):
         ids = torch.tensor([[5, 6, 5, 6]])
-        want = model.generate(ids, max_new_tokens=limit - 4, do_sample=False)  # within the limit: exact
-        assert torch.equal(SpecDecoder(model, "prompt_lookup").generate(ids, max_new_tokens=limit - 4).sequences, want)
+        # 4 + limit - 3 tokens: generate() feeds limit positions (never the last token), within the limit: exact
+        want = model.generate(ids, max_new_tokens=limit - 3, do_sample=False)
+        assert torch.equal(SpecDecoder(model, "prompt_lookup").generate(ids, max_new_tokens=limit - 3).sequences, want)
         with pytest.raises(ValueError, match=f"changes its frequencies past {limit} positions"):
-            SpecDecoder(model, "prompt_lookup").generate(ids, max_new_tokens=limit)
+            SpecDecoder(model, "prompt_lookup").generate(ids, max_new_tokens=limit - 2)

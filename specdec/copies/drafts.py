@@ -38,6 +38,10 @@ class Copies:
             return made[weights]
 
     def _build(self, model, weights: str, prompt, draft_cache, made: dict, tokenizer, budget=None, progress=None):
+        if any(p.is_meta for p in model.parameters()):
+            raise ValueError(f"a low-precision copy is made from the target's weights, and {type(model).__name__} "
+                             "keeps some offloaded (a device_map with 'cpu' or 'disk' entries: accelerate loads them "
+                             "per forward); draft with prompt_lookup, suffix or a draft model instead")
         if weights == "auto" and next(model.parameters()).device.type == "cpu":
             from . import choose
 
