@@ -233,6 +233,8 @@ class ModelState:
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (indices into the batch), e.g. once others have finished."""
+        if self.is_first_iteration and self.prefill_inputs:  # a late assistant's media do not split by row
+            self._prefill_prompt()
         self.kv.select_rows(rows, self.cached_slots)
         kept = host_ints(rows)
         lengths, offsets = host_ints(self.lengths), host_ints(self.offsets)
@@ -247,9 +249,8 @@ class ModelState:
         self._trim_left()
 
     def continue_from(self, prefix) -> None:
-        """Start from ``prefix`` (a :class:`~specdec.multimodal.Prefix`): its cache (copied, so the
-        prefix stays reusable), layout and positions. The rows must extend the prefix rows; the
-        tokens past it are pending. Still the first iteration, but the prefill-only work is done."""
+        """Start from ``prefix`` (a :class:`~specdec.multimodal.Prefix`): its cache (copied: reusable), layout and
+        positions; the rows extend its rows, the tokens past it pending. Its prefill-only work is done."""
         self.kv.load(prefix.cache, int(prefix.cached_slots))
         self.offsets = prefix.offsets.clone().to(self.device)
         self.cached_slots = int(prefix.cached_slots)
@@ -349,8 +350,7 @@ class ModelState:
         return self._from_needed(logits, width, needed, starts)
 
     def _prefill_prompt(self) -> None:
-        """The prompt alone, with the media: a late assistant's first forward would feed the
-        committed tokens with them, and the model would count a placeholder id the target wrote."""
+        """The prompt alone, with the media (a late assistant's: see select_rows and _forward's first line)."""
         lengths, self.lengths, self._lists = self.lengths, self.prompt_lengths, None
         self._forward(self.prompt_lengths - 1)
         self.lengths, self._lists = lengths, None

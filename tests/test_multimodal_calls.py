@@ -11,7 +11,9 @@ an image (defects a randomized comparison against ``generate()`` found).
   sits after the highest position on every axis, as ``get_rope_index`` over the whole prompt puts
   it (it continued each axis from the prefix's last position);
 * a first forward (a late draft's) whose tokens after the prompt hold a placeholder id the target
-  wrote prefills the prompt alone with the media (the model counted the id as an image slot).
+  wrote prefills the prompt alone with the media (the model counted the id as an image slot);
+* a late draft whose batch lost an image row before its first forward: its media, which do not
+  split by row, are prefilled first ("Image features and image tokens do not match").
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import torch
 import specdec
 from specdec import SpecDecoder
 
-from test_multimodal import BLOCK_END, BLOCK_START, FAMILIES, IMAGE, image_prompt, pixels, tiny_vlm, token_types
+from test_multimodal import (BLOCK_END, BLOCK_START, FAMILIES, IMAGE, batch_inputs, image_prompt, pixels, tiny_vlm,
+                             token_types)
 
 NEW = 12
 
@@ -85,3 +88,30 @@ def test_a_first_forward_after_a_written_placeholder_feeds_the_media_with_the_pr
     early.forward(start=early.lengths - 1)
     early.append(written)
     assert torch.allclose(logits, early.forward(start=early.lengths - 1), atol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_late_draft_whose_batch_lost_an_image_row_prefills_its_media_first(targets, family):
+    """Rows leave the batch once finished; a vision-language draft asked only after that fed its
+    first forward the remaining rows with every row's media (a timing-dependent crash the policy's
+    first steps decided). Its logits for the rows kept are those of a draft that prefilled early."""
+    from specdec.multimodal import PrefillSpec
+    from specdec.state import ModelState
+
+    model = targets[family]
+    ids, mask, inputs = batch_inputs(family, [image_prompt(family, seed=s) for s in (3, 4, 5)])
+    lengths = mask.sum(1)
+    rows = torch.stack([torch.cat([r[m.bool()], r[~m.bool()]]) for r, m in zip(ids, mask)])  # from column 0
+    prefill, positions = PrefillSpec.from_call(rows, lengths, inputs).for_model(model)
+    kept = torch.tensor([0, 2])
+    written = torch.tensor([[7, 8], [9, 10]])  # what the kept rows committed meanwhile
+    late = ModelState(model, rows, lengths, prefill_inputs=prefill, positions=positions)
+    late.select_rows(kept)  # its first forward still to come
+    late.append(written)
+    early = ModelState(model, rows, lengths, prefill_inputs=prefill, positions=positions)
+    early.forward(start=early.lengths - 1)
+    early.select_rows(kept)
+    early.append(written)
+    logits = late.forward(start=late.lengths - 2)  # raised "Image features and image tokens do not match"
+    assert logits.shape[:2] == (2, 2)
+    assert torch.allclose(logits, early.forward(start=early.lengths - 2), atol=1e-5)
