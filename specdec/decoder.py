@@ -30,9 +30,9 @@ import torch
 from transformers import LogitsProcessorList
 from transformers.generation.stopping_criteria import MaxTimeCriteria, StopStringCriteria
 
+from .call_inputs import check_token_input, prefill_only
 from .compiled import warming
 from .distributed import Ranks, call_fingerprint, coordinated
-from .call_inputs import check_token_input, prefill_only
 from .engines import check_engine, resolve_engine_name
 from .generation import Resolved, build_processors, inferred_mask, resolve_config, resolved, split_settings
 from .generators import CandidateGenerator, declared_drafting, most_drafts, plugin_name

@@ -22,7 +22,6 @@ processors that remember earlier steps (``specdec/processors.py``).
 from __future__ import annotations
 
 import copy
-
 from dataclasses import dataclass
 
 import torch

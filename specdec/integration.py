@@ -167,7 +167,7 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
     ``target_tokenizer``); ``draft_call_options`` the generator's options for this call alone
     (``CandidateGenerator.call_options``, e.g. ``{"memory_scope": "alice"}`` for ``suffix``).
     Returns what ``generate()`` returns."""
-    called = _generate_arguments()  # transformers 5.25 leaves these out of a custom_generate callable's
+    called = _generate_arguments()  # what transformers 5.25 leaves out of a custom_generate callable's arguments
     streamer = streamer if streamer is not None else called.get("streamer")
     synced_gpus = synced_gpus or bool(called.get("synced_gpus"))
     # a sharded target's ranks check the arguments inside the call: a check failing on one rank fails every rank
