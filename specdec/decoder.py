@@ -98,7 +98,7 @@ class SpecDecoder:
 
     def generate(self, input_ids, attention_mask=None, *, max_new_tokens=UNSET, do_sample=UNSET, temperature=UNSET,
                  top_k=UNSET, top_p=UNSET, min_p=UNSET, generator: torch.Generator | None = None, eos_token_id=UNSET,
-                 stop_strings=UNSET, stopping_criteria=None, streamer=None, logits_processor=None,
+                 stopping_criteria=None, streamer=None, logits_processor=None,
                  prefix_allowed_tokens_fn=None, generation_config=None, prefix: Prefix | None = None,
                  grammar=None, **kwargs) -> SpecOutput:
         """Decode up to ``max_new_tokens`` per row; output as ``target.generate`` would give it.
@@ -129,25 +129,28 @@ class SpecDecoder:
             tokenizer = kwargs.pop("tokenizer", None)  # generate()'s: the stop strings' (else the decoder's)
             settings, model_inputs = split_settings(kwargs)
             settings.update(self._explicit(max_new_tokens, do_sample, temperature, top_k, top_p, min_p, eos_token_id))
-            input_ids = check_prompt(input_ids, None)[0]
-            config = resolve_config(self.target, generation_config, settings, input_ids.shape[1])
-            if attention_mask is None:
-                attention_mask = inferred_mask(self.target, input_ids, config)
-            prompt = self._prompt(input_ids, attention_mask, model_inputs, prefix)
+            width = check_prompt(input_ids, None)[0].shape[1]
+            config = resolve_config(self.target, generation_config, settings, width)
+            prompt = self._prompt(input_ids, attention_mask, model_inputs, prefix, config=config)
             check_generation_config(config)
             call = resolved(config, prompt.input_ids.shape[1])
-            if stop_strings is not UNSET:  # None or [] on the call: none, whatever the config says
-                call.stop_strings = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings or []) or None
             if grammar is not None:  # placed as a user's processor: after the config's, before the warpers
                 logits_processor = [*(logits_processor or []), self.constraint(grammar, call.eos)]
             processors = build_processors(self.target, config, prompt.input_ids, prompt.mask(),
                                           prefix_allowed_tokens_fn, LogitsProcessorList(logits_processor or []))
-            criteria = [*(stopping_criteria or []), *([MaxTimeCriteria(config.max_time)] if config.max_time else [])]
-            if call.stop_strings and tokenizer is not None:
-                criteria.append(StopStringCriteria(tokenizer, call.stop_strings))
-                call.stop_strings = None
+            criteria = self._criteria(config, call, stopping_criteria, tokenizer)
             return self.run(prompt, call, processors, criteria, streamer=streamer, generator=generator, started=started,
                             coordinator=coordinator, generator_options=options)
+
+    @staticmethod
+    def _criteria(config, call: Resolved, stopping_criteria, tokenizer) -> list:
+        """The call's stopping criteria beside its budget and EOS: the user's, ``max_time``'s, and
+        with a call's ``tokenizer`` (``generate()``'s keyword) the stop strings read by it."""
+        criteria = [*(stopping_criteria or []), *([MaxTimeCriteria(config.max_time)] if config.max_time else [])]
+        if call.stop_strings and tokenizer is not None:
+            criteria.append(StopStringCriteria(tokenizer, call.stop_strings))
+            call.stop_strings = None  # not the decoder's tokenizer's too
+        return criteria
 
     def calling(self):
         """A context for one call, around all of it (argument checks first), yielding its
@@ -300,8 +303,6 @@ class SpecDecoder:
             if self.cache.engine == "llama_cpp":
                 raise ValueError("prefill() keeps a transformers cache, which engine='llama_cpp' cannot continue "
                                  "(it keeps its own keys and values); pass the whole prompt to generate()")
-            if attention_mask is None and isinstance(input_ids, torch.Tensor):
-                attention_mask = inferred_mask(self.target, check_prompt(input_ids, None)[0])
             prompt = self._prompt(input_ids, attention_mask, model_inputs, None)
             if self.ranks is not None:
                 coordinator.given(call_fingerprint(prompt.input_ids, prompt.mask(), "prefill",
@@ -316,11 +317,15 @@ class SpecDecoder:
                           state.positions)
 
     def _prompt(self, input_ids, attention_mask, model_inputs: dict, prefix: Prefix | None,
-                prepared: bool = False) -> Prompt:
+                prepared: bool = False, config=None) -> Prompt:
         """Validate a prompt against the target (before any forward) and strip its left padding;
         every tensor on the target's device. ``model_inputs``: the call's model keywords
-        (``prepared``: as ``generate()`` prepared them, ``specdec/call_inputs.py``)."""
+        (``prepared``: as ``generate()`` prepared them, ``specdec/call_inputs.py``). With no mask
+        the pad id's columns are padding, as in ``generate()`` (with ``config``'s special tokens,
+        else the target's); a prepared call's missing mask is one ``generate()`` dropped as all ones."""
         check_token_input(model_inputs)
+        if attention_mask is None and not prepared:
+            attention_mask = inferred_mask(self.target, check_prompt(input_ids, None)[0], config)
         input_ids, attention_mask = check_prompt(input_ids, attention_mask)
         model_inputs = prefill_only(self.target, model_inputs, attention_mask, prepared=prepared)
         batch, width = input_ids.shape
