@@ -325,7 +325,7 @@ class SpecDecoder:
         else the target's); a prepared call's missing mask is one ``generate()`` dropped as all ones."""
         check_token_input(model_inputs)
         if attention_mask is None and not prepared:
-            attention_mask = inferred_mask(self.target, check_prompt(input_ids, None)[0], config)
+            input_ids, attention_mask = _inferred_prompt(self.target, input_ids, config)
         input_ids, attention_mask = check_prompt(input_ids, attention_mask)
         model_inputs = prefill_only(self.target, model_inputs, attention_mask, prepared=prepared)
         batch, width = input_ids.shape
@@ -348,3 +348,15 @@ class SpecDecoder:
             prefix.check_continuation(self.target, rows, lengths, model_inputs)
             return Prompt(input_ids, rows, lengths, prefix.spec, prefix)
         return Prompt(input_ids, rows, lengths, PrefillSpec.from_call(rows, lengths, model_inputs))
+
+
+def _inferred_prompt(target, input_ids, config) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompt and the mask ``generate()`` infers for it when given none; a mask that specdec
+    cannot take (a pad id inside or at the end of a row) is refused saying where it came from."""
+    input_ids = check_prompt(input_ids, None)[0]
+    attention_mask = inferred_mask(target, input_ids, config)
+    try:
+        return check_prompt(input_ids, attention_mask)
+    except ValueError as error:
+        raise ValueError(f"{error} (no attention_mask was given, so, as in generate(), every pad_token_id "
+                         "column was taken as padding: pass attention_mask to attend them)") from None

@@ -46,9 +46,13 @@ class ModelPlan:
         """Whether ``model``'s parameters and buffers differ from those at the last check (another
         dtype or device, a resized or replaced layer, a replaced rotary embedding); a plan made for
         others is forgotten (the caller drops what it keeps outside the plan: ``specdec.kv.make_kv``
-        its pooled static caches). Values and attributes changed in place (a norm's eps) are not looked at."""
+        its pooled static caches). Float attributes of its modules (a norm's eps, an attention's
+        scaling, which the scripted stack reads once) count too; tensor values changed in place do not
+        (the packed weights compare samples of theirs at each call)."""
         layout = tuple((p.dtype, p.device, p.shape, 0 if p.is_meta else id(p))  # meta: offloaded, swapped in
                        for tensors in (model.parameters(), model.buffers()) for p in tensors)
+        layout += tuple(value for module in model.modules() for value in vars(module).values()
+                        if type(value) is float)
         with self.lock:
             changed = self.layout is not None and layout != self.layout
             if changed:

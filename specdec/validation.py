@@ -61,8 +61,7 @@ def check_prompt(input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor]
     if bool(holes.any()):
         row = int(holes.nonzero()[0])
         raise ValueError(f"attention_mask row {row} has a hole (a 0 between 1s): specdec takes left-padded rows "
-                         "whose tokens are all attended (given no attention_mask, every pad_token_id is padding, "
-                         "as in generate(): pass attention_mask to attend it)")
+                         "whose tokens are all attended")
     if bool((zero & (seen > 0)).any()):
         raise ValueError("the batch is right-padded; pad on the left (tokenizer.padding_side = 'left'), "
                          "as transformers' generate expects for decoder-only models")

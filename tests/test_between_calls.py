@@ -136,3 +136,14 @@ def test_a_replaced_rotary_embedding_is_seen_by_the_scripted_stack():
     config.rope_parameters = {"rope_type": "default", "rope_theta": 10.0}
     target.model.rotary_emb = Qwen2RotaryEmbedding(config=config)
     assert _exact(decoder, target, ids)
+
+
+def test_a_norm_eps_changed_in_place_is_seen_by_the_scripted_stack():
+    """The scripted decoder stack read each norm's eps once (a float attribute, no tensor: the
+    layout check did not see it change, and the old eps gave other tokens)."""
+    target, tokenizer = tiny_random("qwen2", seed=1)
+    decoder = SpecDecoder(target, "prompt_lookup", tokenizer=tokenizer)
+    assert _exact(decoder, target)
+    for layer in target.model.layers:
+        layer.input_layernorm.variance_epsilon = 3.0
+    assert _exact(decoder, target)

@@ -39,8 +39,10 @@ def test_a_padded_batch_without_its_mask_is_unpadded_as_generate_does(llama):
     as_eos = llama.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=PAD)  # no inference: all tokens
     assert torch.equal(SpecDecoder(llama, "prompt_lookup").generate(ids, max_new_tokens=8, eos_token_id=PAD).sequences,
                        as_eos)
-    with pytest.raises(ValueError, match="row 0 has a hole .*every pad_token_id is padding"):
+    with pytest.raises(ValueError, match="row 0 has a hole .*no attention_mask was given.*pad_token_id"):
         SpecDecoder(llama).generate(torch.tensor([[1, 2, PAD, 4]]), max_new_tokens=2)
+    with pytest.raises(ValueError, match="right-padded.*no attention_mask was given.*pad_token_id"):
+        SpecDecoder(llama).prefill(torch.tensor([[1, 2, 4, PAD]]))  # a prefix ending in the pad id
     decoder = SpecDecoder(llama, "prompt_lookup")  # a prefix given without its mask is read the same way
     prefix = decoder.prefill(ids[:, :4])
     assert torch.equal(decoder.generate(ids, max_new_tokens=8, prefix=prefix).sequences, want)
