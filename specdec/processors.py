@@ -182,9 +182,9 @@ def _prefix_constrained(processor: lp.PrefixConstrainedLogitsProcessor, scores: 
 def _last_tokens(processor: lp.SequenceBiasLogitsProcessor, scores: torch.Tensor, pos: Positions) -> torch.Tensor:
     """Sequence biases read at most the last (longest sequence - 1) ids: one call on those windows,
     when every position has that many (else by length). None at all (bad words that were only EOS
-    ids, which ``transformers`` drops) read no ids."""
+    ids, which ``transformers`` drops; or only an empty one) read no ids."""
     width = max((len(seq) for seq in processor.sequence_bias), default=1) - 1
-    if width == 0:
+    if width <= 0:  # -1: only an empty sequence (bad_words_ids=[[]]), which biases nothing
         return _scores_only(processor, scores, pos)
     if int(pos.lengths.min()) < width:
         return _by_length(processor, scores, pos)

@@ -409,6 +409,31 @@ def test_malformed_dataset_is_a_config_error(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("turns", ['"hello"', "[]", "[5]"])
+def test_turns_that_are_not_a_list_of_strings_are_a_config_error(tmp_path, turns):
+    """A string was read as one turn per character, an empty list failed after the models loaded
+    (as a method that "cannot compile"), a number crashed in the chat template mid-run."""
+    config = tiny_config(tmp_path, methods=TWO_METHODS)
+    (tmp_path / "questions.jsonl").write_text(f'{{"question_id": 1, "category": "translation", "turns": {turns}}}\n')
+    with pytest.raises(ConfigError, match="question 1: turns must be a non-empty list of strings"):
+        run(config, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("grammar, message", [({"json_schema": 5}, "a JSON schema is a dict"),
+                                              ({"regex": "("}, "the regex grammar does not compile")])
+def test_a_grammar_that_cannot_compile_stops_the_run_before_a_file_is_written(tmp_path, grammar, message):
+    """A schema of the wrong type was a TypeError traceback from the config's validation; a regex
+    that does not parse passed it and failed on the first question, after run.json was written."""
+    config = tiny_config(tmp_path, methods=TWO_METHODS)
+    data = yaml.safe_load(config.read_text())
+    data["generation"]["grammar"] = grammar
+    config.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=f"generation.grammar.*{message}"):
+        run(config, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_median_run_keeps_the_middle_run_and_every_time():
     runs = [{"seconds": t, "output_ids": [1, 2], "tag": t} for t in (3.0, 1.0, 2.0, 9.0)]
     row = median_run(runs)

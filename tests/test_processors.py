@@ -82,6 +82,8 @@ BLOCK_PROCESSORS = {
     "bad_words": lambda p: lp.NoBadWordsLogitsProcessor([[3], [4, 5], [1, 2, 3]], eos_token_id=7),
     # bad words that are only EOS ids: transformers drops them all, and the processor changes nothing
     "bad_words_only_eos": lambda p: lp.NoBadWordsLogitsProcessor([[7], [8]], eos_token_id=[7, 8]),
+    # an empty banned sequence, which generate() takes: the block applier read windows of -1 ids
+    "bad_words_empty": lambda p: lp.NoBadWordsLogitsProcessor([[]], eos_token_id=7),
     "sequence_bias": lambda p: lp.SequenceBiasLogitsProcessor([[[3], 1.5], [[4, 5], -2.0]]),
     "min_length": lambda p: lp.MinLengthLogitsProcessor(15, 7),
     "min_new_tokens": lambda p: lp.MinNewTokensLengthLogitsProcessor(6, 5, [7, 8]),

@@ -236,7 +236,10 @@ class GenerationSettings(_Strict):
     @classmethod
     def _grammar(cls, value: dict | None) -> dict | None:
         if value is not None:
-            Grammar.from_config(value)  # raises ValueError / TypeError with what is wrong
+            try:
+                Grammar.from_config(value)
+            except TypeError as exc:  # pydantic reports ValueErrors only
+                raise ValueError(str(exc)) from None
         return value
 
     def processor_settings(self) -> dict[str, Any]:

@@ -35,7 +35,11 @@ def spread(items: list, count: int | None) -> list:
 
 
 def _question(row: dict, max_turns: int | None) -> Question:
-    turns = tuple(row["turns"])[:max_turns]
+    turns = row["turns"]
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+        raise ValueError(f"question {row.get('question_id')!r}: turns must be a non-empty list of strings, "
+                         f"got {turns!r:.80}")
+    turns = tuple(turns)[:max_turns]
     grammar = row.get("grammar")
     if grammar is not None:
         Grammar.from_config(grammar)

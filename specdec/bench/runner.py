@@ -16,6 +16,7 @@ row, :mod:`.runner_calls` times one call of one method.
 
 from __future__ import annotations
 
+import json
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -68,9 +69,22 @@ def _load_and_warm_up(config: BenchConfig, questions: list[Question], log: Calla
     longest = longest_call(questions, tokenizer, config.generation.max_new_tokens, every_turn=1 in config.batch_sizes)
     compiled = compile_methods(runners, sizes, longest, log)
     pad_id = pad_token_id(target)
+    models = _Models(target, tokenizer, runners, pad_id, set(eos_token_ids(target)), device, compiled)
+    _compile_grammars(models, questions, config.generation)
     warm_up(runners, tokenizer, config.warmup_new_tokens, device, batched=any(b > 1 for b in config.batch_sizes),
             pad_id=pad_id)
-    return _Models(target, tokenizer, runners, pad_id, set(eos_token_ids(target)), device, compiled)
+    return models
+
+
+def _compile_grammars(models: _Models, questions: list[Question], gen: GenerationSettings) -> None:
+    """Compile every grammar the run decodes under (kept for the run), so that one that does not
+    compile stops it before a file is written."""
+    for spec in dict.fromkeys(models.grammar_of(q, gen) for q in questions):
+        try:
+            models.compile(spec)
+        except ValueError as exc:
+            where = "generation.grammar" if spec == json.dumps(gen.grammar) else "a question's grammar"
+            raise ConfigError(f"{where}: {exc}") from None
 
 
 @contextmanager
