@@ -122,4 +122,22 @@ def new_dynamic_cache(layout: tuple[bool, ...] | None = None, reach: int = 0):
     cache.layer_class_to_replicate = partial(GrowingLayer, reach)
     if layout is not None and not all(layout):
         cache.layers[:] = [GrowingLayer(reach) if held else DummyLayer() for held in layout]
+        if not layout[0]:
+            cache.layers[0] = _SizedGap(cache.layers[layout.index(True)])
     return cache
+
+
+class _SizedGap(DummyLayer):
+    """Layer 0 of a pipeline stage that does not hold it: it holds nothing, but gives sizes as the
+    stage's first layer does (transformers sizes a sliding-window mask from layer 0 where no cache
+    layer says it slides, and a ``DummyLayer`` has no length)."""
+
+    def __init__(self, held: GrowingLayer):
+        super().__init__()
+        self.held = held
+
+    def get_seq_length(self) -> int:
+        return self.held.get_seq_length()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.held.get_mask_sizes(query_length)
