@@ -234,10 +234,12 @@ class SpecDecoder:
         """The parts of a call every rank of a sharded target must be given alike
         (``specdec/distributed/fingerprint.py``)."""
         plugin = plugin_name(self.candidate_generator)
+        drafting = declared_drafting(self.candidate_generator, plugin)  # sizes the ranks' draft messages
         return call_fingerprint(
             prompt.input_ids, prompt.mask(), call.max_new_tokens, call.sampling, call.eos, call.pad, call.stop_strings,
             call.return_dict, call.output_scores, call.output_logits, stream_prompt, plugin, self.cache,
-            self.ranks.options, prompt.prefix is not None, model_inputs=prompt.spec.user_inputs, processors=processors,
+            self.ranks.options, prompt.prefix is not None, model_inputs=prompt.spec.user_inputs,
+            drafting=(drafting, most_drafts(self.candidate_generator, drafting)), processors=processors,
             criteria=criteria, generator=generator, sampled=bool(call.sampling.do_sample))
 
     def warmup(self, batch_size: int = 1, max_length: int = 1024) -> float:

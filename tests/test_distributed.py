@@ -24,7 +24,7 @@ kind; the tests compare that with single-process references computed here.
   raising: every rank raises one clear error, and the next call pairs with the other rank's same
   call (a greedy call with ``repetition_penalty=5.0`` equals the single-process output); calls
   that differ between ranks (their logits processors, stopping criteria, generator seeds,
-  prompts) are refused on every rank with an error naming what differs, and a generator reused
+  prompts, generators' drafting) are refused on every rank with an error naming what differs, and a generator reused
   across sampled calls stays in step;
 * a failure reaches every rank as one clear error, quickly: the decider's drafter failing (every
   rank raises, and the next call works: the process group survives), then a failure on the other
@@ -278,7 +278,8 @@ def test_after_a_failure_each_call_pairs_with_the_other_ranks_same_call(tensor, 
 @pytest.mark.parametrize("case, part", [("differ_penalty", "logits processors"),
                                         ("differ_processor", "logits processors"),
                                         ("differ_criteria", "stopping criteria"), ("differ_seed", "generator state"),
-                                        ("differ_prompt", "prompt")])
+                                        ("differ_prompt", "prompt"),
+                                        ("differ_drafting", "drafting declarations")])
 def test_calls_that_differ_between_ranks_are_refused_naming_what_differs(tensor, case, part):
     for rank in tensor:
         assert rank[case].startswith("RanksDivergedError: the ranks were given different calls"), rank[case]
@@ -558,6 +559,9 @@ def _agreement(target, result: dict) -> None:
     attempt("differ_criteria", lambda: call(stopping_criteria=[StopAt(14 if rank else 16)]))
     attempt("differ_seed", lambda: call(do_sample=True, generator=seeded(rank)))
     attempt("differ_prompt", lambda: call(one + rank))
+    # decoders whose generators declare other most drafts (each sized its messages by its own: gloo aborted)
+    differing = SpecDecoder(target, "prompt_lookup", max_tokens=3 if rank else 10, distributed={"timeout": 60})
+    attempt("differ_drafting", lambda: differing.generate(one, max_new_tokens=AGREE_NEW, eos_token_id=None))
     # one generator over two sampled calls: every rank's ends where the decider's does
     generator = seeded(3)
     attempt("same_generator_1", lambda: call(do_sample=True, generator=generator))

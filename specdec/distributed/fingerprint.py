@@ -60,15 +60,16 @@ class Fingerprint:
 
 
 def call_fingerprint(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, *settings, model_inputs=None,
-                     processors=(), criteria=(), generator: torch.Generator | None = None,
+                     drafting=None, processors=(), criteria=(), generator: torch.Generator | None = None,
                      sampled: bool = False) -> Fingerprint:
     """The fingerprint of one call: its prompt [B, P] and mask [B, P], ``settings`` (values),
-    its prefill-only inputs, logits processors, stopping criteria and, under sampling, the
-    state of its ``generator``."""
+    its prefill-only inputs, what its candidate generator declares (``drafting``: values), logits
+    processors, stopping criteria and, under sampling, the state of its ``generator``."""
     parts = {
         "prompt": digest(tuple(input_ids.shape), input_ids, attention_mask),
         "model inputs": digest(describe(dict(model_inputs or {}))),
         "settings": digest(describe(settings)),
+        "drafting declarations": digest(describe(drafting)),
         "logits processors": digest(*(settings_of(p) for p in processors or ())),
         "stopping criteria": digest(*(settings_of(c) for c in criteria or ())),
     }
