@@ -266,7 +266,8 @@ def test_a_check_failing_on_one_rank_fails_every_rank_with_its_error(tensor, cas
 
 
 @pytest.mark.parametrize("case, reference", [("after_vocab", "penalized"), ("after_vocab_custom", "one"),
-                                             ("after_vocab_prefill", "one"), ("after_failures", "one")])
+                                             ("after_vocab_prefill", "one"), ("after_failures", "one"),
+                                             ("after_timeout", "one")])
 def test_after_a_failure_each_call_pairs_with_the_other_ranks_same_call(tensor, references, case, reference):
     """The call after a one-rank failure (``after_vocab``: greedy with repetition_penalty=5.0, after a
     sampled call without it) gives the single-process output on both ranks: the ranks stayed in step."""
@@ -284,6 +285,12 @@ def test_calls_that_differ_between_ranks_are_refused_naming_what_differs(tensor,
     for rank in tensor:
         assert rank[case].startswith("RanksDivergedError: the ranks were given different calls"), rank[case]
         assert f"their {part} differ" in rank[case], rank[case]
+
+
+def test_decoders_given_another_timeout_on_each_rank_are_refused_on_every_rank(tensor):
+    for rank in tensor:
+        assert rank["differ_timeout"].startswith("RanksDivergedError: the ranks were given different "
+                                                 "DistributedOptions.timeout ([60.0, 61.0], by rank)"), rank
 
 
 def test_a_generator_reused_across_sampled_calls_stays_in_step(tensor):
@@ -562,6 +569,10 @@ def _agreement(target, result: dict) -> None:
     # decoders whose generators declare other most drafts (each sized its messages by its own: gloo aborted)
     differing = SpecDecoder(target, "prompt_lookup", max_tokens=3 if rank else 10, distributed={"timeout": 60})
     attempt("differ_drafting", lambda: differing.generate(one, max_new_tokens=AGREE_NEW, eos_token_id=None))
+    # another timeout on each rank (each made a control group the other did not: the next call hung)
+    attempt("differ_timeout", lambda: SpecDecoder(target, "prompt_lookup", distributed={"timeout": 60 + rank}))
+    attempt("after_timeout", lambda: SpecDecoder(target, "prompt_lookup", distributed={"timeout": 61}).generate(
+        one, max_new_tokens=AGREE_NEW, eos_token_id=None))
     # one generator over two sampled calls: every rank's ends where the decider's does
     generator = seeded(3)
     attempt("same_generator_1", lambda: call(do_sample=True, generator=generator))

@@ -20,7 +20,10 @@ PLACEMENTS = ("one_rank", "replicated")
 #: drafts per row carried by the message sent before each forward; a longer block takes a second one
 INLINE_DRAFTS = 16
 DECIDER = 0
-_GROUPS: dict[float, object] = {}  # control groups by timeout (one new_group per timeout per process)
+#: control groups by timeout (one new_group per timeout per process), and under AGREE the group on
+#: which the ranks first compare the timeout asked: every rank's table holds the same keys
+_GROUPS: dict[float | str, object] = {}
+AGREE = "agree"
 #: why this process's groups can carry no more collectives, and the default group that broke (empty:
 #: they can); a process that starts new groups (``init_process_group`` again) is usable again
 _BROKEN: list[tuple[str, object]] = []
@@ -95,11 +98,21 @@ def stage_layout(model) -> tuple[bool, ...] | None:
 # -- many processes ---------------------------------------------------------------------------------
 def control_group(timeout: float):
     """The gloo group the coordinator's messages travel on (one per timeout for the process; made
-    by every rank at the same point, as ``new_group`` must be)."""
+    by every rank at the same point, as ``new_group`` must be). The ranks first compare the
+    timeouts they were given, on the process's first control group: a rank given another one is
+    refused on every rank, and no rank makes a group another does not (which would pair one rank's
+    next messages with another's group creation)."""
     import torch.distributed as dist
 
+    make = lambda: dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))  # noqa: E731
+    first = _GROUPS.get(AGREE) or _GROUPS.setdefault(AGREE, make())
+    asked: list = [None] * dist.get_world_size()
+    dist.all_gather_object(asked, timeout, group=first)
+    if len(set(asked)) > 1:
+        raise RanksDivergedError(f"the ranks were given different DistributedOptions.timeout ({asked}, by rank): "
+                                 "give every rank the same")
     if timeout not in _GROUPS:
-        _GROUPS[timeout] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+        _GROUPS[timeout] = make()
     return _GROUPS[timeout]
 
 
