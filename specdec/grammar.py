@@ -251,17 +251,17 @@ class GrammarConstraint(LogitsProcessor):
         return flat
 
     def extend(self, drafts: torch.Tensor, offered: torch.Tensor, committed: list[list[int]], rows: list[int],
-               limit: list[int]) -> tuple[list[list[int]], list[int]]:
-        """Walk each row's drafts ``drafts [B, K]`` (``offered [B]`` of them) through its grammar
-        after its ``committed`` generated tokens -> (each row's drafts: the generator's up to the
-        first the grammar forbids or replaces, then the grammar's own after them (forced tokens,
-        suggested spellings of a forced string), at most ``limit[b]`` in all; how many of those
-        came from the generator)."""
+               limit: list[int], point: list[list[bool]]) -> tuple[list[list[int]], list[int]]:
+        """Walk each row's drafts ``drafts [B, K]`` (``offered [B]`` of them; ``point [B][K]``:
+        which are point masses) through its grammar after its ``committed`` generated tokens ->
+        (each row's drafts: the generator's up to the first the grammar forbids or replaces, then
+        the grammar's own after them (forced tokens, suggested spellings of a forced string), at
+        most ``limit[b]`` in all; how many of those came from the generator)."""
         out, kept = [], []
         offered_list, draft_rows = offered.tolist(), drafts.tolist()
         for b, row in enumerate(rows):
             mine, taken = self.row(row).walk(committed[b], draft_rows[b][: offered_list[b]], limit[b], self.scratch,
-                                             self.vocab)
+                                             self.vocab, point[b])
             out.append(mine)
             kept.append(taken)
         return out, kept
@@ -308,8 +308,12 @@ class _RowState:
             matcher.fill_next_token_bitmask(bitmask, index)
 
     def walk(self, committed: list[int], drafts: list[int], limit: int, scratch: torch.Tensor,
-             vocab: int) -> tuple[list[int], int]:
-        """-> (the drafts to verify after ``committed``, how many of them are the generator's)."""
+             vocab: int, point: list[bool]) -> tuple[list[int], int]:
+        """-> (the drafts to verify after ``committed``, how many of them are the generator's). A
+        forbidden draft is replaced by the grammar's suggestion where it is a point mass
+        (``point``); one drawn from a distribution ends the walk, kept for the verifier to reject
+        (its position then samples from what the draft's distribution leaves of the target's:
+        replacing it would sample from the whole whenever the draw was forbidden, biased)."""
         self.move(committed)
         if self.accepted < len(self.history):  # a committed token the grammar refused: nothing to walk from
             return [], 0
@@ -327,7 +331,11 @@ class _RowState:
                 suggested = suggested[1:] if suggested[:1] == [forced] else []
             elif mine is not None and allows(scratch[0], mine):
                 token, taken = mine, taken + 1
-            else:  # the generator has no draft here (or one the grammar forbids): the grammar's suggestion
+            elif mine is not None and not point[taken]:  # drawn, and forbidden: the verifier rejects it
+                out.append(mine)
+                self.history.append(mine)
+                return out, taken + 1
+            else:  # the generator has no draft here (or a point mass the grammar forbids): its suggestion
                 following = False
                 suggested = suggested or matcher.find_jump_forward_tokens()
                 if not suggested or not allows(scratch[0], suggested[0]):

@@ -300,12 +300,12 @@ class BlockProcessors:
         return torch.minimum(counts, first)
 
     def extend(self, drafts: torch.Tensor, offered: torch.Tensor, committed: list[list[int]], rows: list[int],
-               room: list[int]) -> tuple[list[list[int]], list[int]]:
+               room: list[int], point: list[list[bool]]) -> tuple[list[list[int]], list[int]]:
         """The grammar's walk over each row's drafts (:meth:`GrammarConstraint.extend`): at most
         ``GRAMMAR_LIMIT`` of the grammar's own drafts past a row's offered drafts, and never past its ``room``."""
         started = time.perf_counter()
         limit = [min(r, o + GRAMMAR_LIMIT) for r, o in zip(room, offered.tolist())]
-        out = self.grammar.extend(drafts, offered, committed, rows, limit)
+        out = self.grammar.extend(drafts, offered, committed, rows, limit, point)
         self.seconds += time.perf_counter() - started
         return out
 

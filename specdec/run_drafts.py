@@ -101,7 +101,7 @@ class DraftSteps:
                          target.device)
         made = target.admissible_drafts(ids, made)
         if self.processors is not None and self.processors.hard and not tree:
-            made = self._allowed(ids, made, proposal.confidence)
+            made = self._allowed(ids, made, point_masses(proposal, ids))
         # a tree's node after an end of sequence in node order may be its sibling: nothing cut
         candidates = made if tree else self.stopper.worth_verifying(ids, made)
         if self.policy is None:
@@ -120,21 +120,32 @@ class DraftSteps:
         if self.drafting.max_drafts is not None:  # the most a sharded target's ranks exchange
             room = room.clamp_max(self.drafting.max_drafts)
         rows, taken = self.processors.extend(proposal.token_ids, offered, committed, self.row_ids.tolist(),
-                                             room.tolist())
+                                             room.tolist(), point_masses(proposal, proposal.token_ids).tolist())
         proposal = with_grammar_drafts(proposal, rows, taken)
         return proposal, proposal.lengths.to(offered.device)
 
-    def _allowed(self, ids: torch.Tensor, made: torch.Tensor, confidence: torch.Tensor | None) -> torch.Tensor:
-        """made [B] cut before the first draft a processor forbids whatever the logits (a bad word,
-        a repeated n-gram), in rows whose drafts have no probability of their own (a lookup's): a
-        drafter that drafts from the processed scores never proposes one. Dropping drafts keeps
-        the output as it is (a proposal may depend on anything but the verifier's randomness)."""
-        target = self.target
-        lookup = (torch.ones_like(made, dtype=torch.bool) if confidence is None
-                  else torch.isnan(confidence[:, 0]).to(made.device) if confidence.shape[1] else None)
-        if lookup is None or not bool((lookup & (made > 0)).any()):
-            return made
-        k = int(made.max())
+    def _allowed(self, ids: torch.Tensor, made: torch.Tensor, point: torch.Tensor) -> torch.Tensor:
+        """made [B] cut at the first draft a processor forbids whatever the logits (a bad word, a
+        repeated n-gram): before it where it is a point mass (``point [B, K]``: a lookup's), after
+        it where the drafter drew it from a distribution, which the verifier then rejects,
+        sampling from what that distribution leaves of the target's. Cutting such a draft would
+        sample its position from the target's whole distribution whenever the draw was forbidden:
+        biased. Dropping point masses keeps the output as it is."""
+        target, k = self.target, int(made.max())
+        if k == 0 or not bool(point[:, :k].any()):
+            return made  # nothing to drop: a forbidden draw's rejection is left to the verifier
         pos = self.processors.positions(target.tokens, target.lengths, self.prompt_lengths, self.row_ids,
                                         ids[:, :k], made)
-        return torch.where(lookup, self.processors.allowed_drafts(ids[:, :k], made, pos, self.vocab), made)
+        cut = self.processors.allowed_drafts(ids[:, :k], made, pos, self.vocab)  # [B]
+        drawn = ~point[:, :k].gather(1, cut.clamp(max=k - 1)[:, None].to(point.device))[:, 0].to(made.device)
+        return torch.where((cut < made) & drawn, cut + 1, cut)
+
+
+def point_masses(proposal: Proposal, ids: torch.Tensor) -> torch.Tensor:
+    """[B, K] bool: whether each draft of ``ids [B, K]`` is a point mass (drafted with no
+    distribution of its own, or with all of its draft probability on it)."""
+    if proposal.probs is None:
+        return torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
+    k = min(ids.shape[1], proposal.probs.shape[1])
+    at = proposal.probs[:, :k].gather(2, ids[:, :k, None].to(proposal.probs.device))[..., 0] >= 1.0
+    return torch.nn.functional.pad(at.to(ids.device), (0, ids.shape[1] - k), value=True)

@@ -7,6 +7,7 @@ import weakref
 
 import torch
 
+from specdec.generators import CandidateGenerator, DraftingInfo, Proposal
 from specdec.kv import CacheSettings
 from specdec.models import tiny_random
 from specdec.policy import COST_GRID, SHAPE_RATE, CostModel
@@ -223,3 +224,31 @@ def commit_verdict(out: torch.Tensor, count: torch.Tensor, drafts: torch.Tensor,
         out[rows[take], count[take] + j] = block[take, j]
     count += verdict.accepted + 1
     return verdict.next_token
+
+
+class BlindAssistant(CandidateGenerator):
+    """Drafts sampled from an assistant's warped distribution, blind to the call's logits
+    processors and grammar (as docs/plugins.md's assistant example drafts): some drafts are
+    tokens the target can never take there. A fixed number of drafts a step, no policy."""
+
+    def __init__(self, assistant, num_tokens: int = 3):
+        self.assistant, self.num_tokens = assistant, num_tokens
+
+    def drafting(self) -> DraftingInfo:
+        return DraftingInfo(max_drafts=None)
+
+    def setup(self, ctx) -> None:
+        self.handle = ctx.attach(self.assistant)
+
+    def propose(self, ctx, max_drafts: torch.Tensor) -> Proposal:
+        k = int(max_drafts.clamp(0, self.num_tokens).max())
+        if k == 0 or not ctx.sampling.do_sample:
+            return Proposal.empty(ctx.batch_size, ctx.tokens.device)
+        ids, probs = [], []
+        for i in range(k):
+            p = ctx.sampling.probs(self.handle.next_logits())  # [B, V]
+            ids.append(torch.multinomial(p, 1, generator=ctx.generator).squeeze(1))
+            probs.append(p)
+            if i + 1 < k:
+                self.handle.feed(ids[-1])
+        return Proposal(torch.stack(ids, 1), max_drafts.clamp(0, k), torch.stack(probs, 1))

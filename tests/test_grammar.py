@@ -37,7 +37,7 @@ from specdec.generators import CandidateGenerator, DraftingInfo, Proposal  # noq
 from specdec.grammar import Grammar, GrammarConstraint, compile_grammar, only_token  # noqa: E402
 from specdec.models import byte_tokenizer  # noqa: E402
 
-from helpers import merged_tokenizer_world, perturbed_copy  # noqa: E402
+from helpers import BlindAssistant, merged_tokenizer_world, perturbed_copy  # noqa: E402
 from test_processors import DRAFT_MERGES, TARGET_MERGES, TEXTS  # noqa: E402
 from test_sampling_lossless import PROMPT, TINY_VOCAB, assert_same_distribution, joint_counts, tiny_vocab_llama  # noqa: E402
 
@@ -174,13 +174,17 @@ def test_a_lookup_draft_the_grammar_forbids_is_cut_and_a_forced_token_replaces_a
     constraint = GrammarConstraint(compiled["json_schema"], prompt_width=0)
     opening = tok('{"name": "', add_special_tokens=False).input_ids
     drafts = torch.tensor([[opening[0], opening[1] + 1, 5, 6], [opening[0], 7, 7, 7], [9, 9, 9, 9]])
-    rows, taken = constraint.extend(drafts, torch.tensor([4, 1, 4]), [[], [], []], [0, 1, 2], [40, 40, 2])
+    rows, taken = constraint.extend(drafts, torch.tensor([4, 1, 4]), [[], [], []], [0, 1, 2], [40, 40, 2],
+                                    [[True] * 4] * 3)
     assert rows[0][:len(opening)] == opening and taken[0] == 1  # the second draft differed from the forced token
     assert rows[1][:len(opening)] == opening and taken[1] == 1  # the forced tokens follow the generator's one
     assert rows[2] == opening[:2] and taken[2] == 0  # replaced at once, within the row's limit of 2
     free = GrammarConstraint(compiled["regex"], prompt_width=0)
-    rows, taken = free.extend(torch.tensor([[ord("x"), 0]]), torch.tensor([2]), [[]], [0], [8])
+    rows, taken = free.extend(torch.tensor([[ord("x"), 0]]), torch.tensor([2]), [[]], [0], [8], [[True, True]])
     assert rows == [[]] and taken == [0]  # "x" cannot start the regex: cut with what follows
+    # drawn from a distribution: kept, the last draft, for the verifier to reject (cutting it is biased)
+    rows, taken = free.extend(torch.tensor([[ord("x"), 0]]), torch.tensor([2]), [[]], [0], [8], [[False, False]])
+    assert rows == [[ord("x")]] and taken == [1]
 
 
 def test_a_forced_string_the_vocabulary_spells_several_ways_is_suggested(world):
@@ -190,7 +194,7 @@ def test_a_forced_string_the_vocabulary_spells_several_ways_is_suggested(world):
     grammar = compile_grammar(Grammar.regex(r"x the world\."), tok, target.config.vocab_size, [tok.eos_token_id])
     constraint = GrammarConstraint(grammar, prompt_width=0)
     x = tok("x", add_special_tokens=False).input_ids
-    rows, taken = constraint.extend(torch.zeros(1, 0, dtype=torch.long), torch.tensor([0]), [x], [0], [40])
+    rows, taken = constraint.extend(torch.zeros(1, 0, dtype=torch.long), torch.tensor([0]), [x], [0], [40], [[]])
     assert taken == [0] and rows[0][0] == tok.convert_tokens_to_ids("Ġthe")
     assert tok.decode(rows[0][:-1]) == " the world." and rows[0][-1] == tok.eos_token_id  # then EOS, forced
 
@@ -203,7 +207,8 @@ def test_a_rollback_after_a_rejected_block_leaves_the_state_of_never_drafting(wo
     vocab = used.vocab
     for cut in (3, 9, 17):
         committed = text[:cut]
-        used.extend(torch.tensor([text[cut: cut + 6]]), torch.tensor([6]), [committed], [0], [40])  # a block drafted
+        used.extend(torch.tensor([text[cut: cut + 6]]), torch.tensor([6]), [committed], [0], [40],  # a block drafted
+                    [[True] * 6])
         wrong = [t for t in range(vocab) if allows_token(compiled["json_schema"], committed, t)][-1:]
         used.row(0).move(committed + wrong)  # a position after a draft the target rejected
         masks = []
@@ -268,22 +273,28 @@ def exact_masked_joint(model, prompt: torch.Tensor, compiled) -> torch.Tensor:
     return joint
 
 
-@pytest.mark.parametrize("drafter", ["prompt_lookup", "draft_model", "prompt_lookup_trees"])
+@pytest.mark.parametrize("drafter", ["prompt_lookup", "draft_model", "prompt_lookup_trees", "blind"])
 def test_sampling_with_a_grammar_is_lossless(drafter):
+    """``blind``: drafts drawn from a distribution that puts mass on tokens the grammar forbids;
+    such a draft was cut, and its position sampled from the target's whole masked distribution
+    instead of what the draft's distribution leaves of it (biased)."""
     target = tiny_vocab_llama(0)
     draft = perturbed_copy(target, 0.3, seed=1)
     compiled = letters_grammar()
-    chosen = {"draft_model": draft, "prompt_lookup_trees": "prompt_lookup"}.get(drafter, drafter)
+    chosen = {"draft_model": draft, "prompt_lookup_trees": "prompt_lookup",
+              "blind": BlindAssistant(draft)}.get(drafter, drafter)
     options = {"tree": True} if drafter == "prompt_lookup_trees" else {}
     # for trees, "1 2" was followed by 3 and by 6: the lookup proposes both continuations
     prompt = torch.tensor([[1, 2, 3, 4, 5, 1, 2, 6, 4, 5, 1, 2]]) if options else PROMPT
-    decoder = SpecDecoder(target, chosen, num_tokens=3, schedule="fixed", **options)
+    if drafter != "blind":  # an instance drafts as it was made
+        options.update(num_tokens=3, schedule="fixed")
+    decoder = SpecDecoder(target, chosen, **options)
     out = decoder.generate(prompt.repeat(N, 1), max_new_tokens=3, generator=torch.Generator().manual_seed(0),
                            do_sample=True, grammar=compiled)
     new = out.sequences[:, prompt.shape[1]:]
     assert new.shape == (N, 3)
     # a draft model drafts the forced tokens itself; a tree step takes no grammar drafts (its nodes are masked)
-    assert out.stats.grammar_drafts > 0 or drafter in ("draft_model", "prompt_lookup_trees")
+    assert out.stats.grammar_drafts > 0 or drafter in ("draft_model", "prompt_lookup_trees", "blind")
     assert 0 < out.stats.accepted_tokens < out.stats.drafted_tokens
     assert drafter != "prompt_lookup_trees" or out.stats.tree_steps > 0
     assert_same_distribution(joint_counts(new, TINY_VOCAB), exact_masked_joint(target, prompt, compiled))

@@ -48,7 +48,7 @@ from specdec import SpecDecoder
 from specdec.sampling import SamplingParams, warp_logits
 from specdec.verify import Verdict, speculative_sample
 
-from helpers import chi_square_pooled, commit_verdict
+from helpers import BlindAssistant, chi_square_pooled, commit_verdict
 
 ALPHA = 1e-3
 MAX_TV = 0.05
@@ -266,3 +266,30 @@ def test_seeded_sampling_is_reproducible(tiny_models, drafter):
         runs.append(out.sequences)
     assert torch.equal(runs[0], runs[1])
     assert not torch.equal(runs[0], runs[2])
+
+
+class _Suppressed:
+    """A SamplingParams whose logits first lose ``tokens`` (suppress_tokens), as generate() processes them."""
+
+    def __init__(self, params: SamplingParams, tokens: list[int]):
+        self.params, self.tokens = params, tokens
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.params.probs(logits.index_fill(-1, torch.tensor(self.tokens), float("-inf")))
+
+
+def test_drafts_drawn_where_a_processor_forbids_them_are_rejected_not_cut(tiny_models):
+    """A generator drafting from a distribution blind to suppress_tokens (as docs/plugins.md's
+    assistant example does) gave no confidence, so its drafts were taken for a lookup's point
+    masses and cut at a suppressed token: that position then sampled from the target's whole
+    distribution, not from what the draft's leaves of it (biased)."""
+    target, draft = tiny_models
+    params, suppressed = SamplingParams(True, 1.0), [0, 6]
+    out = SpecDecoder(target, BlindAssistant(draft)).generate(
+        PROMPT.repeat(N, 1), max_new_tokens=3, do_sample=True, suppress_tokens=suppressed,
+        generator=torch.Generator().manual_seed(0))
+    new = out.sequences[:, PROMPT.shape[1]:]
+    assert not bool(torch.isin(new, torch.tensor(suppressed)).any())
+    assert 0 < out.stats.accepted_tokens < out.stats.drafted_tokens
+    assert_same_distribution(joint_counts(new, TINY_VOCAB),
+                             exact_three_token_joint(target, PROMPT, _Suppressed(params, suppressed)))
