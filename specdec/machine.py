@@ -58,10 +58,11 @@ def isa_caps() -> dict[str, str]:
 
 def fast_int8_products() -> bool:
     """Whether the CPU has int8 dot-product instructions (AVX-512 VNNI, AVX-VNNI or AMX) that oneDNN's
-    int8 products may use: without them (an AVX2-only CPU, or oneDNN capped at AVX2 or below by
-    ``ONEDNN_MAX_CPU_ISA``) an int8 x uint8 product costs more than the fp32 one it replaces."""
+    int8 products may use: without them (an AVX2-only CPU, or oneDNN capped below them by
+    ``ONEDNN_MAX_CPU_ISA``) an int8 x uint8 product costs more than the fp32 one it replaces (and
+    saturates its 16-bit pair sums)."""
     cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").upper()
-    if cap in ("SSE41", "AVX", "AVX2"):
+    if cap in ("SSE41", "AVX", "AVX2", "AVX512_CORE"):  # oneDNN's levels below int8 dot products
         return False
     return bool(cpu_flags(("avx512_vnni", "avx_vnni", "amx_int8")))
 

@@ -65,6 +65,10 @@ def fake_timings(monkeypatch, steps: dict, agreements: dict, target_seconds: flo
     (["avx2", "avx512f", "avx512_vnni", "amx_int8"], {}, "w8a8", "dynamic_int8"),  # an AMX Xeon
     (["avx2"], {}, "int4", "w8a8"),  # an AVX2-only EPYC
     (["avx2", "avx512f", "avx512_vnni", "amx_int8"], {"ONEDNN_MAX_CPU_ISA": "AVX2"}, "int4", "w8a8"),  # capped
+    # AVX-512 without VNNI: oneDNN's level below its int8 dot products (it was taken for one with them)
+    (["avx2", "avx512f", "avx512_vnni", "amx_int8"], {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}, "int4", "w8a8"),
+    (["avx2", "avx512f", "avx512_vnni", "amx_int8"], {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI"}, "w8a8",
+     "dynamic_int8"),
 ])
 def test_the_order_of_candidates_follows_the_cpus_int8_instructions(monkeypatch, flags, caps, first, last):
     """Where int8 products have no dot-product instructions (VNNI, AMX) the w8a8 copy is tried
@@ -405,3 +409,14 @@ def test_a_later_copy_replaces_an_earlier_one_only_when_clearly_better(target, o
     assert by_name["w8a8"].expected_speedup < choose.ENOUGH  # so int4 is measured
     assert by_name["int4"].expected_speedup == pytest.approx(by_name["w8a8"].expected_speedup * later)
     assert choice.weights == chosen and set(built) == {chosen} and choice.reason.startswith(f"{chosen}: ")
+
+
+def test_the_reason_gives_each_copys_step_against_the_target_timed_beside_it():
+    """Each copy's expected speedup reads the target's step from the rounds timed beside it, its
+    reported step read the first copy's: on a busy machine "2.93x (step 1.50 of the target's)"."""
+    first = choose.Candidate("w8a8", step_seconds=0.012, agreement=0.5, expected_speedup=1.05, positions=8,
+                             target_step_seconds=0.020)
+    second = choose.Candidate("bfloat16", step_seconds=0.015, agreement=1.0, expected_speedup=2.93, positions=8,
+                              target_step_seconds=0.050)
+    reason = choose.Choice("bfloat16", [first, second], target_seconds=0.010).reason
+    assert "bfloat16 2.93x (step 0.30 of the target's" in reason and "w8a8 1.05x (step 0.60 of" in reason

@@ -32,7 +32,7 @@ import torch
 
 from ..names import WEIGHTS
 
-_FORMAT = 9  # 9: the file's key and digest, the time budget; the key without threads or the model's folder; 8: the int4 copy's output layer in bfloat16; 7: agreement over the prefilled calibration tokens too; 6: the w8a8 copy rotates its MLP output layers' inputs; 5: int4 among the candidates; 4: Int8Linear quantizes to a row's own range; 3: the lean forward
+_FORMAT = 10  # 10: each candidate's target step, timed beside it; 9: the file's key and digest, the time budget; the key without threads or the model's folder; 8: the int4 copy's output layer in bfloat16; 7: agreement over the prefilled calibration tokens too; 6: the w8a8 copy rotates its MLP output layers' inputs; 5: int4 among the candidates; 4: Int8Linear quantizes to a row's own range; 3: the lean forward
 
 
 def cache_key(model) -> str:
@@ -101,7 +101,8 @@ def _number(value, none: bool = True) -> bool:
 _CANDIDATE_FIELDS = {"weights": lambda v: isinstance(v, str), "step_seconds": _number, "agreement": _number,
                      "expected_speedup": _number, "drafts": lambda v: type(v) is int,
                      "problem": lambda v: v is None or isinstance(v, str), "steps": lambda v: type(v) is int,
-                     "positions": lambda v: type(v) is int, "cut": lambda v: isinstance(v, bool)}
+                     "positions": lambda v: type(v) is int, "cut": lambda v: isinstance(v, bool),
+                     "target_step_seconds": _number}
 
 
 def choice_problem(data, key: str) -> str | None:

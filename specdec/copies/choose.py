@@ -106,6 +106,7 @@ class Candidate:
     steps: int = 0  # one-token steps timed (fewer where it was dropped early)
     positions: int = 0  # calibration positions its agreement was measured at
     cut: bool = False  # its timing was stopped by the time budget
+    target_step_seconds: float | None = None  # the target's step in the rounds timed beside it
 
 
 @dataclass
@@ -129,7 +130,8 @@ class Choice:
             if c.problem:
                 parts.append(f"{c.weights}: not built ({c.problem})")
             else:
-                relative = c.step_seconds / self.target_seconds if self.target_seconds else float("nan")
+                beside = c.target_step_seconds or self.target_seconds
+                relative = c.step_seconds / beside if beside else float("nan")
                 early = f", timed {c.steps} steps: the time budget ran out" if c.cut else (
                     f", timed {c.steps} steps: slower than the target" if 0 < c.steps < max(
                         (d.steps for d in self.candidates), default=0) else "")
@@ -238,6 +240,7 @@ def measure(target, sample: torch.Tensor, build: Callable, draft_cache=None,
             for width, times in timed.items():
                 wide[width] += times
             found.append(_candidate(name, seconds[name], tops, target_costs(seconds["target"], timed), reference.start))
+            found[-1].target_step_seconds = seconds["target"]
             found[-1].cut = spent.spent  # (once spent, no later copy is timed)
     finally:
         bar.close()
