@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 
 from specdec.copies import budget_seconds
+from specdec.distributed import sharding
 from specdec.engines import check_weights
 from specdec.generators import DecodeContext, DraftingInfo, Feedback, Proposal, host_ints
 from specdec.modelinfo import tensor_bytes
@@ -70,6 +71,10 @@ class SelfDraftGenerator(DraftModelGenerator):
         self.mirror = True  # setup() reads whether the call's engine lets the copy mirror the target's cache
 
     def source_model(self, ctx: DecodeContext):
+        if sharding(ctx.target):  # the copy would be made of this rank's shards
+            raise ValueError(f"self_draft copies the target's weights, which are sharded across ranks here "
+                             f"({', '.join(sharding(ctx.target))} parallel); use a drafter that needs no copy of "
+                             "the target: prompt_lookup, suffix or a draft model (docs/distributed.md)")
         return ctx.target
 
     def setup(self, ctx: DecodeContext) -> None:

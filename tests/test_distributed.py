@@ -176,12 +176,22 @@ def test_tensor_parallel_greedy_equals_single_process_generate(tensor, reference
         assert rank[case] == references[GREEDY[case]], f"rank {rank['rank']}"
 
 
-@pytest.mark.parametrize("case", ["pl_one", "pl_padded", "dm_padded", "pl_sliding"])
+PIPELINE = {"pl_one": "one", "pl_padded": "padded", "dm_padded": "padded", "pl_sliding": "sliding", "pl_warmed": "one"}
+
+
+@pytest.mark.parametrize("case", list(PIPELINE))
 def test_pipeline_parallel_greedy_equals_single_process_generate(pipeline, references, case):
     """``pl_sliding``: a sliding-window target, whose mask transformers sizes from cache layer 0,
-    which the second stage does not hold (it raised)."""
+    which the second stage does not hold (it raised); ``pl_warmed``: after ``warmup()``, which
+    read the embeddings the second stage does not hold (it raised there alone, the first stage
+    waiting in the pipeline's forward)."""
     for rank in pipeline:
-        assert rank[case] == references[GREEDY.get(case, "sliding")], f"rank {rank['rank']}"
+        assert rank[case] == references[PIPELINE[case]], f"rank {rank['rank']}"
+
+
+def test_self_draft_on_a_sharded_target_is_refused_on_every_rank(pipeline):
+    for rank in pipeline:
+        assert "self_draft copies the target's weights, which are sharded across ranks" in rank["self_draft_refused"]
 
 
 def test_pipeline_parallel_refuses_the_static_cache(pipeline):
@@ -414,10 +424,17 @@ def _worker(kind: str, folder: str, out: str) -> None:
     else:
         sliding = load("sliding", distributed_config=DistributedConfig(**sizes))
         result["pl_sliding"] = new(run(SpecDecoder(sliding, "prompt_lookup"), one), one)
+        warmed = SpecDecoder(target, "prompt_lookup")
+        warmed.warmup(max_length=64)
+        result["pl_warmed"] = new(run(warmed, one), one)
         try:
             SpecDecoder(target, "prompt_lookup", cache_implementation="static")
         except ValueError as exc:
             result["static_refused"] = str(exc)
+        try:  # a copy of this rank's shards (it failed inside the copy's making, naming nothing)
+            SpecDecoder(target, "self_draft").generate(one, max_new_tokens=4)
+        except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+            result["self_draft_refused"] = f"{type(exc).__name__}: {exc}"
     Path(out, f"{kind}_rank{rank}.json").write_text(json.dumps(result))
 
 
