@@ -202,7 +202,7 @@ class SpecDecoder:
                         generator if sampled else None)
         settings = CallSettings(
             max_new_tokens=call.max_new_tokens, sampling=call.sampling, generator=generator, pad=call.pad,
-            streamer=ranks.streamer(streamer), cache=self.cache, ranks=ranks,
+            streamer=ranks.streamer(streamer, prompt_streamed=not stream_prompt), cache=self.cache, ranks=ranks,
             processors=ranks.processors(BlockProcessors(processors, prompt.input_ids) or None),
             output_scores=call.return_dict and call.output_scores,
             output_logits=call.return_dict and call.output_logits,

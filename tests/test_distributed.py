@@ -208,6 +208,12 @@ def test_every_rank_returns_the_deciders_statistics_and_one_streamer_is_fed(tens
     assert coordination["messages"] == coordination["steps"] + 1
     assert 0 < coordination["bytes"] / coordination["messages"] < 200
     assert first["streamed"] == first["pl_one"][0] and second["streamed"] == []
+    assert first["streamed_end"] == ["end"] and second["streamed_end"] == []  # the decider's alone, ended
+    # through custom_generate, the other rank's streamer (given the prompt by generate()) is ended too,
+    # so that a reader of it finishes (it waited for ever)
+    prompt = PROMPT[0]
+    assert second["door_streamed"] == [prompt, "end"]
+    assert first["door_streamed"][0] == prompt and len(first["door_streamed"]) > 2 and first["door_streamed"][-1] == "end"
 
 
 def test_stop_strings_and_user_criteria_cut_every_rank_where_the_decider_did(tensor, references):
@@ -457,11 +463,18 @@ def _one_rank_things(target, folder: str, result: dict) -> None:
             self.tokens.append(value.flatten().tolist())
 
         def end(self):
-            pass
+            self.tokens.append("end")
 
     streamer = Recorder()
     output = decoder.generate(ids, max_new_tokens=NEW, eos_token_id=None, streamer=streamer)
-    result["streamed"] = [t for chunk in streamer.tokens[1:] for t in chunk]  # the prompt first, then new tokens
+    result["streamed"] = [t for chunk in streamer.tokens[1:-1] for t in chunk]  # the prompt first, then new tokens
+    result["streamed_end"] = streamer.tokens[-1:]
+    import specdec
+
+    door = Recorder()  # generate() gives the prompt to every rank's streamer, then specdec runs
+    target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, eos_token_id=None,
+                    pad_token_id=257, custom_generate=specdec.generate, draft="prompt_lookup", streamer=door)
+    result["door_streamed"] = door.tokens
     result["stats"] = output.stats.as_dict() | {"total_seconds": 0, "draft_seconds": 0, "verify_seconds": 0}
     result["stats"]["coordination"] = {k: v for k, v in output.stats.coordination.items() if k != "seconds"}
     text = tokenizer.decode(output.sequences[0, ids.shape[1]:])

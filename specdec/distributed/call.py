@@ -64,7 +64,7 @@ class Solo:
     def stopper(self, stopper):
         return stopper
 
-    def streamer(self, streamer):
+    def streamer(self, streamer, prompt_streamed: bool = False):
         return streamer
 
     def processors(self, processors):
@@ -107,6 +107,19 @@ def _attempt(work: Callable):
 
 def _nothing(*args, **kwargs) -> None:
     return None
+
+
+class _EndOnly:
+    """A streamer's stand-in that ends it and puts nothing (a non-deciding rank's)."""
+
+    def __init__(self, streamer):
+        self.streamer = streamer
+
+    def put(self, value) -> None:
+        pass
+
+    def end(self) -> None:
+        self.streamer.end()
 
 
 def _unprocessed(scores: torch.Tensor, pos) -> torch.Tensor:
@@ -250,10 +263,14 @@ class RankCall(Messenger):
         users = [c for c in stopper.criteria if type(c).__name__ != "StopStringCriteria"]
         return SharedStopper(stopper, self) if users else stopper
 
-    def streamer(self, streamer):
-        """The streamer fed on this rank: the decider's only, its errors held for the next message."""
-        if not self.decides or streamer is None:
+    def streamer(self, streamer, prompt_streamed: bool = False):
+        """The streamer fed on this rank: the decider's only, its errors held for the next message.
+        Another rank's gets only its end, where ``generate()`` already gave it the prompt
+        (``prompt_streamed``: the custom_generate door), so that a reader of it finishes."""
+        if streamer is None:
             return None
+        if not self.decides:
+            return _EndOnly(streamer) if prompt_streamed else None
         return Deferred(streamer, self, {"put": _nothing, "end": _nothing})
 
     def processors(self, processors):
