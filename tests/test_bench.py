@@ -420,6 +420,25 @@ def test_turns_that_are_not_a_list_of_strings_are_a_config_error(tmp_path, turns
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("below", ["", "sub"])
+def test_an_output_folder_that_is_a_file_is_refused_before_any_model_loads(tmp_path, below):
+    """It failed with a traceback after every model had loaded and warmed up."""
+    config = tiny_config(tmp_path, methods=TWO_METHODS)
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ConfigError, match="afile is a file, not a folder"):
+        run(config, tmp_path / "afile" / below)
+
+
+def test_a_question_id_selected_twice_is_a_config_error(tmp_path):
+    """Rows are keyed by question id: the second question of an id was skipped as done, silently."""
+    config = tiny_config(tmp_path, methods=TWO_METHODS)
+    (tmp_path / "questions.jsonl").write_text("".join(
+        f'{{"question_id": 7, "category": "translation", "turns": ["{text}"]}}\n' for text in ("one", "two")))
+    with pytest.raises(ConfigError, match="selects question_id 7 more than once"):
+        run(config, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("grammar, message", [({"json_schema": 5}, "a JSON schema is a dict"),
                                               ({"regex": "("}, "the regex grammar does not compile")])
 def test_a_grammar_that_cannot_compile_stops_the_run_before_a_file_is_written(tmp_path, grammar, message):

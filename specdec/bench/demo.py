@@ -23,6 +23,7 @@ from .questions import Question, load_selected_questions
 from .report import load_run
 from .results import OVERALL, first_difference, shown_path
 from .runner import config_hash, prepare_out_dir, run_benchmark
+from .runner_outdir import check_out_dir
 from .summary import merged_stats, speedup, summaries, tokens_per_second
 
 #: the packaged config (package data: see pyproject.toml)
@@ -78,6 +79,7 @@ def demo_config(settings: DemoSettings) -> BenchConfig:
 def _output_dir(out: str | Path | None) -> Iterator[Path]:
     """``out`` (created, kept), or a temporary directory removed on the way out."""
     if out is not None:
+        check_out_dir(Path(out))
         Path(out).mkdir(parents=True, exist_ok=True)
         yield Path(out)
         return

@@ -86,6 +86,11 @@ def load_selected_questions(config: BenchConfig, config_dir: Path) -> list[Quest
     if not questions:
         raise ConfigError(f"dataset: no question in {dataset} matches subtasks {config.dataset.subtasks}"
                           + (f" and categories {config.dataset.categories}" if config.dataset.categories else ""))
+    ids = [q.question_id for q in questions]
+    twice = sorted({i for i in ids if ids.count(i) > 1})
+    if twice:  # rows are keyed by question id: the second would be skipped as done
+        raise ConfigError(f"dataset.path: {dataset} selects question_id {', '.join(map(str, twice))} more than once; "
+                          "give every question its own id")
     return questions
 
 

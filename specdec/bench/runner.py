@@ -35,7 +35,7 @@ from .report import PLOTS_NEED_MATPLOTLIB, plots_available, write_report
 from .results import batch_groups, default_out_dir, shown_path
 from .runner_calls import _Models, _run_batch, _run_one, real_new_tokens
 from .runner_hash import _without_later_defaults, config_hash, row_fingerprints
-from .runner_outdir import ResultsMismatchError, RunResult, _open_shared, _Recorder, prepare_out_dir
+from .runner_outdir import ResultsMismatchError, RunResult, _open_shared, _Recorder, check_out_dir, prepare_out_dir
 from .sharded import begin, is_rank0, load_target, on_rank0, rank0_log
 from .summary import median_run
 
@@ -161,7 +161,8 @@ def run_benchmark(config: BenchConfig, *, config_file: str | Path, out_dir: str 
     questions = load_selected_questions(config, Path(config_file).parent)
     digest, fingerprints = config_hash(config, questions), row_fingerprints(config, questions)
     session = new_session_id()  # every row this run writes carries it
-    if not fresh:  # refuse early, before loading any model
+    check_out_dir(out_dir)  # refuse early, before loading any model
+    if not fresh:
         on_rank0(lambda: prepare_out_dir(out_dir, digest, fresh=False))
     log(f"results: {shown_path(out_dir)}")
     if not plots_available():

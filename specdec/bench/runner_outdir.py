@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from .config import BenchConfig
+from .config import BenchConfig, ConfigError
 from .provenance import FINGERPRINT, SESSION, Fingerprints, Units, check_rows, stamped, whole_units
 from .questions import Question
 from .results import OWN_FILES, RESULTS_FILE, RUN_FILE, ResultStore, planned_keys, row_first_difference, row_key
@@ -56,6 +56,15 @@ class RunResult:
     report: Path | None = None
     notes: list[str] = field(default_factory=list)  # what the resume did not reuse, and why (also logged)
     units: Units = field(default_factory=Units)  # turns and batches kept whole, and run again whole, on resume
+
+
+def check_out_dir(out_dir: Path) -> None:
+    """Refuse an output folder that is a file or lies below one, before any model loads."""
+    for path in (out_dir, *out_dir.parents):
+        if path.exists():
+            if not path.is_dir():
+                raise ConfigError(f"--out {out_dir}: {path} is a file, not a folder")
+            return
 
 
 def prepare_out_dir(out_dir: Path, digest: str, fresh: bool) -> None:
