@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .cli_args import device_name, positive_float, positive_int, probability, thread_count
+from .cli_args import device_name, output_folder, positive_float, positive_int, probability, thread_count
 from .cli_commands import cmd_bench, cmd_demo, cmd_generate, cmd_list, generator_summaries
 from .names import DTYPE_NAMES, ENTRY_POINT_GROUP
 from .names import ENGINE_CHOICES as ENGINE_NAMES  # torch-free, so building the parser imports no torch
@@ -37,7 +37,8 @@ def _common_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of every command that runs models: what runs, and where and how."""
     p.add_argument("--target", default="smollm2-135m", help="model name (see `specdec list`) or a local folder")
     p.add_argument("--draft", default="prompt_lookup", help="generator name, draft model name, or 'none'")
-    p.add_argument("--option", action="append", metavar="KEY=VALUE", help="generator option, repeatable")
+    p.add_argument("--option", action="append", metavar="KEY=VALUE",
+                   help="generator option, repeatable (numbers, true/false, else text)")
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--threads", type=thread_count, default="auto",
                    help="intra-op threads: a number, or 'auto' (default): the cores idle right now")
@@ -77,7 +78,7 @@ def _demo_parser(sub) -> None:
                    help=f"comma-separated Spec-Bench categories (default: {','.join(demo['categories'])})")
     d.add_argument("--dataset", default=None, help="Spec-Bench question.jsonl (default: $SPECDEC_SPEC_BENCH, else "
                         "../shared/spec_bench/question.jsonl beside the checkout)")
-    d.add_argument("--out", default=None, metavar="DIR",
+    d.add_argument("--out", default=None, metavar="DIR", type=output_folder,
                    help="keep the results and a full report.md in DIR (default: a temporary directory, removed "
                         "at the end)")
     d.set_defaults(func=cmd_demo)

@@ -39,6 +39,23 @@ def positive_int(text: str) -> int:
     return value
 
 
+def folder_problem(path) -> str | None:
+    """Why ``path`` cannot be an output folder (it is a file, or lies below one), or None."""
+    from pathlib import Path
+
+    for at in (Path(path), *Path(path).parents):
+        if at.exists():
+            return None if at.is_dir() else f"{at} is a file, not a folder"
+    return None
+
+
+def output_folder(text: str) -> str:
+    problem = folder_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
 def positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -69,6 +86,8 @@ def device_name(text: str) -> str:
 
 
 def parse_options(pairs: list[str]) -> dict:
+    """``--option KEY=VALUE`` pairs -> ``{key: value}``, a value read as an int, a float, ``true`` /
+    ``false`` (any case) as a bool, else kept as text."""
     options = {}
     for pair in pairs or []:
         key, sep, value = pair.partition("=")
@@ -83,6 +102,8 @@ def parse_options(pairs: list[str]) -> dict:
                 break
             except ValueError:
                 continue
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            value = value.lower() == "true"
         options[key] = value
     return options
 

@@ -9,10 +9,13 @@ Building the parser imports neither torch nor transformers.
 from __future__ import annotations
 
 
+from .cli_args import output_folder
+
+
 def add_parser(sub, positive_int, positive_float, threads) -> None:
     t = sub.add_parser("train-head", help="train a draft head (EAGLE-3) for a target on its own answers")
     t.add_argument("--target", default="smollm2-135m", help="model name (see `specdec list`) or a local folder")
-    t.add_argument("--out", required=True, metavar="DIR",
+    t.add_argument("--out", required=True, metavar="DIR", type=output_folder,
                    help="where the answers, checkpoints and the head (DIR/head) go; a rerun resumes from it")
     t.add_argument("--steps", type=positive_int, default=None, help="stop after N optimizer steps (in all runs)")
     t.add_argument("--minutes", type=positive_float, default=None,

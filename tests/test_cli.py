@@ -359,3 +359,11 @@ def test_generate_is_greedy_without_sample_whatever_the_models_config_says(tmp_p
                                      "--raw", "hello hello hello"], capsys)
         assert code == 0, err
         assert out == want + "\n"
+
+
+def test_option_values_are_read_as_numbers_booleans_or_text():
+    """true/false were kept as text, which every boolean option (tree, lookup) refuses."""
+    from specdec.cli_args import parse_options
+
+    assert parse_options(["tree=true", "lookup=False", "num_tokens=4", "min_prob=0.5", "weights=int4"]) == \
+        {"tree": True, "lookup": False, "num_tokens": 4, "min_prob": 0.5, "weights": "int4"}

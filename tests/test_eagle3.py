@@ -200,6 +200,12 @@ def test_train_head_writes_a_head_that_drafts_and_resumes(llama, tmp_path):
     assert [r["step"] for r in log] == [1, 2, 3]
     answers = (tmp_path / "answers.jsonl").read_text().splitlines()
     assert len(answers) == 3
+    # killed after logging steps 4 and 5 but before their checkpoint, and while writing an answer
+    # (the steps were logged twice; the next answer was glued onto the torn line, lost to every rerun)
+    with (tmp_path / "log.jsonl").open("a") as file:
+        file.write('{"step": 4, "loss": 1.0}\n{"step": 5, "loss": 1.0}\n')
+    with (tmp_path / "answers.jsonl").open("a") as file:
+        file.write(answers[0][:20])
     # a rerun with a higher limit resumes at step 4 and reuses the answers
     train_head(target, tokenizer, tmp_path, TrainSettings(**{**settings.__dict__, "steps": 5}), prompts=records,
                progress=False)
@@ -209,6 +215,19 @@ def test_train_head_writes_a_head_that_drafts_and_resumes(llama, tmp_path):
     decoder = SpecDecoder(target, "eagle3", head=folder)
     row = prompts(target.config.vocab_size)[0][None]
     assert torch.equal(decoder.generate(row, max_new_tokens=16).sequences, reference(target, row, 16))
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "opt"])
+def test_train_head_takes_a_target_whose_config_names_its_mlp_otherwise(arch, tmp_path):
+    """GPT-2 (n_inner, None for 4x) and OPT (ffn_dim) have no intermediate_size: the head's shape
+    failed after the whole self-distillation."""
+    target, tokenizer = tiny_random(arch)
+    settings = TrainSettings(steps=1, draft_vocab_size=64, answer_tokens=8, batch_tokens=64, warmup=1)
+    folder = train_head(target, tokenizer, tmp_path, settings, prompts=[{"key": "p", "turns": ["hello there"]}],
+                        progress=False)
+    row = prompts(target.config.vocab_size)[0][None]
+    assert torch.equal(SpecDecoder(target, "eagle3", head=folder).generate(row, max_new_tokens=12).sequences,
+                       reference(target, row, 12))
 
 
 def test_hidden_states_reach_the_generator_as_the_model_computes_them(llama):

@@ -202,6 +202,15 @@ def test_t2d_follows_from_d2t_alone(tmp_path):
     assert torch.equal(head.t2d, t2d)
 
 
+def test_weights_of_an_integer_dtype_are_refused_naming_them(tmp_path):
+    """torch's own error came back (once per parameter, naming no dtype); with fc.weight alone in
+    int8, every weight was cast to int8."""
+    state = tensors("midlayer.")
+    state["fc.weight"] = state["fc.weight"].to(torch.int8)
+    with pytest.raises(ValueError, match="fc.weight is torch.int8; a head's weights are floating point"):
+        load_head(write(tmp_path / "h", specforge_config(), state), target())
+
+
 def test_maps_that_disagree_are_refused(tmp_path):
     state = tensors("midlayer.")
     state["t2d"] = ~state["t2d"]

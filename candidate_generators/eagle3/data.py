@@ -178,15 +178,24 @@ def _normalized(text: str) -> str:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """The records of a JSON-lines file written so far (a torn last line, from an interrupted run, is dropped)."""
+    """The records of a JSON-lines file written so far. A torn tail, from an interrupted run, is
+    cut off the file, so that lines appended next start on a line of their own (glued onto it, they
+    were lost, and every rerun appended the same answers again)."""
     if not path.is_file():
         return []
-    rows = []
-    for line in path.read_text().splitlines():
+    data = path.read_bytes()
+    rows, whole = [], 0
+    for line in data.splitlines(keepends=True):
         try:
+            if not line.endswith(b"\n"):
+                break
             rows.append(json.loads(line))
         except json.JSONDecodeError:
             break
+        whole += len(line)
+    if whole < len(data):
+        with path.open("r+b") as file:
+            file.truncate(whole)
     return rows
 
 

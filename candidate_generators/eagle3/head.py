@@ -78,7 +78,7 @@ class HeadConfig:
             aux_layers = (2, layers // 2, layers - 3) if layers >= 8 else (1, max(1, layers // 2), max(1, layers - 1))
         heads = text.num_attention_heads
         return cls(hidden_size=text.hidden_size, target_hidden_size=text.hidden_size,
-                   intermediate_size=intermediate_size or text.intermediate_size, num_attention_heads=heads,
+                   intermediate_size=intermediate_size or _intermediate_size(text), num_attention_heads=heads,
                    num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
                    head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
                    vocab_size=text.vocab_size, draft_vocab_size=draft_vocab_size, aux_layers=tuple(aux_layers),
@@ -86,6 +86,15 @@ class HeadConfig:
                    max_position_embeddings=getattr(text, "max_position_embeddings", 8192),
                    target_model_type=getattr(text, "model_type", "llama"),
                    rope_scaling=_rope_scaling(text))
+
+
+def _intermediate_size(config) -> int:
+    """The width of a target layer's MLP, by any of its configs' names (GPT-2's ``n_inner``, None for
+    4x, and OPT's ``ffn_dim`` too)."""
+    for name in ("intermediate_size", "ffn_dim", "n_inner"):
+        if getattr(config, name, None):
+            return int(getattr(config, name))
+    return 4 * config.hidden_size
 
 
 def _rope_parameters(config) -> dict:

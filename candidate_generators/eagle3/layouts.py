@@ -119,6 +119,9 @@ def load_head(folder, target_config=None, *, dtype: torch.dtype | None = None) -
         if tensor.shape != expected[name].shape:
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}; "
                              f"this config needs {tuple(expected[name].shape)}")
+        if expected[name].is_floating_point() and not tensor.is_floating_point():
+            raise ValueError(f"{layout} head in {str(folder)!r}: {name} is {tensor.dtype}; a head's weights are "
+                             "floating point")
     dtype = dtype or state["fc.weight"].dtype
     state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in state.items()}
     head.load_state_dict(state, assign=True)  # parameters take the checkpoint's tensors; inv_freq stays fp32

@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from .data import (documentation_prompts, documentation_text, evaluated_question_ids, held_out_prompts, self_distill,
-                   synthetic_prompts)
+from .data import (documentation_prompts, documentation_text, evaluated_question_ids, held_out_prompts, read_jsonl,
+                   self_distill, synthetic_prompts)
 from .head import Eagle3Head, HeadConfig
 
 #: the target's most likely draft-vocabulary tokens kept per position as the soft label
@@ -180,6 +180,7 @@ def train_head(target, tokenizer, out: str | Path, settings: TrainSettings, *, h
     optimizer = torch.optim.AdamW(params, lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
     batches = _batches(records, settings)
     step, spent, order, cursor = _resume(state, optimizer, len(batches), settings.seed)
+    _keep_log(out / "log.jsonl", step)
     features = _Features(settings.feature_bytes)
     started, saved = time.perf_counter() - spent, time.perf_counter()
     bar = tqdm(total=settings.steps, initial=step, desc="train-head", unit="step", disable=not progress)
@@ -373,6 +374,14 @@ def _learning_rate(settings: TrainSettings, step: int, fraction: float) -> float
     if step < settings.warmup:
         return settings.lr * (step + 1) / settings.warmup
     return settings.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(fraction, 1.0))))
+
+
+def _keep_log(path: Path, step: int) -> None:
+    """Cut the log back to the steps up to ``step``, where a resumed run goes on from (steps logged
+    after the last checkpoint are run again)."""
+    if path.is_file():
+        kept = [row for row in read_jsonl(path) if row["step"] <= step]
+        path.write_text("".join(json.dumps(row) + "\n" for row in kept))
 
 
 def _log(out: Path, step: int, loss: float, accuracy: torch.Tensor, seconds: float) -> None:

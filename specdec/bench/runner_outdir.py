@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from ..cli_args import folder_problem
 from .config import BenchConfig, ConfigError
 from .provenance import FINGERPRINT, SESSION, Fingerprints, Units, check_rows, stamped, whole_units
 from .questions import Question
@@ -60,11 +61,9 @@ class RunResult:
 
 def check_out_dir(out_dir: Path) -> None:
     """Refuse an output folder that is a file or lies below one, before any model loads."""
-    for path in (out_dir, *out_dir.parents):
-        if path.exists():
-            if not path.is_dir():
-                raise ConfigError(f"--out {out_dir}: {path} is a file, not a folder")
-            return
+    problem = folder_problem(out_dir)
+    if problem:
+        raise ConfigError(f"--out {out_dir}: {problem}")
 
 
 def prepare_out_dir(out_dir: Path, digest: str, fresh: bool) -> None:
