@@ -152,8 +152,10 @@ def _generator(name: str, options: dict):
         return resolve_draft(name, options)
     except OptionError as exc:
         raise UsageError(str(exc)) from None
-    except (TypeError, ValueError) as exc:
-        raise UsageError(f"{label}: {exc}") from None
+    except (TypeError, ValueError) as exc:  # a TypeError of a value given as text: name what was given
+        given = ", ".join(f"{key}={value!r}" for key, value in options.items())
+        raise UsageError(f"{label}: {exc}" + (f" (given {given})" if isinstance(exc, TypeError) and given else "")) \
+            from None
 
 
 def _check_draft_model(name: str) -> None:

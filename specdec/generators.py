@@ -33,6 +33,7 @@ Only ``propose`` is required. ``acceptance_prior()``, ``draft_cap()`` and the cl
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
@@ -331,8 +332,8 @@ class DraftLengthSchedule:
     def __init__(self, num_tokens: int, kind: str = "auto", max_tokens: int = 32):
         if kind not in self.KINDS:
             raise ValueError(f"schedule must be one of {self.KINDS}, got {kind!r}")
-        if num_tokens < 1:
-            raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+        if not isinstance(num_tokens, numbers.Integral) or isinstance(num_tokens, bool) or num_tokens < 1:
+            raise ValueError(f"num_tokens must be a positive int, got {num_tokens!r}")
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
         self.kind, self.max_tokens = kind, max(int(max_tokens), int(num_tokens))

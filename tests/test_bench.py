@@ -429,6 +429,19 @@ def test_an_output_folder_that_is_a_file_is_refused_before_any_model_loads(tmp_p
         run(config, tmp_path / "afile" / below)
 
 
+def test_bad_inputs_outside_a_run_are_one_line_errors(tmp_path):
+    """A run.json that is not JSON (report), an empty category list (no question, said as such),
+    a baseline given options (its allowed ones were listed as nothing)."""
+    (tmp_path / "run.json").write_text("{bad")
+    with pytest.raises(ConfigError, match="run.json is not JSON"):
+        write_report(tmp_path)
+    data = {"target": "tiny-random:llama", "dataset": {"path": "q.jsonl"}, "methods": [{"name": "b", "generator": "baseline"}]}
+    with pytest.raises(ConfigError, match="categories: an empty list selects no question"):
+        parse_config({**data, "dataset": {"path": "q.jsonl", "categories": []}})
+    with pytest.raises(ConfigError, match="unknown field 'x'; allowed: none"):
+        parse_config({**data, "methods": [{"name": "b", "generator": "baseline", "options": {"x": 1}}]})
+
+
 def test_a_question_id_selected_twice_is_a_config_error(tmp_path):
     """Rows are keyed by question id: the second question of an id was skipped as done, silently."""
     config = tiny_config(tmp_path, methods=TWO_METHODS)

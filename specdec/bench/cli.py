@@ -54,8 +54,10 @@ def cmd_report(argv: list[str]) -> int:
 
     try:
         path = write_report(args.dir)
-    except FileNotFoundError as exc:
-        return _error(exc)
+    except Exception as exc:
+        if type(exc).__name__ in USAGE_ERRORS:
+            return _error(exc)
+        raise
     print(path)
     return 0
 

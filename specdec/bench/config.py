@@ -196,6 +196,8 @@ class DatasetConfig(_Strict):
     @classmethod
     def _known_categories(cls, value: list[str] | None) -> list[str] | None:
         allowed = [*MT_BENCH_CATEGORIES, *SUBTASKS[1:]]
+        if value == []:
+            raise ValueError("an empty list selects no question; leave categories out to take every category")
         unknown = [c for c in value or [] if c not in allowed]
         if unknown:
             raise ValueError(f"unknown categor{'y' if len(unknown) == 1 else 'ies'} {unknown}; allowed: {', '.join(allowed)}")
@@ -560,7 +562,7 @@ def format_errors(exc: ValidationError, root: type[BaseModel]) -> list[str]:
         loc = tuple(err["loc"])
         if err["type"] == "extra_forbidden":
             holder = _model_at(root, loc[:-1])
-            allowed = ", ".join(holder.model_fields) if holder else "?"
+            allowed = (", ".join(holder.model_fields) or "none") if holder else "?"
             hint = FIELD_HINTS.get((holder.__name__ if holder else "", loc[-1]))
             close = did_you_mean(str(loc[-1]), holder.model_fields) if holder and not hint else ""
             lines.append(f"{_loc(loc)}: unknown field {loc[-1]!r}" + (f" ({hint})" if hint else "")

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..prompts import SUBTASKS
-from .config import reference_name
+from .config import ConfigError, reference_name
 from .plots import plot_acceptance, plot_forward_cost, plot_speedup
 from .provenance import Fingerprints, RowCheck, check_rows
 from .report_frame import INSTALL_PLOTS, _cache_words, _header, _notes, machine_line
@@ -79,7 +79,10 @@ def load_checked_run(out_dir: str | Path) -> tuple[dict, RowCheck]:
     run_file = out_dir / RUN_FILE
     if not run_file.is_file():
         raise FileNotFoundError(f"{out_dir} is not a benchmark output directory (no {RUN_FILE})")
-    meta = json.loads(run_file.read_text())
+    try:
+        meta = json.loads(run_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{run_file} is not JSON ({exc}): rerun the benchmark with --fresh to write it again") from None
     return meta, check_run(meta, ResultStore(out_dir / RESULTS_FILE).load())
 
 
