@@ -202,6 +202,23 @@ def test_t2d_follows_from_d2t_alone(tmp_path):
     assert torch.equal(head.t2d, t2d)
 
 
+@pytest.mark.parametrize("config, prefix, message", [
+    (specforge_config(ids=(-1, 2, 4)), "midlayer.", "eagle_config.eagle_aux_hidden_state_layer_ids"),
+    (speculators_config(ids=(0.5, 3, 5)), "layers.0.", "eagle_aux_hidden_state_layer_ids=.0.5"),
+])
+def test_layer_ids_that_are_not_whole_numbers_from_0_are_refused(tmp_path, config, prefix, message):
+    """SpecForge's -1 loaded as the embeddings (a head save_head then refused); 0.5 was truncated."""
+    with pytest.raises(ValueError, match=message):
+        load_head(write(tmp_path / "h", config, tensors(prefix)), target())
+
+
+def test_a_vocabulary_map_of_floats_is_refused(tmp_path):
+    state = tensors("midlayer.")
+    state["d2t"] = state["d2t"].float() + 0.25
+    with pytest.raises(ValueError, match="d2t is torch.float32; a vocabulary map holds whole numbers"):
+        load_head(write(tmp_path / "h", specforge_config(), state), target())
+
+
 def test_weights_of_an_integer_dtype_are_refused_naming_them(tmp_path):
     """torch's own error came back (once per parameter, naming no dtype); with fc.weight alone in
     int8, every weight was cast to int8."""

@@ -59,9 +59,17 @@ def detect_layout(config: dict) -> str:
 
 
 # -- aux layer numbering ----------------------------------------------------------------------------
+def layer_ids(ids, where: str) -> tuple[int, ...]:
+    """A config's list of layer ids, each a whole number >= 0 (a fraction was truncated, and
+    SpecForge's -1 loaded as the embeddings, which no layer's output is)."""
+    if not isinstance(ids, list) or not all(type(i) is int and i >= 0 for i in ids):
+        raise ValueError(f"config.json's {where}={ids!r}: expected a list of layer ids, whole numbers >= 0")
+    return tuple(ids)
+
+
 def specforge_to_hidden(ids) -> tuple[int, ...]:
     """SpecForge/SGLang layer ids (outputs of layers) -> ``output_hidden_states`` indices."""
-    return tuple(int(i) + 1 for i in ids)
+    return tuple(i + 1 for i in layer_ids(list(ids), "eagle_config.eagle_aux_hidden_state_layer_ids"))
 
 
 def hidden_to_specforge(layers) -> list[int]:
@@ -130,7 +138,7 @@ def _specforge_fields(config: dict, target_config):
             raise ValueError(f"config.json's eagle_config.eagle_aux_hidden_state_layer_ids={list(ids)} (SpecForge "
                              f"ids, hidden states {list(aux)}) disagrees with the top-level "
                              f"eagle_aux_hidden_state_layer_ids={list(direct)} (vLLM's numbering)")
-        aux = tuple(int(i) for i in direct)
+        aux = layer_ids(direct, "eagle_aux_hidden_state_layer_ids")
     if aux is None:
         aux = _default_aux_layers(target_config, "eagle_config.eagle_aux_hidden_state_layer_ids")
     extra = {"draft_vocab_size": config.get("draft_vocab_size"),
@@ -160,7 +168,8 @@ def _speculators_fields(config: dict, target_config):
         "attention_bias": bool, "mlp_bias": bool,
     })
     ids = config.get("eagle_aux_hidden_state_layer_ids")
-    aux = tuple(int(i) for i in ids) if ids else _default_aux_layers(target_config, "eagle_aux_hidden_state_layer_ids")
+    aux = layer_ids(ids, "eagle_aux_hidden_state_layer_ids") if ids else \
+        _default_aux_layers(target_config, "eagle_aux_hidden_state_layer_ids")
     verifier = ((config.get("speculators_config") or {}).get("verifier") or {})
     model_type = ((config.get("specdec") or {}).get("target_model_type")
                   or _model_type_of(verifier.get("architectures")))

@@ -49,6 +49,8 @@ def vocab_maps(state: dict, config: HeadConfig) -> None:
     for name, tensor, size in (("d2t", d2t, draft), ("t2d", t2d, vocab)):
         if tensor is not None and tuple(tensor.shape) != (size,):
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected ({size},)")
+        if tensor is not None and (tensor.is_floating_point() or tensor.is_complex()):
+            raise ValueError(f"{name} is {tensor.dtype}; a vocabulary map holds whole numbers")
     if d2t is None and t2d is None:
         if draft != vocab:
             raise ValueError(f"the checkpoint lacks d2t and t2d, which a draft vocabulary of {draft} tokens "
