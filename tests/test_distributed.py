@@ -189,9 +189,10 @@ def test_pipeline_parallel_greedy_equals_single_process_generate(pipeline, refer
         assert rank[case] == references[PIPELINE[case]], f"rank {rank['rank']}"
 
 
-def test_self_draft_on_a_sharded_target_is_refused_on_every_rank(pipeline):
+def test_self_draft_and_generators_reading_hidden_states_are_refused_on_a_sharded_target(pipeline):
     for rank in pipeline:
         assert "self_draft copies the target's weights, which are sharded across ranks" in rank["self_draft_refused"]
+        assert "candidate generator 'eagle3' reads the target's hidden states" in rank["eagle3_refused"]
 
 
 def test_pipeline_parallel_refuses_the_static_cache(pipeline):
@@ -441,6 +442,14 @@ def _worker(kind: str, folder: str, out: str) -> None:
             SpecDecoder(target, "self_draft").generate(one, max_new_tokens=4)
         except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
             result["self_draft_refused"] = f"{type(exc).__name__}: {exc}"
+        from candidate_generators.eagle3 import Eagle3Head, HeadConfig
+
+        head = Eagle3Head(HeadConfig.for_target(target.config, draft_vocab_size=target.config.vocab_size))
+        head.set_vocab(torch.arange(target.config.vocab_size))
+        try:  # the hidden states it reads never reached it: it drafted nothing, silently
+            SpecDecoder(target, "eagle3", head=head).generate(one, max_new_tokens=4)
+        except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+            result["eagle3_refused"] = f"{type(exc).__name__}: {exc}"
     Path(out, f"{kind}_rank{rank}.json").write_text(json.dumps(result))
 
 

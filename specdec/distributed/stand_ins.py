@@ -80,7 +80,7 @@ class DeferringSession(CandidateGenerator):
     name = "deferring"
 
     def __init__(self, session: CandidateGenerator, plugin: str, call):
-        self.inner, self.call = session, call
+        self.inner, self.call, self.plugin = session, call, plugin
         self.info = declared_drafting(session, plugin)
 
     def __getattr__(self, name):
@@ -96,6 +96,11 @@ class DeferringSession(CandidateGenerator):
 
     def setup(self, ctx) -> None:
         self.inner.setup(ctx)
+        layers = self.inner.drafting().hidden_layers
+        if layers:  # a rank holds its shard's states, and the decider reads none of the verifying forward
+            raise ValueError(f"candidate generator {self.plugin!r} reads the target's hidden states "
+                             f"(layers {list(layers)}), which specdec does not hand a drafter from a sharded target; "
+                             "use prompt_lookup, suffix or a draft model (docs/distributed.md)")
 
     def propose(self, ctx, max_drafts):
         return self.inner.propose(ctx, max_drafts)
