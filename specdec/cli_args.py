@@ -49,11 +49,15 @@ def folder_problem(path) -> str | None:
     return None
 
 
-def output_folder(text: str) -> str:
-    problem = folder_problem(text)
+def _checked(text: str, problem: str | None) -> str:
+    """``text``, or the argument's error saying ``problem``."""
     if problem:
         raise argparse.ArgumentTypeError(problem)
     return text
+
+
+def output_folder(text: str) -> str:
+    return _checked(text, folder_problem(text))
 
 
 def positive_float(text: str) -> float:
@@ -79,10 +83,7 @@ def probability(text: str) -> float:
 def device_name(text: str) -> str:
     from .models import device_name_problem
 
-    problem = device_name_problem(text)
-    if problem:
-        raise argparse.ArgumentTypeError(problem)
-    return text
+    return _checked(text, device_name_problem(text))
 
 
 def parse_options(pairs: list[str]) -> dict:
