@@ -179,8 +179,7 @@ def train_head(target, tokenizer, out: str | Path, settings: TrainSettings, *, h
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
     batches = _batches(records, settings)
-    step, spent, order, cursor = _resume(state, optimizer, len(batches), settings.seed)
-    _keep_log(out / "log.jsonl", step)
+    step, spent, order, cursor = _resume(state, optimizer, len(batches), settings.seed, out / "log.jsonl")
     features = _Features(settings.feature_bytes)
     started, saved = time.perf_counter() - spent, time.perf_counter()
     bar = tqdm(total=settings.steps, initial=step, desc="train-head", unit="step", disable=not progress)
@@ -222,15 +221,19 @@ def _export(head, out: Path) -> Path:
     return folder
 
 
-def _resume(state: dict | None, optimizer, batches: int, seed: int) -> tuple[int, float, list[int], int]:
+def _resume(state: dict | None, optimizer, batches: int, seed: int, log: Path) -> tuple[int, float, list[int], int]:
     """(step, seconds spent, batch order, cursor into it) from a checkpoint's ``state`` (its
-    optimizer state loaded), or a fresh start; an order of another batch count is drawn again."""
+    optimizer state loaded), or a fresh start; an order of another batch count is drawn again.
+    The ``log`` is cut back to the steps up to that one (steps logged after the last checkpoint
+    are run again)."""
     step, spent, order, cursor = 0, 0.0, None, 0
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
         step, spent, order, cursor = state["step"], state["seconds"], state["order"], state["cursor"]
     if order is None or len(order) != batches:
         order, cursor = _shuffled(batches, seed, step), 0
+    if log.is_file():
+        log.write_text("".join(json.dumps(row) + "\n" for row in read_jsonl(log) if row["step"] <= step))
     return step, spent, order, cursor
 
 
@@ -374,14 +377,6 @@ def _learning_rate(settings: TrainSettings, step: int, fraction: float) -> float
     if step < settings.warmup:
         return settings.lr * (step + 1) / settings.warmup
     return settings.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(fraction, 1.0))))
-
-
-def _keep_log(path: Path, step: int) -> None:
-    """Cut the log back to the steps up to ``step``, where a resumed run goes on from (steps logged
-    after the last checkpoint are run again)."""
-    if path.is_file():
-        kept = [row for row in read_jsonl(path) if row["step"] <= step]
-        path.write_text("".join(json.dumps(row) + "\n" for row in kept))
 
 
 def _log(out: Path, step: int, loss: float, accuracy: torch.Tensor, seconds: float) -> None:
