@@ -100,24 +100,27 @@ class DraftSteps:
         made = host_long([max(min(n, a), 0) for n, a in zip(host_ints(proposal.lengths), host_ints(asked))],
                          target.device)
         made = target.admissible_drafts(ids, made)
-        point = point_masses(proposal, ids)  # [B, K]
+        point = None  # [B, K]: which drafts are point masses, where asked
         if self.processors is not None and self.processors.hard and not tree:
+            point = point_masses(proposal, ids)
             made = self._allowed(ids, made, point)
         # a tree's node after an end of sequence in node order may be its sibling: nothing cut
         candidates = made if tree else self.stopper.worth_verifying(ids, made)
         if self.policy is None:
             return made, candidates, candidates
         sources = proposal.sources.cpu() if proposal.sources is not None else None  # [B] or None: source 0
-        return made, candidates, self.policy.admit(candidates, sources, self._pricing_confidence(proposal, point))
+        return made, candidates, self.policy.admit(candidates, sources, self._pricing_confidence(proposal, ids, point))
 
-    def _pricing_confidence(self, proposal: Proposal, point: torch.Tensor) -> torch.Tensor | None:
+    def _pricing_confidence(self, proposal: Proposal, ids: torch.Tensor,
+                            point: torch.Tensor | None) -> torch.Tensor | None:
         """The confidences the policy may size the verified block by: under sampling, none of a draft
         drawn from a distribution (NaN), since whether a drawn draft is verified must not depend on
         what was drawn (its own probability, or a later draft's): speculative sampling is exact only
         so. Point masses (a lookup's) keep theirs, as every draft does under greedy decoding."""
         confidence = proposal.confidence
-        if confidence is None or not self.settings.sampling.do_sample or bool(point.all()):
-            return confidence
+        if confidence is None or proposal.probs is None or not self.settings.sampling.do_sample:
+            return confidence  # no confidence, no draws (point masses), or greedy decoding
+        point = point_masses(proposal, ids) if point is None else point
         drawn = torch.zeros(confidence.shape, dtype=torch.bool, device=confidence.device)  # [B, K'] (K' >= K)
         drawn[:, : point.shape[1]] = ~point.to(confidence.device)
         return confidence.masked_fill(drawn, float("nan"))
