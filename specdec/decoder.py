@@ -328,7 +328,8 @@ class SpecDecoder:
         check_token_input(model_inputs)
         if attention_mask is None and not prepared:
             input_ids, attention_mask = _inferred_prompt(self.target, input_ids, config)
-        input_ids, attention_mask = check_prompt(input_ids, attention_mask)
+        else:
+            input_ids, attention_mask = check_prompt(input_ids, attention_mask)
         model_inputs = prefill_only(self.target, model_inputs, attention_mask, prepared=prepared)
         batch, width = input_ids.shape
         problem = cache_problem(self.target, batch)
