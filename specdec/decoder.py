@@ -44,6 +44,7 @@ from .outputs import SpecOutput
 from .processors import BlockProcessors
 from .registry import resolve_draft
 from .request import CallSettings, Prompt
+from .return_sequences import grammars_per_row, repeated_prompt
 from .run import DecodeRun
 from .sampling import SamplingParams
 from .state import ModelState, cache_problem
@@ -109,8 +110,9 @@ class SpecDecoder:
         and any other ``GenerationConfig`` setting, which may also be passed here by name
         (``repetition_penalty=1.1``, ``output_scores=True``, ...). Every logits processor
         ``generate()`` would build (and ``logits_processor``, ``prefix_allowed_tokens_fn``) applies
-        at every verified position; what cannot be reproduced (beam search, several sequences per
-        prompt, ...) is refused by name before any forward. An explicit ``eos_token_id=None`` means
+        at every verified position; ``num_return_sequences=n`` (sampling) returns ``n`` rows per
+        prompt, each prompt's together, as ``generate()`` does (``specdec/return_sequences.py``); what
+        cannot be reproduced (beam search, ...) is refused by name before any forward. An explicit ``eos_token_id=None`` means
         "no EOS" and ``[]`` an EOS criterion of no ids (finished rows padded), as in
         ``transformers``. ``tokenizer`` (as ``generate()``'s) reads the stop strings, else the
         decoder's does. Other keyword arguments go to the model (specdec/call_inputs.py: prefill-only
@@ -131,6 +133,10 @@ class SpecDecoder:
             settings.update(self._explicit(max_new_tokens, do_sample, temperature, top_k, top_p, min_p, eos_token_id))
             width = check_prompt(input_ids, None)[0].shape[1]
             config = resolve_config(self.target, generation_config, settings, width)
+            if config.num_return_sequences and config.num_return_sequences > 1:  # rows repeated, as generate() does
+                input_ids, attention_mask = repeated_prompt(config.num_return_sequences, input_ids, attention_mask,
+                                                            model_inputs, prefix)
+                grammar = grammars_per_row(grammar, config.num_return_sequences)
             prompt = self._prompt(input_ids, attention_mask, model_inputs, prefix, config=config)
             check_generation_config(config)
             call = resolved(config, prompt.input_ids.shape[1])

@@ -15,8 +15,9 @@ the outputs asked for).
 
 What a speculative run cannot reproduce is refused by name before any forward
 (``validation.check_generation_config``): generation modes other than greedy search and sampling,
-several sequences per prompt, token healing, per-step attentions and hidden states, and the
-processors that remember earlier steps (``specdec/processors.py``).
+token healing, per-step attentions and hidden states, and the processors that remember earlier
+steps (``specdec/processors.py``). Several sampled sequences per prompt are rows repeated
+(``specdec/return_sequences.py``).
 """
 
 from __future__ import annotations

@@ -57,6 +57,7 @@ from .generation import resolved
 from .generators import CandidateGenerator
 from .names import did_you_mean
 from .processors import with_user_processor
+from .return_sequences import grammars_per_row
 from .validation import check_generation_config
 
 #: drafters kept per target model, the most recently used first: a call with another draft name,
@@ -190,7 +191,8 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
         max_length, eos, criteria = _split_criteria(stopping_criteria)
         call = resolved(generation_config, input_ids.shape[1], max_length, eos)
         call.stop_strings = None  # generate()'s StopStringCriteria is among the criteria
-        if grammar is not None:
+        if grammar is not None:  # generate() repeated each prompt's rows for num_return_sequences: so are its grammars
+            grammar = grammars_per_row(grammar, generation_config.num_return_sequences or 1)
             logits_processor = with_user_processor(logits_processor, decoder.constraint(grammar, call.eos))
         out = decoder.run(prompt, call, logits_processor, criteria, streamer=streamer, generator=generator,
                           stream_prompt=False, coordinator=coordinator, generator_options=options)

@@ -82,7 +82,7 @@ def placeholder_ids(model) -> tuple[int, ...]:
     return tuple(sorted(int(i) for i in ids if isinstance(i, int)))
 
 
-def _present(inputs: dict[str, Any]) -> set[str]:
+def present_inputs(inputs: dict[str, Any]) -> set[str]:
     """The inputs given: not None, and not an empty container (``generate()`` passes its
     pre-encoded ``mm_encoder_outputs`` as ``{}`` for a prompt without media)."""
     return {k for k, v in inputs.items() if v is not None and not (isinstance(v, (dict, list, tuple)) and not v)}
@@ -94,7 +94,7 @@ def check_call(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, mo
 
     ``input_ids [B, L]`` and ``attention_mask [B, L]`` are the prompt to prefill (left-padded).
     """
-    given = _present(model_inputs)
+    given = present_inputs(model_inputs)
     name = type(target).__name__
     vision = sorted(given & VISION_ONLY_INPUTS)
     if vision and not is_multimodal(target):

@@ -154,7 +154,6 @@ MODE_SETTINGS = (("num_beams", 1), ("num_beam_groups", 1), ("penalty_alpha", Non
                  ("assistant_early_exit", None), ("use_mtp", False))
 #: settings not reproduced in any mode: (name, whether a value sets it, what generate() would do)
 OTHER_EFFECTS = (
-    ("num_return_sequences", lambda v: v != 1, "several sequences per prompt"),
     ("token_healing", bool, "re-tokenizing the prompt's last token"),
     ("output_attentions", bool, "attentions at every step"),
     ("output_hidden_states", bool, "hidden states at every step"),
@@ -169,8 +168,8 @@ def unsupported_generation_settings(config: GenerationConfig) -> list[str]:
     with the call's arguments on top, ``specdec/generation.py``) that a speculative run does not
     reproduce, each named with what ``generate()`` would do: a generation mode other than greedy
     search and sampling (beam search, contrastive search, DoLa, assisted generation, constraints),
-    several sequences per prompt, token healing, per-step attentions or hidden states,
-    classifier-free guidance and SynthID watermarking (both remember earlier steps). Every other
+    token healing, per-step attentions or hidden states, classifier-free guidance and SynthID
+    watermarking (both remember earlier steps). Every other
     setting is honoured: logits processors apply at every verified position
     (``specdec/processors.py``), stop strings stop the run."""
     found = []

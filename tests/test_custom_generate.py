@@ -140,6 +140,9 @@ def test_a_pipeline_returns_the_plain_pipelines_text(model):
     for drafter in ("prompt_lookup", draft):
         assert pipe(text, max_new_tokens=NEW, do_sample=False, custom_generate=specdec.generate, draft=drafter,
                     **MIX) == plain
+    # several sampled texts per prompt (top_k=1: each step draws the argmax, so the texts are known)
+    several = dict(max_new_tokens=NEW, do_sample=True, top_k=1, num_return_sequences=3, **MIX)
+    assert pipe(text, **several, custom_generate=specdec.generate, draft="prompt_lookup") == pipe(text, **several)
 
 
 @pytest.fixture

@@ -342,7 +342,7 @@ def test_defaults_come_from_the_generation_config_and_arguments_override_them():
 
 
 @pytest.mark.parametrize("settings,name", [
-    ({"num_beams": 2}, "num_beams"), ({"do_sample": True, "num_return_sequences": 2}, "num_return_sequences"),
+    ({"num_beams": 2}, "num_beams"),
     ({"token_healing": True}, "token_healing"), ({"guidance_scale": 1.5}, "guidance_scale"),
     ({"output_attentions": True, "return_dict_in_generate": True}, "output_attentions"),
     ({"penalty_alpha": 0.6, "top_k": 4}, "penalty_alpha"),

@@ -1,0 +1,130 @@
+"""Several sampled sequences per prompt (``num_return_sequences``), through both doors.
+
+* With ``top_k=1`` sampling is deterministic (each step's only token is the argmax), so
+  ``generate(do_sample=True, top_k=1, num_return_sequences=n)`` gives exact references: specdec's
+  rows equal them row for row, which checks their order (each prompt's ``n`` rows together) and
+  every repeated input, a vision-language target's encoded images included (custom_generate).
+* With a full distribution, a chi-square test over two prompts at once: each prompt's rows are
+  distributed as the target's own samples (same method and thresholds as
+  tests/test_sampling_lossless.py).
+* What cannot be repeated is refused before any forward: image inputs through
+  ``SpecDecoder.generate``, a prefix without a row for every returned sequence; greedy search with
+  ``n > 1`` is refused, as ``generate()`` refuses it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specdec
+from specdec import SpecDecoder
+from specdec.return_sequences import grammars_per_row
+from specdec.sampling import SamplingParams
+
+from helpers import ForwardRecorder, left_pad, repetitive_prompt, tiny_pair
+from test_multimodal import image_prompt, tiny_vlm
+from test_sampling_lossless import (PROMPT, TINY_VOCAB, assert_same_distribution, exact_three_token_joint,
+                                    joint_counts, tiny_vocab_llama)
+
+NEW = 16
+ARGMAX = dict(do_sample=True, top_k=1)  # sampling that draws the argmax: deterministic references
+
+
+@pytest.fixture(scope="module")
+def llama():
+    target, draft, _ = tiny_pair("llama")
+    rows = [repetitive_prompt(6, seed=1)[0], torch.randint(0, 250, (9,), generator=torch.Generator().manual_seed(2))]
+    ids, mask = left_pad(rows, pad_id=257)
+    return target, draft, ids, mask
+
+
+@pytest.mark.parametrize("door", ["SpecDecoder", "custom_generate"])
+@pytest.mark.parametrize("drafter", ["prompt_lookup", "draft_model", "suffix"])
+def test_each_prompts_sequences_equal_generates_in_its_order(llama, door, drafter):
+    target, draft, ids, mask = llama
+    draft = draft if drafter == "draft_model" else drafter
+    options = {"num_tokens": 4, "schedule": "fixed"} if drafter == "draft_model" else {}  # drafts whatever it costs
+    want = target.generate(ids, attention_mask=mask, max_new_tokens=NEW, num_return_sequences=3, **ARGMAX)
+    assert want.shape[0] == 6
+    if door == "SpecDecoder":
+        out = SpecDecoder(target, draft, **options).generate(ids, mask, max_new_tokens=NEW, num_return_sequences=3, **ARGMAX)
+        got, stats = out.sequences, out.stats
+    else:
+        out = target.generate(ids, attention_mask=mask, max_new_tokens=NEW, num_return_sequences=3, **ARGMAX,
+                              custom_generate=specdec.generate, draft=draft, draft_options=options,
+                              return_dict_in_generate=True)
+        got, stats = out.sequences, out.stats
+    assert torch.equal(got, want)
+    assert stats.drafted_tokens > 0
+
+
+def test_several_sequences_of_two_prompts_are_distributed_as_the_targets_samples():
+    """4,000 rows of each of two prompts in one call with a draft model: each prompt's first three
+    tokens against its exact law (a mix-up of rows between prompts, or rows that share draws,
+    fails)."""
+    target = tiny_vocab_llama(0)
+    draft = tiny_vocab_llama(5)
+    other = PROMPT.flip(1)
+    params = SamplingParams(True, 0.9, top_k=3)  # 27 cells: 4,000 rows each keep the total variation small
+    n = 4_000
+    out = SpecDecoder(target, draft, num_tokens=3, schedule="fixed").generate(
+        torch.cat([PROMPT, other]), max_new_tokens=3, num_return_sequences=n, do_sample=True,
+        temperature=params.temperature, top_k=params.top_k, generator=torch.Generator().manual_seed(0))
+    width = PROMPT.shape[1]
+    assert out.sequences.shape == (2 * n, width + 3)
+    assert 0 < out.stats.accepted_tokens < out.stats.drafted_tokens
+    for b, prompt in enumerate((PROMPT, other)):
+        rows = out.sequences[b * n: (b + 1) * n]
+        assert torch.equal(rows[:, :width], prompt.expand(n, -1))
+        assert_same_distribution(joint_counts(rows[:, width:], TINY_VOCAB),
+                                 exact_three_token_joint(target, prompt, params))
+
+
+@pytest.mark.parametrize("family", ["llava", "gemma3"])
+def test_image_prompts_through_custom_generate_repeat_their_images_as_generate_does(family):
+    target = tiny_vlm(family)
+    prompts = [image_prompt(family, seed) for seed in (0, 1)]
+    ids = torch.cat([p[0] for p in prompts])
+    inputs = {k: torch.cat([p[1][k] for p in prompts]) for k in prompts[0][1]}
+    call = lambda **more: target.generate(ids, **inputs, max_new_tokens=NEW, num_return_sequences=2,  # noqa: E731
+                                          **ARGMAX, **more)
+    want = call()
+    assert torch.equal(call(custom_generate=specdec.generate, draft="prompt_lookup"), want)
+    assert not torch.equal(want[0], want[2])  # the two prompts' rows differ: the order is checked
+
+
+def test_what_cannot_be_repeated_is_refused_before_any_forward(llama):
+    target, _, ids, mask = llama
+    decoder = SpecDecoder(target, "prompt_lookup")
+    prefix = decoder.prefill(ids[:, :8], mask[:, :8])
+    vlm = tiny_vlm("llava")
+    image_ids, image_inputs = image_prompt("llava", 0)
+    recorders = [ForwardRecorder(target), ForwardRecorder(vlm)]
+    try:
+        with pytest.raises(ValueError, match=r"prefill every returned row .*repeat_interleave\(3"):
+            decoder.generate(ids, mask, prefix=prefix, max_new_tokens=4, num_return_sequences=3, do_sample=True)
+        with pytest.raises(ValueError, match="pixel_values.*custom_generate"):
+            SpecDecoder(vlm, "prompt_lookup").generate(image_ids, **image_inputs, max_new_tokens=4,
+                                                       num_return_sequences=2, do_sample=True)
+        with pytest.raises(ValueError, match="num_return_sequences"):  # greedy: generate() refuses it too
+            decoder.generate(ids, mask, max_new_tokens=4, num_return_sequences=2, do_sample=False)
+    finally:
+        for recorder in recorders:
+            recorder.remove()
+    assert all(recorder.calls == [] for recorder in recorders)
+
+
+def test_a_prefix_holding_every_returned_row_continues_as_generate(llama):
+    target, _, ids, mask = llama
+    decoder = SpecDecoder(target, "prompt_lookup")
+    prefix = decoder.prefill(ids[:, :9].repeat_interleave(2, 0), mask[:, :9].repeat_interleave(2, 0))
+    out = decoder.generate(ids, mask, prefix=prefix, max_new_tokens=NEW, num_return_sequences=2, **ARGMAX)
+    want = target.generate(ids, attention_mask=mask, max_new_tokens=NEW, num_return_sequences=2, **ARGMAX)
+    assert torch.equal(out.sequences, want)
+
+
+def test_a_list_of_grammars_gives_each_prompts_rows_its_grammar():
+    assert grammars_per_row(["a", "b"], 3) == ["a", "a", "a", "b", "b", "b"]
+    assert grammars_per_row(["a"], 3) == ["a"] and grammars_per_row("a", 3) == "a"
+    assert grammars_per_row(["a", "b"], 1) == ["a", "b"]
