@@ -65,6 +65,8 @@ def _generate_parser(sub) -> None:
     g.add_argument("--top-k", type=positive_int, default=None, help="with --sample")
     g.add_argument("--top-p", type=probability, default=None, help="with --sample")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--num-return-sequences", type=positive_int, default=1, metavar="N",
+                   help="with --sample: N texts for the prompt, each printed under its number")
     g.set_defaults(func=cmd_generate)
 
 

@@ -34,8 +34,9 @@ def cmd_generate(args) -> int:
     from .prompts import encode_chat
     from .threads import configure_threads
 
-    if not args.sample and (args.temperature is not None or args.top_k is not None or args.top_p is not None):
-        raise UsageError("--temperature, --top-k and --top-p apply only with --sample")
+    if not args.sample and (args.temperature is not None or args.top_k is not None or args.top_p is not None
+                            or args.num_return_sequences > 1):
+        raise UsageError("--temperature, --top-k, --top-p and --num-return-sequences apply only with --sample")
     check_target(args.target)
     placement = check_placement(args)
     plan = plan_draft(args.draft, parse_options(args.option))
@@ -52,11 +53,13 @@ def cmd_generate(args) -> int:
         _status("compiling ...")
         _compiled_status(decoder.warmup(batch_size=1, max_length=input_ids.shape[1] + args.max_new_tokens))
     sampling = dict(do_sample=True, temperature=1.0 if args.temperature is None else args.temperature,
-                    top_k=args.top_k, top_p=args.top_p) if args.sample else {"do_sample": False}  # not the config's
+                    top_k=args.top_k, top_p=args.top_p, num_return_sequences=args.num_return_sequences
+                    ) if args.sample else {"do_sample": False}  # not the config's
     seeded = lambda: torch.Generator(device=placement.device).manual_seed(args.seed) if args.sample else None  # noqa: E731
     _first_call(decoder, input_ids, min(2, args.max_new_tokens), dict(sampling, generator=seeded()))
     out = decoder.generate(input_ids, max_new_tokens=args.max_new_tokens, generator=seeded(), **sampling)
-    print(tokenizer.decode(out.sequences[0, input_ids.shape[1]:], skip_special_tokens=True))
+    texts = tokenizer.batch_decode(out.sequences[:, input_ids.shape[1]:], skip_special_tokens=True)
+    print("\n\n".join(texts) if len(texts) == 1 else "\n\n".join(f"-- {i + 1}\n{t}" for i, t in enumerate(texts)))
     s = out.stats
     print(f"\n-- {s.decoding_tokens_per_second:.1f} tokens/s | mean accepted length {s.mean_accepted_length:.2f} | "
           f"acceptance rate {s.acceptance_rate:.1%} | {s.committed_tokens} tokens in {s.total_seconds:.2f}s"

@@ -72,6 +72,8 @@ REFUSED = [
     (["generate", "--sample", "--temperature", "0", "hi"], ["--temperature", "> 0"]),
     (["generate", "--sample", "--top-p", "1.5", "hi"], ["--top-p", "(0, 1]"]),
     (["generate", "--sample", "--top-k", "0", "hi"], ["--top-k", ">= 1"]),
+    (["generate", "--num-return-sequences", "2", "hi"], ["only with --sample"]),
+    (["generate", "--sample", "--num-return-sequences", "0", "hi"], ["--num-return-sequences"]),
     (["demo", "--dataset", "/no/such/question.jsonl"], ["/no/such/question.jsonl", "SPECDEC_SPEC_BENCH"]),
     (["demo", "--per-category", "0"], ["--per-category", ">= 1"]),
     (["demo", "--draft", "none"], ["--draft other than 'none'"]),
@@ -149,6 +151,9 @@ def test_generate_runs_with_a_generator_and_with_a_draft_model(capsys):
     code, out, err, _ = run_cli([*base, "--draft", "none", "--sample", "--temperature", "0.7", "--top-k", "5",
                                  "abc"], capsys)
     assert code == 0, err
+    code, out, err, _ = run_cli([*base, "--sample", "--num-return-sequences", "3", "abcabc"], capsys)
+    numbers = ["-- 1", "-- 2", "-- 3"]
+    assert code == 0 and [line for line in out.splitlines() if line in numbers] == numbers, err
 
 
 def write_questions(folder) -> str:
