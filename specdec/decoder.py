@@ -44,7 +44,7 @@ from .outputs import SpecOutput
 from .processors import BlockProcessors
 from .registry import resolve_draft
 from .request import CallSettings, Prompt
-from .return_sequences import grammars_per_row, repeated_prompt
+from .return_sequences import grammars_per_row, prefilled_once, repeated_prompt
 from .run import DecodeRun
 from .sampling import SamplingParams
 from .state import ModelState, cache_problem
@@ -138,6 +138,7 @@ class SpecDecoder:
                                                             model_inputs, prefix)
                 grammar = grammars_per_row(grammar, config.num_return_sequences)
             prompt = self._prompt(input_ids, attention_mask, model_inputs, prefix, config=config)
+            prompt = prefilled_once(self, prompt, config.num_return_sequences or 1)
             check_generation_config(config)
             call = resolved(config, prompt.input_ids.shape[1])
             if grammar is not None:  # placed as a user's processor: after the config's, before the warpers
@@ -316,13 +317,17 @@ class SpecDecoder:
                 coordinator.given(call_fingerprint(prompt.input_ids, prompt.mask(), "prefill",
                                                    model_inputs=prompt.spec.user_inputs))
             coordinator.together(lambda: None)
-            prefill, positions = prompt.spec.for_model(self.target)
-            state = ModelState(self.target, prompt.rows, prompt.lengths, pad_token_id=pad_token_id(self.target),
-                               prefill_inputs=prefill, positions=positions, kv=self.cache)
-            with torch.no_grad():
-                state.forward(start=prompt.lengths - 1)
-            return Prefix(self.target, prompt.spec, state.offsets.clone(), state.cached_slots, state.cache,
-                          state.positions)
+            return self._prefilled(prompt)
+
+    def _prefilled(self, prompt: Prompt) -> Prefix:
+        """The target's forward over a validated ``prompt``, kept as a :class:`Prefix`."""
+        prefill, positions = prompt.spec.for_model(self.target)
+        state = ModelState(self.target, prompt.rows, prompt.lengths, pad_token_id=pad_token_id(self.target),
+                           prefill_inputs=prefill, positions=positions, kv=self.cache)
+        with torch.no_grad():
+            state.forward(start=prompt.lengths - 1)
+        return Prefix(self.target, prompt.spec, state.offsets.clone(), state.cached_slots, state.cache,
+                      state.positions)
 
     def _prompt(self, input_ids, attention_mask, model_inputs: dict, prefix: Prefix | None,
                 prepared: bool = False, config=None) -> Prompt:

@@ -44,6 +44,7 @@ Invariants:
 
 from __future__ import annotations
 
+import copy
 import inspect
 from dataclasses import dataclass, field
 from typing import Any
@@ -303,6 +304,18 @@ class Prefix:
     cached_slots: int  # cache slots in use (every row ends here)
     cache: Any  # the target's cache after the prefill
     positions: TokenPositions | MRopePositions  # derived by the prefill; never recomputed
+
+    def repeated(self, copies: int) -> "Prefix":
+        """This prefix with each row repeated ``copies`` times in place (a text prefix: no
+        prefill-only inputs); None where its cache cannot repeat its rows."""
+        cache = copy.deepcopy(self.cache)
+        if not callable(getattr(cache, "batch_repeat_interleave", None)):
+            return None
+        cache.batch_repeat_interleave(copies)
+        spec = PrefillSpec(self.spec.tokens.repeat_interleave(copies, 0), self.spec.lengths.repeat_interleave(copies),
+                           {}, {})
+        return Prefix(self.target, spec, self.offsets.repeat_interleave(copies), self.cached_slots, cache,
+                      self.positions)
 
     def check_continuation(self, target, tokens: torch.Tensor, lengths: torch.Tensor, model_inputs: dict[str, Any]) -> None:
         """``tokens [B, L]`` left-aligned prompt rows must extend the prefix rows by >= 1 token."""

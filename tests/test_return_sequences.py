@@ -7,6 +7,9 @@
 * With a full distribution, a chi-square test over two prompts at once: each prompt's rows are
   distributed as the target's own samples (same method and thresholds as
   tests/test_sampling_lossless.py).
+* The target prefills each prompt once (all its tokens but the last), and the rows continue from
+  copies of that cache; where that cannot be done (a static cache, one-token rows) every row is
+  prefilled, as in ``generate()``.
 * What cannot be repeated is refused before any forward: image inputs through
   ``SpecDecoder.generate``, a prefix without a row for every returned sequence; greedy search with
   ``n > 1`` is refused, as ``generate()`` refuses it.
@@ -44,7 +47,7 @@ def llama():
 def test_each_prompts_sequences_equal_generates_in_its_order(llama, door, drafter):
     target, draft, ids, mask = llama
     draft = draft if drafter == "draft_model" else drafter
-    options = {"num_tokens": 4, "schedule": "fixed"} if drafter == "draft_model" else {}  # drafts whatever it costs
+    options = {"num_tokens": 4, "schedule": "fixed"}  # drafts whatever the policy would price them at
     want = target.generate(ids, attention_mask=mask, max_new_tokens=NEW, num_return_sequences=3, **ARGMAX)
     assert want.shape[0] == 6
     if door == "SpecDecoder":
@@ -113,6 +116,44 @@ def test_what_cannot_be_repeated_is_refused_before_any_forward(llama):
         for recorder in recorders:
             recorder.remove()
     assert all(recorder.calls == [] for recorder in recorders)
+
+
+@pytest.mark.parametrize("door", ["SpecDecoder", "custom_generate"])
+def test_the_target_prefills_each_prompt_once_not_once_per_sequence(llama, door):
+    """generate() prefills all n * B rows; specdec prefills each prompt's tokens but its last
+    once (B rows) and repeats that cache: the rows then start from the same keys and values."""
+    target, _, ids, mask = llama
+    recorder = ForwardRecorder(target)
+    try:
+        if door == "SpecDecoder":
+            SpecDecoder(target, "prompt_lookup").generate(ids, mask, max_new_tokens=4, num_return_sequences=3,
+                                                          do_sample=True)
+        else:
+            target.generate(ids, attention_mask=mask, max_new_tokens=4, num_return_sequences=3, do_sample=True,
+                            custom_generate=specdec.generate, draft="prompt_lookup")
+    finally:
+        recorder.remove()
+    shapes = [(call["batch"], call["tokens"]) for call in recorder.calls]
+    assert shapes[0] == (2, ids.shape[1] - 1)
+    assert all(batch == 6 and tokens < 8 for batch, tokens in shapes[1:]), shapes
+
+
+def test_a_static_cache_and_one_token_prompts_prefill_every_row(llama):
+    """Where the cache cannot be shared (a static cache) or there is nothing before the last token,
+    every row is prefilled, as generate() does; the output is the same either way."""
+    target, _, ids, mask = llama
+    for decoder, prompt, prompt_mask in ((SpecDecoder(target, "prompt_lookup", cache_implementation="static"),
+                                          ids, mask),
+                                         (SpecDecoder(target, "prompt_lookup"), ids[:, -1:], mask[:, -1:])):
+        want = target.generate(prompt, attention_mask=prompt_mask, max_new_tokens=NEW, num_return_sequences=2,
+                               **ARGMAX)
+        recorder = ForwardRecorder(target)
+        try:
+            out = decoder.generate(prompt, prompt_mask, max_new_tokens=NEW, num_return_sequences=2, **ARGMAX)
+        finally:
+            recorder.remove()
+        assert torch.equal(out.sequences, want)
+        assert recorder.calls[0]["batch"] == 4
 
 
 def test_a_prefix_holding_every_returned_row_continues_as_generate(llama):
