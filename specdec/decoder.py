@@ -111,9 +111,9 @@ class SpecDecoder:
         (``repetition_penalty=1.1``, ``output_scores=True``, ...). Every logits processor
         ``generate()`` would build (and ``logits_processor``, ``prefix_allowed_tokens_fn``) applies
         at every verified position; ``num_return_sequences=n`` (sampling) returns ``n`` rows per
-        prompt, each prompt's together, as ``generate()`` does (``specdec/return_sequences.py``); what
-        cannot be reproduced (beam search, ...) is refused by name before any forward. An explicit ``eos_token_id=None`` means
-        "no EOS" and ``[]`` an EOS criterion of no ids (finished rows padded), as in
+        prompt, each prompt's together, as ``generate()`` does (``specdec/return_sequences.py``);
+        what cannot be reproduced (beam search, ...) is refused by name before any forward. An
+        explicit ``eos_token_id=None`` means "no EOS" and ``[]`` an EOS criterion of no ids (finished rows padded), as in
         ``transformers``. ``tokenizer`` (as ``generate()``'s) reads the stop strings, else the
         decoder's does. Other keyword arguments go to the model (specdec/call_inputs.py: prefill-only
         inputs such as pixel values and grids; ``generate()``'s per-step ones dropped or refused),

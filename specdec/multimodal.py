@@ -312,10 +312,9 @@ class Prefix:
         if not callable(getattr(cache, "batch_repeat_interleave", None)):
             return None
         cache.batch_repeat_interleave(copies)
-        spec = PrefillSpec(self.spec.tokens.repeat_interleave(copies, 0), self.spec.lengths.repeat_interleave(copies),
-                           {}, {})
-        return Prefix(self.target, spec, self.offsets.repeat_interleave(copies), self.cached_slots, cache,
-                      self.positions)
+        rows = torch.arange(self.offsets.shape[0], device=self.offsets.device).repeat_interleave(copies)
+        spec = PrefillSpec(self.spec.tokens[rows], self.spec.lengths[rows], {}, {})
+        return Prefix(self.target, spec, self.offsets[rows], self.cached_slots, cache, self.positions.select_rows(rows))
 
     def check_continuation(self, target, tokens: torch.Tensor, lengths: torch.Tensor, model_inputs: dict[str, Any]) -> None:
         """``tokens [B, L]`` left-aligned prompt rows must extend the prefix rows by >= 1 token."""

@@ -28,8 +28,10 @@ def repeated_prompt(copies: int, input_ids: torch.Tensor, attention_mask, model_
                     prefix=None) -> tuple[torch.Tensor, Any]:
     """``(input_ids, attention_mask)`` with each row repeated ``copies`` times in place (a mask that
     is not a tensor is left for the prompt's checks to refuse); ValueError for what cannot be
-    repeated: model inputs (media, grids, type ids), or a ``prefix`` that does not already hold every returned row."""
-    given = sorted(present_inputs({k: v for k, v in model_inputs.items() if k not in (*NO_EFFECT, "logits_to_keep")}))
+    repeated: model inputs (media, grids, type ids), or a ``prefix`` that does not already hold
+    every returned row."""
+    effective = {k: v for k, v in model_inputs.items() if k not in (*NO_EFFECT, "logits_to_keep")}
+    given = sorted(present_inputs(effective))
     if given:
         raise ValueError(f"num_return_sequences={copies} with model inputs {given}: SpecDecoder.generate repeats "
                          "token ids only; repeat each prompt with its images yourself (the processor on n copies), "

@@ -97,6 +97,16 @@ def test_image_prompts_through_custom_generate_repeat_their_images_as_generate_d
     assert not torch.equal(want[0], want[2])  # the two prompts' rows differ: the order is checked
 
 
+@pytest.mark.parametrize("family", ["qwen2_vl", "gemma3"])
+def test_a_text_prompt_to_a_vision_language_target_shares_its_prefill_too(family):
+    """A text prompt to a vision-language target (mRoPE for Qwen2-VL) takes the shared prefill."""
+    target = tiny_vlm(family)
+    ids = torch.tensor([[5, 17, 99, 5, 17, 99, 5, 17], [3, 4, 5, 6, 7, 8, 9, 10]])
+    want = target.generate(ids, max_new_tokens=NEW, num_return_sequences=3, **ARGMAX)
+    out = SpecDecoder(target, "prompt_lookup").generate(ids, max_new_tokens=NEW, num_return_sequences=3, **ARGMAX)
+    assert torch.equal(out.sequences, want)
+
+
 def test_what_cannot_be_repeated_is_refused_before_any_forward(llama):
     target, _, ids, mask = llama
     decoder = SpecDecoder(target, "prompt_lookup")
