@@ -44,8 +44,9 @@ from .outputs import SpecOutput
 from .processors import BlockProcessors
 from .registry import resolve_draft
 from .request import CallSettings, Prompt
-from .return_sequences import grammars_per_row, prefilled_once, repeated_prompt
+from .return_sequences import grammars_per_row, repeated_prompt
 from .run import DecodeRun
+from .shared_prefill import shared_prefill
 from .sampling import SamplingParams
 from .state import ModelState, cache_problem
 from .stopping import Stopper
@@ -138,7 +139,7 @@ class SpecDecoder:
                                                             model_inputs, prefix)
                 grammar = grammars_per_row(grammar, config.num_return_sequences)
             prompt = self._prompt(input_ids, attention_mask, model_inputs, prefix, config=config)
-            prompt = prefilled_once(self, prompt, config.num_return_sequences or 1)
+            prompt = shared_prefill(self, prompt)  # rows that repeat a prompt: prefilled once
             check_generation_config(config)
             call = resolved(config, prompt.input_ids.shape[1])
             if grammar is not None:  # placed as a user's processor: after the config's, before the warpers

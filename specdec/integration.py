@@ -57,7 +57,8 @@ from .generation import resolved
 from .generators import CandidateGenerator
 from .names import did_you_mean
 from .processors import with_user_processor
-from .return_sequences import grammars_per_row, prefilled_once
+from .return_sequences import grammars_per_row
+from .shared_prefill import shared_prefill
 from .validation import check_generation_config
 
 #: drafters kept per target model, the most recently used first: a call with another draft name,
@@ -188,7 +189,7 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
             raise TypeError(f"draft_call_options {unknown}: the candidate generator takes "
                             f"{list(decoder.candidate_generator.call_options)} per call")
         prompt = decoder._prompt(input_ids, model_kwargs.get("attention_mask"), model_kwargs, None, prepared=True)
-        prompt = prefilled_once(decoder, prompt, generation_config.num_return_sequences or 1)
+        prompt = shared_prefill(decoder, prompt)  # rows that repeat a prompt (num_return_sequences): prefilled once
         max_length, eos, criteria = _split_criteria(stopping_criteria)
         call = resolved(generation_config, input_ids.shape[1], max_length, eos)
         call.stop_strings = None  # generate()'s StopStringCriteria is among the criteria

@@ -305,16 +305,15 @@ class Prefix:
     cache: Any  # the target's cache after the prefill
     positions: TokenPositions | MRopePositions  # derived by the prefill; never recomputed
 
-    def repeated(self, copies: int) -> "Prefix":
-        """This prefix with each row repeated ``copies`` times in place (a text prefix: no
-        prefill-only inputs); None where its cache cannot repeat its rows."""
+    def rows(self, index: torch.Tensor) -> "Prefix | None":
+        """This text prefix's (no prefill-only inputs) rows ``index [B']``, a row taken any number
+        of times, as a new prefix; None where its cache cannot gather rows."""
         cache = copy.deepcopy(self.cache)
-        if not callable(getattr(cache, "batch_repeat_interleave", None)):
+        if not callable(getattr(cache, "batch_select_indices", None)):
             return None
-        cache.batch_repeat_interleave(copies)
-        rows = torch.arange(self.offsets.shape[0], device=self.offsets.device).repeat_interleave(copies)
-        spec = PrefillSpec(self.spec.tokens[rows], self.spec.lengths[rows], {}, {})
-        return Prefix(self.target, spec, self.offsets[rows], self.cached_slots, cache, self.positions.select_rows(rows))
+        cache.batch_select_indices(index)
+        spec = PrefillSpec(self.spec.tokens[index], self.spec.lengths[index], {}, {})
+        return Prefix(self.target, spec, self.offsets[index], self.cached_slots, cache, self.positions.select_rows(index))
 
     def check_continuation(self, target, tokens: torch.Tensor, lengths: torch.Tensor, model_inputs: dict[str, Any]) -> None:
         """``tokens [B, L]`` left-aligned prompt rows must extend the prefix rows by >= 1 token."""

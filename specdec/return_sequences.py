@@ -59,20 +59,3 @@ def grammars_per_row(grammar, copies: int):
         return [g for g in grammar for _ in range(copies)]
     return grammar
 
-
-def prefilled_once(decoder, prompt, copies: int):
-    """``prompt`` (a validated :class:`~specdec.request.Prompt` whose rows are each prompt's
-    ``copies`` rows together) continued from one prefill of each prompt instead of ``copies``: the
-    target runs once over each prompt's tokens but its last, and its cache is repeated for every row
-    (the last token is the first step's). Unchanged where that cannot be done: one copy, a text
-    prompt of one token in a row, model inputs, a prefix given, a static cache, llama.cpp, a
-    sharded target. The repeated rows are then distributed exactly as those of a prefill of every
-    row (each row's draws are its own from the first step on)."""
-    cache = decoder.cache
-    if (copies < 2 or prompt.prefix is not None or present_inputs(prompt.spec.user_inputs) or cache.static
-            or cache.engine == "llama_cpp" or decoder.ranks is not None or int(prompt.lengths.min()) < 2):
-        return prompt
-    first = slice(None, None, copies)
-    head = decoder._prompt(prompt.input_ids[first, :-1], prompt.mask()[first, :-1], {}, None)
-    prefix = decoder._prefilled(head).repeated(copies)
-    return prompt if prefix is None else decoder._prompt(prompt.input_ids, prompt.mask(), {}, prefix)

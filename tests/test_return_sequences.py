@@ -8,8 +8,8 @@
   distributed as the target's own samples (same method and thresholds as
   tests/test_sampling_lossless.py).
 * The target prefills each prompt once (all its tokens but the last), and the rows continue from
-  copies of that cache; where that cannot be done (a static cache, one-token rows) every row is
-  prefilled, as in ``generate()``.
+  copies of that cache (specdec/shared_prefill.py, also for rows a caller repeated); where that
+  cannot be done (a static cache, one-token rows) every row is prefilled, as in ``generate()``.
 * What cannot be repeated is refused before any forward: image inputs through
   ``SpecDecoder.generate``, a prefix without a row for every returned sequence; greedy search with
   ``n > 1`` is refused, as ``generate()`` refuses it.
@@ -146,6 +146,25 @@ def test_the_target_prefills_each_prompt_once_not_once_per_sequence(llama, door)
     shapes = [(call["batch"], call["tokens"]) for call in recorder.calls]
     assert shapes[0] == (2, ids.shape[1] - 1)
     assert all(batch == 6 and tokens < 8 for batch, tokens in shapes[1:]), shapes
+
+
+def test_rows_a_caller_repeated_are_prefilled_once_and_equal_generate(llama):
+    """A greedy batch holding prompt A three times and B once, in any order: two rows prefilled;
+    a batch of distinct rows is prefilled whole, as before."""
+    target, _, ids, mask = llama
+    index = torch.tensor([0, 1, 0, 0])
+    decoder = SpecDecoder(target, "prompt_lookup")
+    # (batch, tokens) of the first forward: the shared prefill; a whole prompt with drafts riding along
+    for batch, prefill in (((ids[index], mask[index]), lambda b, t: (b, t) == (2, ids.shape[1] - 1)),
+                           ((ids, mask), lambda b, t: b == 2 and t >= ids.shape[1])):
+        recorder = ForwardRecorder(target)
+        try:
+            out = decoder.generate(*batch, max_new_tokens=NEW)
+        finally:
+            recorder.remove()
+        assert torch.equal(out.sequences, target.generate(batch[0], attention_mask=batch[1], max_new_tokens=NEW,
+                                                          do_sample=False))
+        assert prefill(recorder.calls[0]["batch"], recorder.calls[0]["tokens"])
 
 
 def test_a_static_cache_and_one_token_prompts_prefill_every_row(llama):

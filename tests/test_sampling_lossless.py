@@ -14,6 +14,8 @@ Two levels, each with at least 20,000 samples on a small vocabulary, and a coupl
   ``self_draft`` and the lookup-then-copy hybrid; the joint distribution of the 3 generated
   tokens (512 cells) must match the target's exact distribution, computed by forward passes over
   every 1- and 2-token continuation.
+  The target prefills the prompt once for all its rows (``specdec/shared_prefill.py``); the same
+  check with every row prefilled covers rows of distinct prompts.
 * **Static cache, by coupling.** With the same seeded generator, the static cache commits exactly
   the tokens of the dynamic cache, row for row (2,000 rows per drafter), through the same accepted
   and rejected drafts. Equal samples have equal distributions, so the end-to-end check covers the
@@ -237,6 +239,18 @@ def test_generate_samples_the_target_distribution(tiny_models, drafter, params):
     # speculation really happened: drafts were offered (self_draft's first step verifies none: its
     # copy starts from the target's prefill), some accepted and some rejected
     assert stats.drafted_tokens >= N and 0 < stats.accepted_tokens < stats.drafted_tokens
+    assert_same_distribution(joint_counts(new, TINY_VOCAB), exact_three_token_joint(target, PROMPT, params))
+
+
+@pytest.mark.parametrize("drafter,params", [("prompt_lookup", SamplingParams(True, 0.8, top_k=3)),
+                                             ("draft_model", SamplingParams(True, 1.1, top_k=3))])
+def test_every_row_prefilled_samples_the_target_distribution(tiny_models, drafter, params, monkeypatch):
+    """The rows above repeat one prompt, which the target prefills once (specdec/shared_prefill.py);
+    with that switched off every row is prefilled, as rows of distinct prompts are (top-k 3: 27
+    cells, so 4,000 rows keep the total variation small)."""
+    monkeypatch.setattr("specdec.decoder.shared_prefill", lambda decoder, prompt: prompt)
+    target, _ = tiny_models
+    new = sample(tiny_models, drafter, params, "dynamic", 4_000).sequences[:, PROMPT.shape[1]:]
     assert_same_distribution(joint_counts(new, TINY_VOCAB), exact_three_token_joint(target, PROMPT, params))
 
 
