@@ -27,7 +27,7 @@ def shared_prefill(decoder, prompt):
     """``prompt`` (a validated :class:`~specdec.request.Prompt` of ``decoder``'s target) continued
     from one prefill of each distinct row where rows repeat, else unchanged."""
     cache = decoder.cache
-    if (prompt.prefix is not None or present_inputs(prompt.spec.user_inputs) or cache.static
+    if (prompt.rows.shape[0] == 1 or prompt.prefix is not None or present_inputs(prompt.spec.user_inputs) or cache.static
             or cache.engine == "llama_cpp" or decoder.ranks is not None or int(prompt.lengths.min()) < 2):
         return prompt
     batch, width = prompt.rows.shape
