@@ -4,6 +4,7 @@ and its behaviour inside the loop (exactness unchanged; skipping when drafting c
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -149,6 +150,30 @@ def test_calibration_stops_at_its_budget_after_one_round_and_says_so(capsys, mon
     assert "1 of 3 rounds kept" in rounds[-1] and bool((model.seconds > 0).all())
     costs.calibrate(target, torch.arange(5, 20))  # the default budget: every round on a tiny model
     assert "rounds kept" not in rounds[-1]
+
+
+def test_calibration_keeps_each_widths_fastest_round():
+    """Another process slowed the 16-token forward in two rounds of three: the median kept a slowed
+    one, and the policy then priced that width (and the widths interpolated from it) far above its
+    cost for the life of the process, avoiding exactly the width whose price it never saw again."""
+    from specdec.policy import costs
+
+    class SlowedKV:  # a cache backend whose forwards take a set time: 1 ms a token; two 16-token ones 20 ms
+        sixteens, cache = 0, None
+
+        def padded_width(self, width, first):
+            return width
+
+        def forward(self, model, kwargs, first_slot, width, **_):
+            if width == 16:
+                self.sixteens += 1
+            time.sleep(0.02 if width == 16 and self.sixteens <= 2 else 1e-3 * width)
+
+        def crop(self, *_):
+            pass
+
+    seconds = costs._time_widths(None, SlowedKV(), "past_key_values", torch.arange(8), 3, (1, 2, 4, 16), 60.0)
+    assert seconds[3] < 0.019  # the unslowed round: about 16 ms
 
 
 def test_calibration_times_a_short_context_and_longer_ones_learn_from_observed_forwards():
