@@ -138,7 +138,7 @@ def miscompiled(model) -> bool:
 
 
 def checked(model, key: tuple) -> bool:
-    """Whether ``model``'s compiled graph for ``key`` (width, cache length) was checked already."""
+    """Whether ``model``'s compiled graph for ``key`` (width, cache length, rows) was checked already."""
     plan = planned(model)
     return plan is not None and key in plan.checked
 
@@ -188,14 +188,14 @@ def say(message: str) -> None:
 
 @contextmanager
 def compiling(model, key: tuple):
-    """Around the first compiled forward of ``model`` for ``key`` (width, cache length), which
+    """Around the first compiled forward of ``model`` for ``key`` (width, cache length, rows), which
     compiles its graph (or finds it in inductor's disk cache): says so on stderr, once per model
     class and key in the process, and puts its seconds on this thread's compile clock."""
     note = (type(model).__name__, *key)
     if note not in _ANNOUNCED:
         _ANNOUNCED.add(note)
-        say(f"compiling {note[0]}'s forward of {key[0]} token(s) on a cache of {key[1]} slots (once per "
-            "process; minutes on a small CPU, less from inductor's disk cache; SpecDecoder.warmup() does it "
+        say(f"compiling {note[0]}'s forward of {key[0]} token(s) on a cache of {key[1]} slots for {key[2]} row(s) "
+            "(once per process; minutes on a small CPU, less from inductor's disk cache; SpecDecoder.warmup() does it "
             "ahead of time) ...")
     started = time.perf_counter()
     try:

@@ -90,19 +90,21 @@ class StaticKV:
         if self.compiled is None or first or fed not in self.settings.widths or hidden_layers:
             return self.chain(kwargs, direct=direct, hidden_layers=hidden_layers)
         kwargs.pop("logits_to_keep", None)  # an int argument would compile one graph per value
-        if checked(model, (fed, self.length)):
+        graph = (fed, self.length, kwargs["input_ids"].shape[0])  # a graph per width, cache length and rows
+        if checked(model, graph):
             return run_compiled(self.compiled, model, kwargs, width)  # [B, width, V]
-        with compiling(model, (fed, self.length)):  # the first use compiles: said, and timed apart
+        with compiling(model, graph):  # the first use compiles: said, and timed apart
             logits = run_compiled(self.compiled, model, kwargs, width)
-            return self._check(model, kwargs, first_slot, fed, logits)
+            return self._check(model, kwargs, first_slot, graph, logits)
 
-    def _check(self, model, kwargs: dict, first_slot: int, fed: int, logits: torch.Tensor) -> torch.Tensor:
-        """The first compiled forward of each width is run eagerly too (same slots, same inputs,
-        :func:`specdec.compiled.agrees`); a model that disagrees runs eagerly from then on."""
+    def _check(self, model, kwargs: dict, first_slot: int, graph: tuple, logits: torch.Tensor) -> torch.Tensor:
+        """The first compiled forward of each ``graph`` (width, cache length, rows) is run eagerly
+        too (same slots, same inputs, :func:`specdec.compiled.agrees`); a model that disagrees runs
+        eagerly from then on."""
         for layer in self.cache.layers:
             layer.cumulative_length.fill_(first_slot)
         eager = model.forward(**kwargs).logits[:, : logits.shape[1]]  # [B, width, V]
-        if agrees(model, (fed, self.length), logits, eager):
+        if agrees(model, graph, logits, eager):
             return logits
         self.compiled = None
         warnings.warn(f"torch.compile gave {type(model).__name__} outputs that disagree with its eager forward; "

@@ -126,6 +126,26 @@ def test_no_graph_compiles_after_warmup(pairs, drafter):
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+def test_a_graph_compiled_for_another_batch_size_is_reported_and_checked():
+    """torch.compile makes a graph per batch size too: a call whose rows compile new graphs says so
+    (compile_seconds, apart from decoding) and checks them against the eager forward, as for a new
+    width; the graphs were taken for checked where another batch size had been."""
+    from specdec.model_plan import plan_of
+    from specdec.tiny import tiny_random
+
+    target, _ = tiny_random("llama", seed=7)
+    decoder = SpecDecoder(target, "prompt_lookup", cache_implementation="static", compile=FAST_COMPILE,
+                          num_tokens=1, schedule="fixed")
+    ids = repetitive_prompt(6, seed=1)
+    seconds = []
+    for rows in (1, 2, 2):
+        out = decoder.generate(ids.repeat(rows, 1), max_new_tokens=6)
+        assert torch.equal(out.sequences, greedy(target, ids.repeat(rows, 1), 6))
+        seconds.append(out.stats.compile_seconds)
+    assert seconds[0] > 0 and seconds[1] > 0 and seconds[2] == 0.0
+    assert {graph[2] for graph in plan_of(target).checked} == {1, 2}
+
+
 def test_warmup_compiles_the_widths_a_call_can_feed():
     """A fixed schedule of 3 drafts feeds at most 4 tokens a step: its warm-up compiles widths 1,
     2 and 4, not 8 and 16, and a call whose grammar forces long runs of tokens (drafts the
@@ -143,7 +163,7 @@ def test_warmup_compiles_the_widths_a_call_can_feed():
         decoder = SpecDecoder(target, draft, tokenizer=tokenizer, cache_implementation="static",
                               compile=FAST_COMPILE, **options)
         assert decoder.warmup(max_length=100) > 0
-        assert {width for width, _ in planned(target).checked} == widths, options
+        assert {width for width, *_ in planned(target).checked} == widths, options
     ids = tokenizer("say abababab", return_tensors="pt").input_ids
     decoder = SpecDecoder(target, "prompt_lookup", tokenizer=tokenizer, cache_implementation="static",
                           compile=FAST_COMPILE, schedule="fixed", num_tokens=3)
@@ -152,7 +172,7 @@ def test_warmup_compiles_the_widths_a_call_can_feed():
     out = decoder.generate(ids, max_new_tokens=40, grammar=Grammar.regex("(abcdefgh){6}"))
     assert tokenizer.decode(out.sequences[0, ids.shape[1]:]) == "abcdefgh" * 5
     assert out.stats.grammar_drafts > 20 and out.stats.steps < 5  # forced runs verified whole
-    assert {width for width, _ in planned(target).checked} == {1, 2, 4}
+    assert {width for width, *_ in planned(target).checked} == {1, 2, 4}
     assert counters["stats"]["unique_graphs"] == graphs
 
 
