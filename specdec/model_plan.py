@@ -67,7 +67,7 @@ class ModelPlan:
             self.head: Any = UNDECIDED  # the engine's FastHead, or None: the model's own output layer
             self.packed: Any = None  # the engine's PackedLinears (made at the first forward that asks)
             self.compiled: dict[tuple, Any] = {}  # (class, options) -> compiled forward, for an owned model
-            self.checked: set[tuple] = set()  # (width, cache length) graphs that agreed with eager forwards
+            self.checked: set[tuple] = set()  # (width, cache length, rows) graphs that agreed with eager forwards
             self.miscompiled = False  # a compiled forward disagreed once: never compiled again
             self.costs: dict[tuple, Any] = {}  # cost key -> the policy's CostModel
             self.drafting_share: float | None = None  # as an assistant: drafting cost / target step
