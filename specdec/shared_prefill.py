@@ -13,7 +13,8 @@ Exact as a prefill of every row: each row's cache holds what a prefill of its pr
 forward over fewer rows may round the last bits apart, as any other batch shape does), and from
 the first step on every row draws, drafts and stops on its own. Not done where it cannot be: no
 row repeats another, a row of one token, model inputs (media, type ids), a prefix given, a static
-cache, ``engine="llama_cpp"``, a sharded target, a cache that cannot gather rows.
+cache, ``engine="llama_cpp"``, a sharded target, a cache that cannot gather rows, a generator that
+reads the target's hidden states (``eagle3``, ``mtp``: the prefill's states are its first drafts').
 """
 
 from __future__ import annotations
@@ -26,9 +27,7 @@ from .multimodal import present_inputs
 def shared_prefill(decoder, prompt):
     """``prompt`` (a validated :class:`~specdec.request.Prompt` of ``decoder``'s target) continued
     from one prefill of each distinct row where rows repeat, else unchanged."""
-    cache = decoder.cache
-    if (prompt.rows.shape[0] == 1 or prompt.prefix is not None or present_inputs(prompt.spec.user_inputs) or cache.static
-            or cache.engine == "llama_cpp" or decoder.ranks is not None or int(prompt.lengths.min()) < 2):
+    if not _may_share(decoder, prompt):
         return prompt
     batch, width = prompt.rows.shape
     inside = torch.arange(width, device=prompt.rows.device)[None, :] < prompt.lengths[:, None]
@@ -41,3 +40,12 @@ def shared_prefill(decoder, prompt):
     head = decoder._prompt(prompt.input_ids[first, :-1], prompt.mask()[first, :-1], {}, None)
     prefix = decoder._prefilled(head).rows(copy_of)
     return prompt if prefix is None else decoder._prompt(prompt.input_ids, prompt.mask(), {}, prefix)
+
+
+def _may_share(decoder, prompt) -> bool:
+    """Whether ``prompt``'s rows could continue from a shared prefill (before looking for repeats)."""
+    cache = decoder.cache
+    return not (prompt.rows.shape[0] == 1 or prompt.prefix is not None or int(prompt.lengths.min()) < 2
+                or present_inputs(prompt.spec.user_inputs) or cache.static or cache.engine == "llama_cpp"
+                or decoder.ranks is not None
+                or decoder.candidate_generator.drafting().hidden_layers)  # a head would miss the prompt's states

@@ -167,6 +167,36 @@ def test_rows_a_caller_repeated_are_prefilled_once_and_equal_generate(llama):
         assert prefill(recorder.calls[0]["batch"], recorder.calls[0]["tokens"])
 
 
+def test_a_generator_reading_the_targets_hidden_states_gets_every_rows_prefill(llama):
+    """A head (eagle3, mtp) drafts from the hidden states of the prompt's prefill: rows that
+    repeat a prompt are all prefilled for it, and it hears every prompt position."""
+    from specdec.generators import CandidateGenerator, DraftingInfo, Proposal
+
+    heard = []
+
+    class ReadsStates(CandidateGenerator):
+        name = "reads_states"
+
+        def drafting(self):
+            return DraftingInfo(max_drafts=None, hidden_layers=(1,))
+
+        def propose(self, ctx, max_drafts):
+            return Proposal.empty(ctx.batch_size)
+
+        def observe(self, ctx, feedback):
+            heard.append(feedback.hidden)
+
+    target, _, ids, mask = llama
+    recorder = ForwardRecorder(target)
+    try:
+        out = SpecDecoder(target, ReadsStates()).generate(ids, mask, max_new_tokens=4, num_return_sequences=2,
+                                                          do_sample=True)
+    finally:
+        recorder.remove()
+    assert out.sequences.shape[0] == 4 and recorder.calls[0]["batch"] == 4
+    assert heard and heard[0] is not None
+
+
 def test_a_static_cache_and_one_token_prompts_prefill_every_row(llama):
     """Where the cache cannot be shared (a static cache) or there is nothing before the last token,
     every row is prefilled, as generate() does; the output is the same either way."""
