@@ -128,8 +128,9 @@ class DraftModelGenerator(LowPrecisionDraft, CandidateGenerator):
                          confidence=torch.cat(confidence, dim=1))
         if not self.tree or not bool((max_drafts.to(chain.lengths.device) > chain.lengths).any()):
             return chain  # no row has room for an alternative: nothing to price
-        return with_siblings(chain, depths, max_drafts, self.tree_width, ctx.generator if ctx.sampling.do_sample else None,
-                             prices=ctx.node_prices(chain.confidence))
+        sampled = bool(ctx.sampling.do_sample)
+        return with_siblings(chain, depths, max_drafts, self.tree_width, ctx.generator if sampled else None,
+                             prices=ctx.node_prices(chain.confidence), sampled=sampled)
 
     def observe(self, ctx: DecodeContext, feedback: Feedback) -> None:
         self.schedule.update(feedback)
@@ -139,14 +140,16 @@ class DraftModelGenerator(LowPrecisionDraft, CandidateGenerator):
 
 
 def with_siblings(chain: Proposal, depths: list[torch.Tensor], budget: torch.Tensor, width: int,
-                  generator: torch.Generator | None, prices: torch.Tensor | None = None) -> Proposal:
+                  generator: torch.Generator | None, prices: torch.Tensor | None = None,
+                  sampled: bool = False) -> Proposal:
     """A chain and, at each depth d, what the draft gave there (``depths[d] [B, V]``: its processed
     scores under greedy decoding, its distribution ``chain.probs[:, d]`` when sampling) -> the chain
     with up to ``width - 1`` alternatives at each of its depths, as one token tree within ``budget
     [B]`` nodes a row. Each alternative is a leaf, a child of the chain's node before it, valued by
     the draft's own chance that the target takes it: the chain's probability of reaching its depth
     times the alternative's probability (greedy: the next-best tokens by the draft's scores);
-    sampling (``generator`` given): drawn without replacement from the draft's distribution without
+    sampling (``sampled``, or a ``generator`` given; ``generator`` None draws from torch's global
+    one, as the sampling does): drawn without replacement from the draft's distribution without
     the chain's token, each with the distribution it was drawn from (``probs``), so recursive
     rejection verifies it exactly (docs/trees.md), and valued before it is drawn (the chance that
     the chain's token is wrong times that of two draws from what is left agreeing). A row takes its
@@ -165,7 +168,8 @@ def with_siblings(chain: Proposal, depths: list[torch.Tensor], budget: torch.Ten
         room = room.clamp_max(prices.numel())
     if not bool((room > 0).any()):
         return chain
-    tokens, value, drawn = _alternatives(chain, depths, confidence, width - 1, generator)
+    sampled = sampled or generator is not None
+    tokens, value, drawn = _alternatives(chain, depths, confidence, width - 1, generator, sampled)
     chosen = _best_in_draw_order(reach[:, :, None] * value, room, prices)
     return _as_tree(chain, chosen.flatten(1), tokens.flatten(1), None if drawn is None else drawn.flatten(1, 2),
                     width - 1)
@@ -200,7 +204,8 @@ def _best_in_draw_order(value: torch.Tensor, room: torch.Tensor, prices: torch.T
 
 
 def _alternatives(chain: Proposal, depths: list[torch.Tensor], confidence: torch.Tensor, others: int,
-                  generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                  generator: torch.Generator | None, sampled: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """:func:`with_siblings`' candidates: ``others`` alternatives at each depth of the chain ->
     their tokens and values ``[B, n, others]`` (0: none there), and when sampling the distribution
     each was drawn from ``[B, n, others, V]``."""
@@ -210,7 +215,7 @@ def _alternatives(chain: Proposal, depths: list[torch.Tensor], confidence: torch
     value = torch.zeros(batch, n, others, device=device)
     drawn = []
     for d, scores in enumerate(depths):
-        if generator is None:  # the next-best tokens, each valued by the draft's probability of it
+        if not sampled:  # the next-best tokens, each valued by the draft's probability of it
             top = scores.topk(others + 1, dim=-1)  # the chain's token first: its argmax, of probability c
             p = torch.exp(top.values[:, 1:] - top.values[:, :1]) * confidence[:, d: d + 1]  # [B, others], no softmax
             tokens[:, d], value[:, d] = top.indices[:, 1:], torch.where(top.values[:, 1:].isfinite(), p, 0)

@@ -14,11 +14,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from candidate_generators.draft_model import with_siblings
+from candidate_generators.draft_model import DraftModelGenerator, with_siblings
+from specdec import SpecDecoder
 from specdec.generators import Proposal
+from specdec.sampling import SamplingParams
 from specdec.verify import tree_speculative_sample
 
-from test_sampling_lossless import assert_same_distribution
+from test_sampling_lossless import (PROMPT, TINY_VOCAB, assert_same_distribution, exact_three_token_joint,
+                                    joint_counts, tiny_vocab_llama)
 
 ROWS = 100_000
 #: (target P, draft q): the first step of a gemma2 case where the bias was found, and a draft far
@@ -53,3 +56,17 @@ def test_alternatives_within_less_room_than_drawn_keep_the_target_distribution(p
     target, draft = (torch.tensor(p) / sum(p) for p in PAIRS[pair])
     first = first_committed(target, draft, width, budget, seed=width * 10 + budget)
     assert_same_distribution(torch.bincount(first, minlength=target.numel())[None], target[None])
+
+
+def test_a_draft_models_tree_samples_the_target_distribution_without_a_torch_generator():
+    """A sampled call without ``generator=`` draws from torch's global generator: draft_model's trees
+    took the missing generator for greedy decoding (their next-best tokens as alternatives, with the
+    sampled chain's ``probs``) and crashed."""
+    target, params, rows = tiny_vocab_llama(0), SamplingParams(True, 0.8, top_k=6), 20_000
+    decoder = SpecDecoder(target, DraftModelGenerator(tiny_vocab_llama(3), tree=True, schedule="fixed", num_tokens=1))
+    torch.manual_seed(3)
+    out = decoder.generate(PROMPT.repeat(rows, 1), max_new_tokens=3, do_sample=True, temperature=params.temperature,
+                           top_k=params.top_k)
+    assert out.stats.tree_steps > 0 and out.stats.tree_nodes > out.stats.tree_depth
+    assert_same_distribution(joint_counts(out.sequences[:, PROMPT.shape[1]:], TINY_VOCAB),
+                             exact_three_token_joint(target, PROMPT, params))
