@@ -135,9 +135,9 @@ class SpecDecoder:
             width = check_prompt(input_ids, None)[0].shape[1]
             config = resolve_config(self.target, generation_config, settings, width)
             if config.num_return_sequences and config.num_return_sequences > 1:  # rows repeated, as generate() does
-                input_ids, attention_mask = repeated_prompt(config.num_return_sequences, input_ids, attention_mask,
-                                                            model_inputs, prefix)
-                grammar = grammars_per_row(grammar, config.num_return_sequences)
+                input_ids, attention_mask = repeated_prompt(self.target, config.num_return_sequences, input_ids,
+                                                            attention_mask, model_inputs, prefix)
+                grammar = grammars_per_row(grammar, config.num_return_sequences, input_ids.shape[0])
             prompt = self._prompt(input_ids, attention_mask, model_inputs, prefix, config=config)
             prompt = shared_prefill(self, prompt)  # rows that repeat a prompt: prefilled once
             check_generation_config(config)

@@ -194,7 +194,7 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
         call = resolved(generation_config, input_ids.shape[1], max_length, eos)
         call.stop_strings = None  # generate()'s StopStringCriteria is among the criteria
         if grammar is not None:  # generate() repeated each prompt's rows for num_return_sequences: so are its grammars
-            grammar = grammars_per_row(grammar, generation_config.num_return_sequences or 1)
+            grammar = grammars_per_row(grammar, generation_config.num_return_sequences or 1, input_ids.shape[0])
             logits_processor = with_user_processor(logits_processor, decoder.constraint(grammar, call.eos))
         out = decoder.run(prompt, call, logits_processor, criteria, streamer=streamer, generator=generator,
                           stream_prompt=False, coordinator=coordinator, generator_options=options)

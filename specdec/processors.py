@@ -154,7 +154,10 @@ def _no_repeat(processor: lp.NoRepeatNGramLogitsProcessor, scores: torch.Tensor,
 def _encoder_repetition(processor: lp.EncoderRepetitionPenaltyLogitsProcessor, scores: torch.Tensor,
                         pos: Positions) -> torch.Tensor:
     batch, j, vocab = scores.shape
-    encoder = processor.encoder_input_ids.to(scores.device)[pos.rows].repeat_interleave(j, dim=0)  # [B*J, P]
+    encoder = processor.encoder_input_ids.to(scores.device)
+    if pos.batch > encoder.shape[0]:  # generate() built it before repeating each prompt's rows (num_return_sequences)
+        encoder = encoder.repeat_interleave(pos.batch // encoder.shape[0], dim=0)
+    encoder = encoder[pos.rows].repeat_interleave(j, dim=0)  # [B*J, P]
     flat = scores.reshape(batch * j, vocab)
     score = torch.gather(flat, 1, encoder)
     score = torch.where(score < 0, score * processor.penalty, score / processor.penalty)

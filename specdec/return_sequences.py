@@ -21,10 +21,10 @@ from typing import Any
 import torch
 
 from .call_inputs import NO_EFFECT
-from .multimodal import present_inputs
+from .multimodal import present_inputs, rope_index_function
 
 
-def repeated_prompt(copies: int, input_ids: torch.Tensor, attention_mask, model_inputs: dict[str, Any],
+def repeated_prompt(target, copies: int, input_ids: torch.Tensor, attention_mask, model_inputs: dict[str, Any],
                     prefix=None) -> tuple[torch.Tensor, Any]:
     """``(input_ids, attention_mask)`` with each row repeated ``copies`` times in place (a mask that
     is not a tensor is left for the prompt's checks to refuse); ValueError for what cannot be
@@ -33,10 +33,12 @@ def repeated_prompt(copies: int, input_ids: torch.Tensor, attention_mask, model_
     effective = {k: v for k, v in model_inputs.items() if k not in (*NO_EFFECT, "logits_to_keep")}
     given = sorted(present_inputs(effective))
     if given:
+        other_door = ("" if rope_index_function(target) is not None else  # custom_generate refuses its images
+                      ", or call model.generate(..., num_return_sequences=n, custom_generate=specdec.generate), "
+                      "which repeats them as generate() does")
         raise ValueError(f"num_return_sequences={copies} with model inputs {given}: SpecDecoder.generate repeats "
-                         "token ids only; repeat each prompt with its images yourself (the processor on n copies), "
-                         "or call model.generate(..., num_return_sequences=n, custom_generate=specdec.generate), "
-                         "which repeats them as generate() does")
+                         f"token ids only; repeat each prompt with its images yourself (the processor on n copies, "
+                         f"and num_return_sequences=1){other_door}")
     rows = (input_ids.shape[0] if input_ids.dim() > 1 else 1) * copies
     if prefix is not None and prefix.spec.tokens.shape[0] != rows:
         raise ValueError(f"num_return_sequences={copies}: the prefix has {prefix.spec.tokens.shape[0]} rows and "
@@ -52,10 +54,13 @@ def _repeated_rows(rows: torch.Tensor, copies: int) -> torch.Tensor:
     return (rows[None] if rows.dim() == 1 else rows).repeat_interleave(copies, dim=0)
 
 
-def grammars_per_row(grammar, copies: int):
-    """``grammar=`` for the repeated rows: a list of one grammar per prompt gives each prompt's
-    ``copies`` rows its grammar; one grammar (or a list of one) stays as it is."""
-    if isinstance(grammar, (list, tuple)) and len(grammar) > 1 and copies > 1:
+def grammars_per_row(grammar, copies: int, rows: int):
+    """``grammar=`` for the ``rows`` returned rows (``copies`` per prompt): a list of one grammar per
+    prompt gives each prompt's rows its grammar; one per returned row, one grammar, or a list of
+    one stays as it is; any other length is refused, counted in prompts and rows."""
+    if not isinstance(grammar, (list, tuple)) or len(grammar) <= 1 or copies == 1 or len(grammar) == rows:
+        return grammar
+    if len(grammar) * copies == rows:
         return [g for g in grammar for _ in range(copies)]
-    return grammar
-
+    raise ValueError(f"{len(grammar)} grammars for {rows // copies} prompts of {copies} sequences each: pass one "
+                     f"grammar, a list of one per prompt ({rows // copies}) or one per returned row ({rows})")

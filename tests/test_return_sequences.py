@@ -120,6 +120,11 @@ def test_what_cannot_be_repeated_is_refused_before_any_forward(llama):
         with pytest.raises(ValueError, match="pixel_values.*custom_generate"):
             SpecDecoder(vlm, "prompt_lookup").generate(image_ids, **image_inputs, max_new_tokens=4,
                                                        num_return_sequences=2, do_sample=True)
+        qwen_ids, qwen_inputs = image_prompt("qwen2_vl", 0)
+        with pytest.raises(ValueError, match=r"the processor on n copies, and num_return_sequences=1\)$"):
+            # custom_generate refuses an mRoPE target's images: the message does not send the user there
+            SpecDecoder(tiny_vlm("qwen2_vl"), "prompt_lookup").generate(qwen_ids, **qwen_inputs, max_new_tokens=4,
+                                                                        num_return_sequences=2, do_sample=True)
         with pytest.raises(ValueError, match="num_return_sequences"):  # greedy: generate() refuses it too
             decoder.generate(ids, mask, max_new_tokens=4, num_return_sequences=2, do_sample=False)
     finally:
@@ -225,6 +230,25 @@ def test_a_prefix_holding_every_returned_row_continues_as_generate(llama):
 
 
 def test_a_list_of_grammars_gives_each_prompts_rows_its_grammar():
-    assert grammars_per_row(["a", "b"], 3) == ["a", "a", "a", "b", "b", "b"]
-    assert grammars_per_row(["a"], 3) == ["a"] and grammars_per_row("a", 3) == "a"
-    assert grammars_per_row(["a", "b"], 1) == ["a", "b"]
+    assert grammars_per_row(["a", "b"], 3, 6) == ["a", "a", "a", "b", "b", "b"]  # one per prompt
+    assert grammars_per_row(list("abcdef"), 3, 6) == list("abcdef")  # one per returned row
+    assert grammars_per_row(["a"], 3, 6) == ["a"] and grammars_per_row("a", 3, 6) == "a"
+    assert grammars_per_row(["a", "b"], 1, 2) == ["a", "b"]
+    with pytest.raises(ValueError, match=r"3 grammars for 2 prompts of 3 sequences each: .* one per prompt \(2\) "
+                                         r"or one per returned row \(6\)"):
+        grammars_per_row(["a", "b", "c"], 3, 6)
+
+
+@pytest.mark.parametrize("door", ["SpecDecoder", "custom_generate"])
+def test_encoder_repetition_penalty_reads_each_rows_own_prompt(llama, door):
+    """generate() builds this processor from the prompt before repeating its rows: through
+    custom_generate it holds B rows for the run's B * n (an IndexError before)."""
+    target, _, ids, mask = llama
+    settings = dict(max_new_tokens=NEW, num_return_sequences=2, encoder_repetition_penalty=1.5, **ARGMAX)
+    want = target.generate(ids, attention_mask=mask, **settings)
+    if door == "SpecDecoder":
+        got = SpecDecoder(target, "prompt_lookup").generate(ids, mask, **settings).sequences
+    else:
+        got = target.generate(ids, attention_mask=mask, **settings, custom_generate=specdec.generate,
+                              draft="prompt_lookup")
+    assert torch.equal(got, want)
