@@ -44,6 +44,7 @@ import inspect
 import os
 import sys
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from typing import Any
@@ -169,6 +170,7 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
     ``target_tokenizer``); ``draft_call_options`` the generator's options for this call alone
     (``CandidateGenerator.call_options``, e.g. ``{"memory_scope": "alice"}`` for ``suffix``).
     Returns what ``generate()`` returns."""
+    started = time.perf_counter()  # the call's time includes a shared prefill (specdec/shared_prefill.py)
     called = _generate_arguments()  # what transformers 5.25 leaves out of a custom_generate callable's arguments
     streamer = streamer if streamer is not None else called.get("streamer")
     synced_gpus = synced_gpus or bool(called.get("synced_gpus"))
@@ -197,7 +199,7 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
             grammar = grammars_per_row(grammar, generation_config.num_return_sequences or 1, input_ids.shape[0])
             logits_processor = with_user_processor(logits_processor, decoder.constraint(grammar, call.eos))
         out = decoder.run(prompt, call, logits_processor, criteria, streamer=streamer, generator=generator,
-                          stream_prompt=False, coordinator=coordinator, generator_options=options)
+                          stream_prompt=False, started=started, coordinator=coordinator, generator_options=options)
         return out if call.return_dict else out.sequences
 
 

@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -151,6 +153,27 @@ def test_the_target_prefills_each_prompt_once_not_once_per_sequence(llama, door)
     shapes = [(call["batch"], call["tokens"]) for call in recorder.calls]
     assert shapes[0] == (2, ids.shape[1] - 1)
     assert all(batch == 6 and tokens < 8 for batch, tokens in shapes[1:]), shapes
+
+
+@pytest.mark.parametrize("door", ["SpecDecoder", "custom_generate"])
+def test_the_calls_time_includes_the_shared_prefill(llama, door, monkeypatch):
+    """stats.total_seconds (and tokens/s) count the shared prefill, which runs before the decode
+    loop: through custom_generate the clock started after it."""
+    target, _, ids, mask = llama
+    real = SpecDecoder._prefilled
+
+    def slow(self, prompt):
+        time.sleep(0.3)
+        return real(self, prompt)
+
+    monkeypatch.setattr(SpecDecoder, "_prefilled", slow)
+    settings = dict(max_new_tokens=2, num_return_sequences=2, do_sample=True)
+    if door == "SpecDecoder":
+        stats = SpecDecoder(target, "prompt_lookup").generate(ids, mask, **settings).stats
+    else:
+        stats = target.generate(ids, attention_mask=mask, **settings, custom_generate=specdec.generate,
+                                draft="prompt_lookup", return_dict_in_generate=True).stats
+    assert stats.total_seconds >= 0.3
 
 
 def test_rows_a_caller_repeated_are_prefilled_once_and_equal_generate(llama):
