@@ -1,6 +1,6 @@
 """Several sampled sequences per prompt (``num_return_sequences``) on SmolLM2-135M: ``target.generate``
 against ``SpecDecoder(target, draft)``, whose target prefills each prompt once, and against the same
-decoder prefilling every row as ``generate()`` does (the ablation: ``shared_prefill`` switched off).
+decoder prefilling every row as ``generate()`` does (the ablation: ``shared_prefix`` switched off).
 
     python benchmarks/several_sequences.py [--draft prompt_lookup] [--n 4] [--max-new-tokens 96] [--rounds 2]
 
@@ -46,7 +46,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    import specdec.decoder
+    import specdec.run
     from specdec import SpecDecoder, load_model
     from specdec.machine import describe
     from specdec.modelinfo import token_id_list
@@ -58,7 +58,7 @@ def main() -> None:
                                      [args.question]["turns"][0]}]) for c in CATEGORIES}
     eos = set(token_id_list(target.generation_config.eos_token_id))
     decoder = SpecDecoder(target, args.draft, tokenizer=tok)
-    shared = specdec.decoder.shared_prefill
+    shared = specdec.run.shared_prefix
     settings = dict(max_new_tokens=args.max_new_tokens, do_sample=True, temperature=args.temperature,
                     num_return_sequences=args.n)
 
@@ -67,7 +67,7 @@ def main() -> None:
         if method == "generate":
             return target.generate(ids, **settings)
         # the ablation prefills every row, as generate() does
-        specdec.decoder.shared_prefill = shared if method == "specdec" else (lambda _, prompt: prompt)
+        specdec.run.shared_prefix = shared if method == "specdec" else (lambda *args: None)
         return decoder.generate(ids, **settings, generator=torch.Generator().manual_seed(seed)).sequences
 
     decoder.generate(prompts[CATEGORIES[0]], max_new_tokens=4)  # one-time work (calibration) untimed
@@ -81,7 +81,7 @@ def main() -> None:
                 rows.append({"round": round_, "category": category, "prompt_tokens": ids.shape[1], "method": method,
                              "seconds": seconds, "new_tokens": new_tokens(sequences, ids.shape[1], eos)})
                 print(json.dumps(rows[-1]), flush=True)
-    specdec.decoder.shared_prefill = shared
+    specdec.run.shared_prefix = shared
     write(args, rows, describe())
 
 

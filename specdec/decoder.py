@@ -46,7 +46,7 @@ from .registry import resolve_draft
 from .request import CallSettings, Prompt
 from .return_sequences import grammars_per_row, repeated_prompt
 from .run import DecodeRun
-from .shared_prefill import shared_prefill
+from .shared_prefill import prefilled
 from .sampling import SamplingParams
 from .state import ModelState, cache_problem
 from .stopping import Stopper
@@ -114,8 +114,8 @@ class SpecDecoder:
         at every verified position; ``num_return_sequences=n`` (sampling) returns ``n`` rows per
         prompt, each prompt's together, as ``generate()`` does (``specdec/return_sequences.py``);
         what cannot be reproduced (beam search, ...) is refused by name before any forward. An
-        explicit ``eos_token_id=None`` means "no EOS" and ``[]`` an EOS criterion of no ids (finished rows padded), as in
-        ``transformers``. ``tokenizer`` (as ``generate()``'s) reads the stop strings, else the
+        explicit ``eos_token_id=None`` means "no EOS" and ``[]`` an EOS criterion of no ids
+        (finished rows padded), as in ``transformers``. ``tokenizer`` (as ``generate()``'s) reads the stop strings, else the
         decoder's does. Other keyword arguments go to the model (specdec/call_inputs.py: prefill-only
         inputs such as pixel values and grids; ``generate()``'s per-step ones dropped or refused),
         except the candidate generator's own per-call options
@@ -139,7 +139,6 @@ class SpecDecoder:
                                                             attention_mask, model_inputs, prefix)
                 grammar = grammars_per_row(grammar, config.num_return_sequences, input_ids.shape[0])
             prompt = self._prompt(input_ids, attention_mask, model_inputs, prefix, config=config)
-            prompt = shared_prefill(self, prompt)  # rows that repeat a prompt: prefilled once
             check_generation_config(config)
             call = resolved(config, prompt.input_ids.shape[1])
             if grammar is not None:  # placed as a user's processor: after the config's, before the warpers
@@ -318,17 +317,7 @@ class SpecDecoder:
                 coordinator.given(call_fingerprint(prompt.input_ids, prompt.mask(), "prefill",
                                                    model_inputs=prompt.spec.user_inputs))
             coordinator.together(lambda: None)
-            return self._prefilled(prompt)
-
-    def _prefilled(self, prompt: Prompt) -> Prefix:
-        """The target's forward over a validated ``prompt``, kept as a :class:`Prefix`."""
-        prefill, positions = prompt.spec.for_model(self.target)
-        state = ModelState(self.target, prompt.rows, prompt.lengths, pad_token_id=pad_token_id(self.target),
-                           prefill_inputs=prefill, positions=positions, kv=self.cache)
-        with torch.no_grad():
-            state.forward(start=prompt.lengths - 1)
-        return Prefix(self.target, prompt.spec, state.offsets.clone(), state.cached_slots, state.cache,
-                      state.positions)
+            return prefilled(self.target, prompt.spec, pad_token_id(self.target), self.cache)
 
     def _prompt(self, input_ids, attention_mask, model_inputs: dict, prefix: Prefix | None,
                 prepared: bool = False, config=None) -> Prompt:

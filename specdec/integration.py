@@ -59,7 +59,6 @@ from .generators import CandidateGenerator
 from .names import did_you_mean
 from .processors import with_user_processor
 from .return_sequences import grammars_per_row
-from .shared_prefill import shared_prefill
 from .validation import check_generation_config
 
 #: drafters kept per target model, the most recently used first: a call with another draft name,
@@ -170,7 +169,7 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
     ``target_tokenizer``); ``draft_call_options`` the generator's options for this call alone
     (``CandidateGenerator.call_options``, e.g. ``{"memory_scope": "alice"}`` for ``suffix``).
     Returns what ``generate()`` returns."""
-    started = time.perf_counter()  # the call's time includes a shared prefill (specdec/shared_prefill.py)
+    started = time.perf_counter()  # the call's time, its argument checks included (as SpecDecoder.generate's)
     called = _generate_arguments()  # what transformers 5.25 leaves out of a custom_generate callable's arguments
     streamer = streamer if streamer is not None else called.get("streamer")
     synced_gpus = synced_gpus or bool(called.get("synced_gpus"))
@@ -191,7 +190,6 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
             raise TypeError(f"draft_call_options {unknown}: the candidate generator takes "
                             f"{list(decoder.candidate_generator.call_options)} per call")
         prompt = decoder._prompt(input_ids, model_kwargs.get("attention_mask"), model_kwargs, None, prepared=True)
-        prompt = shared_prefill(decoder, prompt)  # rows that repeat a prompt (num_return_sequences): prefilled once
         max_length, eos, criteria = _split_criteria(stopping_criteria)
         call = resolved(generation_config, input_ids.shape[1], max_length, eos)
         call.stop_strings = None  # generate()'s StopStringCriteria is among the criteria

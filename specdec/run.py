@@ -67,6 +67,7 @@ from .run_drafts import CATCH_UP, DraftSteps
 from .run_output import OutputSteps
 from .run_scores import ScoreSteps
 from .run_trees import TreeSteps
+from .shared_prefill import shared_prefix
 from .state import ModelState, cache_problem
 from .stopping import StreamFeed
 from .validation import check_hidden_layers
@@ -108,6 +109,10 @@ class DecodeRun(DraftSteps, TreeSteps, ScoreSteps, CommitSteps, OutputSteps):
         # validates and attaches assistants: still before any forward (every rank agrees it went well)
         self.ranks.together(lambda: self.session.setup(self.ctx))
         self.target.hidden_layers = self._hidden_layers(target)
+        # rows that repeat a prompt: its prefill once, every check passed, before the first forward
+        shared = shared_prefix(target, prompt, settings, self.target.hidden_layers)
+        if shared is not None:
+            self.target.continue_from(shared)
         self.vocab = vocab_size(target)
         self.stats = AcceptanceStats()
         if self.policy is not None:  # drafting is priced by the assistants just attached

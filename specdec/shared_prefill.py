@@ -9,6 +9,10 @@ keys and values, as from a :class:`~specdec.multimodal.Prefix`: its first step f
 token (with any drafts). The cost of the prefill then scales with the distinct prompts, not the
 rows.
 
+The run asks for it once its generator is set up and every check has passed, just before its
+first forward (``DecodeRun``): a call refused is refused before any forward, and a generator that
+learns in ``setup`` that it reads the target's hidden states is known to.
+
 Exact as a prefill of every row: each row's cache holds what a prefill of its prompt computes (a
 forward over fewer rows may round the last bits apart, as any other batch shape does), and from
 the first step on every row draws, drafts and stops on its own. Not done where it cannot be: no
@@ -21,31 +25,40 @@ from __future__ import annotations
 
 import torch
 
-from .multimodal import present_inputs
+from .distributed import SOLO
+from .multimodal import Prefix, PrefillSpec, present_inputs
+from .request import CallSettings, Prompt
+from .state import ModelState
 
 
-def shared_prefill(decoder, prompt):
-    """``prompt`` (a validated :class:`~specdec.request.Prompt` of ``decoder``'s target) continued
-    from one prefill of each distinct row where rows repeat, else unchanged."""
-    if not _may_share(decoder, prompt):
-        return prompt
+def shared_prefix(target, prompt: Prompt, settings: CallSettings, hidden_layers: tuple[int, ...]) -> Prefix | None:
+    """For every row of ``prompt`` (validated, no prefix of its own), the target's keys and values of
+    its prompt but the last token, computed once per distinct prompt; None where rows do not repeat
+    or the call cannot share (see the module doc). ``hidden_layers``: those the generator reads."""
+    cache = settings.cache
+    if (prompt.rows.shape[0] == 1 or prompt.prefix is not None or int(prompt.lengths.min()) < 2 or hidden_layers
+            or present_inputs(prompt.spec.user_inputs) or cache.static or cache.engine == "llama_cpp"
+            or settings.ranks is not SOLO):
+        return None
     batch, width = prompt.rows.shape
     inside = torch.arange(width, device=prompt.rows.device)[None, :] < prompt.lengths[:, None]
     keys = torch.cat([prompt.lengths[:, None], prompt.rows.masked_fill(~inside, -1)], 1)  # [B, 1 + P]
     distinct, copy_of = torch.unique(keys, dim=0, return_inverse=True)  # [U, 1 + P], [B]
     if distinct.shape[0] == batch:
-        return prompt
+        return None
     order = torch.arange(batch, device=keys.device)
     first = torch.full((distinct.shape[0],), batch, device=keys.device).scatter_reduce(0, copy_of, order, "amin")
-    head = decoder._prompt(prompt.input_ids[first, :-1], prompt.mask()[first, :-1], {}, None)
-    prefix = decoder._prefilled(head).rows(copy_of)
-    return prompt if prefix is None else decoder._prompt(prompt.input_ids, prompt.mask(), {}, prefix)
+    # [U, P], [U]: each distinct prompt but its last token
+    spec = PrefillSpec.from_call(prompt.rows[first], prompt.lengths[first] - 1, {})
+    return prefilled(target, spec, settings.pad, cache).rows(copy_of)
 
 
-def _may_share(decoder, prompt) -> bool:
-    """Whether ``prompt``'s rows could continue from a shared prefill (before looking for repeats)."""
-    cache = decoder.cache
-    return not (prompt.rows.shape[0] == 1 or prompt.prefix is not None or int(prompt.lengths.min()) < 2
-                or present_inputs(prompt.spec.user_inputs) or cache.static or cache.engine == "llama_cpp"
-                or decoder.ranks is not None
-                or decoder.candidate_generator.drafting().hidden_layers)  # a head would miss the prompt's states
+def prefilled(target, spec: PrefillSpec, pad: int, cache) -> Prefix:
+    """The target's forward over ``spec``'s rows (and their prefill-only inputs) on a cache of
+    ``cache``'s kind, kept as a :class:`~specdec.multimodal.Prefix`."""
+    prefill, positions = spec.for_model(target)
+    state = ModelState(target, spec.tokens, spec.lengths, pad_token_id=pad, prefill_inputs=prefill,
+                       positions=positions, kv=cache)
+    with torch.no_grad():
+        state.forward(start=spec.lengths - 1)
+    return Prefix(target, spec, state.offsets.clone(), state.cached_slots, state.cache, state.positions)

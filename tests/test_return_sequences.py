@@ -27,7 +27,7 @@ from specdec import SpecDecoder
 from specdec.return_sequences import grammars_per_row
 from specdec.sampling import SamplingParams
 
-from helpers import ForwardRecorder, left_pad, repetitive_prompt, tiny_pair
+from helpers import ForwardRecorder, RecordingStreamer, left_pad, repetitive_prompt, tiny_pair
 from test_multimodal import image_prompt, tiny_vlm
 from test_sampling_lossless import (PROMPT, TINY_VOCAB, assert_same_distribution, exact_three_token_joint,
                                     joint_counts, tiny_vocab_llama)
@@ -157,16 +157,18 @@ def test_the_target_prefills_each_prompt_once_not_once_per_sequence(llama, door)
 
 @pytest.mark.parametrize("door", ["SpecDecoder", "custom_generate"])
 def test_the_calls_time_includes_the_shared_prefill(llama, door, monkeypatch):
-    """stats.total_seconds (and tokens/s) count the shared prefill, which runs before the decode
-    loop: through custom_generate the clock started after it."""
+    """stats.total_seconds (and tokens/s) count the shared prefill, and through custom_generate
+    the call's argument checks before the run, as SpecDecoder.generate's do."""
+    import specdec.shared_prefill
+
     target, _, ids, mask = llama
-    real = SpecDecoder._prefilled
+    real = specdec.shared_prefill.prefilled
 
-    def slow(self, prompt):
+    def slow(*args):
         time.sleep(0.3)
-        return real(self, prompt)
+        return real(*args)
 
-    monkeypatch.setattr(SpecDecoder, "_prefilled", slow)
+    monkeypatch.setattr(specdec.shared_prefill, "prefilled", slow)
     settings = dict(max_new_tokens=2, num_return_sequences=2, do_sample=True)
     if door == "SpecDecoder":
         stats = SpecDecoder(target, "prompt_lookup").generate(ids, mask, **settings).stats
@@ -196,17 +198,24 @@ def test_rows_a_caller_repeated_are_prefilled_once_and_equal_generate(llama):
 
 
 def test_a_generator_reading_the_targets_hidden_states_gets_every_rows_prefill(llama):
-    """A head (eagle3, mtp) drafts from the hidden states of the prompt's prefill: rows that
-    repeat a prompt are all prefilled for it, and it hears every prompt position."""
+    """A head (eagle3, mtp) drafts from the hidden states of the prompt's prefill, and learns which
+    it reads in its setup (from the head it loads): rows that repeat a prompt are all prefilled
+    for it, and it hears every prompt position."""
     from specdec.generators import CandidateGenerator, DraftingInfo, Proposal
 
     heard = []
 
-    class ReadsStates(CandidateGenerator):
-        name = "reads_states"
+    class LearnsStates(CandidateGenerator):
+        name = "learns_states"
+
+        def __init__(self):
+            self.layers = ()
+
+        def setup(self, ctx):
+            self.layers = (1,)
 
         def drafting(self):
-            return DraftingInfo(max_drafts=None, hidden_layers=(1,))
+            return DraftingInfo(max_drafts=None, hidden_layers=self.layers)
 
         def propose(self, ctx, max_drafts):
             return Proposal.empty(ctx.batch_size)
@@ -217,12 +226,30 @@ def test_a_generator_reading_the_targets_hidden_states_gets_every_rows_prefill(l
     target, _, ids, mask = llama
     recorder = ForwardRecorder(target)
     try:
-        out = SpecDecoder(target, ReadsStates()).generate(ids, mask, max_new_tokens=4, num_return_sequences=2,
-                                                          do_sample=True)
+        out = SpecDecoder(target, LearnsStates()).generate(ids, mask, max_new_tokens=4, num_return_sequences=2,
+                                                           do_sample=True)
     finally:
         recorder.remove()
     assert out.sequences.shape[0] == 4 and recorder.calls[0]["batch"] == 4
     assert heard and heard[0] is not None
+
+
+def test_a_refused_call_with_repeated_rows_runs_no_forward(llama):
+    """The shared prefill runs once every check has passed, just before the run's first forward."""
+    target, _, ids, mask = llama
+    index = torch.tensor([0, 1, 0])
+    decoder = SpecDecoder(target, "prompt_lookup")
+    recorder = ForwardRecorder(target)
+    try:
+        for settings, problem in ((dict(num_beams=2), "num_beams"), (dict(stop_strings=["x"]), "tokenizer"),
+                                  (dict(max_length=3), "no new token"), (dict(grammar={"type": "string"}), "tokenizer"),
+                                  (dict(streamer=RecordingStreamer()), "batch size 1")):
+            with pytest.raises(ValueError, match=problem):
+                decoder.generate(ids[index], mask[index], **({} if "max_length" in settings else {"max_new_tokens": 4}),
+                                 **settings)
+    finally:
+        recorder.remove()
+    assert recorder.calls == []
 
 
 def test_a_static_cache_and_one_token_prompts_prefill_every_row(llama):

@@ -248,7 +248,7 @@ def test_every_row_prefilled_samples_the_target_distribution(tiny_models, drafte
     """The rows above repeat one prompt, which the target prefills once (specdec/shared_prefill.py);
     with that switched off every row is prefilled, as rows of distinct prompts are (top-k 3: 27
     cells, so 4,000 rows keep the total variation small)."""
-    monkeypatch.setattr("specdec.decoder.shared_prefill", lambda decoder, prompt: prompt)
+    monkeypatch.setattr("specdec.run.shared_prefix", lambda *args: None)
     target, _ = tiny_models
     new = sample(tiny_models, drafter, params, "dynamic", 4_000).sequences[:, PROMPT.shape[1]:]
     assert_same_distribution(joint_counts(new, TINY_VOCAB), exact_three_token_joint(target, PROMPT, params))
