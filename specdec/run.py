@@ -109,10 +109,7 @@ class DecodeRun(DraftSteps, TreeSteps, ScoreSteps, CommitSteps, OutputSteps):
         # validates and attaches assistants: still before any forward (every rank agrees it went well)
         self.ranks.together(lambda: self.session.setup(self.ctx))
         self.target.hidden_layers = self._hidden_layers(target)
-        # rows that repeat a prompt: its prefill once, every check passed, before the first forward
-        shared = shared_prefix(target, prompt, settings, self.target.hidden_layers)
-        if shared is not None:
-            self.target.continue_from(shared)
+        self._share_prefill(target, prompt)
         self.vocab = vocab_size(target)
         self.stats = AcceptanceStats()
         if self.policy is not None:  # drafting is priced by the assistants just attached
@@ -128,6 +125,13 @@ class DecodeRun(DraftSteps, TreeSteps, ScoreSteps, CommitSteps, OutputSteps):
         self.recorder = ScoreRecorder(prompt.rows.shape[0], settings.output_scores, settings.output_logits)
         self._tree_engine = None  # the engine that runs tree forwards (CPU or eager), made at the first tree
         self._tree_refusal: str | None = None  # why this call verifies trees as chains (None: it does not)
+
+    def _share_prefill(self, target, prompt: Prompt) -> None:
+        """Rows that repeat a prompt continue from one prefill of it (``specdec/shared_prefill.py``):
+        once the generator is set up and every check has passed, before the first forward."""
+        shared = shared_prefix(target, prompt, self.settings, self.target.hidden_layers)
+        if shared is not None:
+            self.target.continue_from(shared)
 
     def _hidden_layers(self, target) -> tuple[int, ...]:
         """The target's hidden states the generator reads, checked, read after its ``setup`` (a
