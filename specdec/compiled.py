@@ -194,9 +194,9 @@ def compiling(model, key: tuple):
     note = (type(model).__name__, *key)
     if note not in _ANNOUNCED:
         _ANNOUNCED.add(note)
-        say(f"compiling {note[0]}'s forward of {key[0]} token(s) on a cache of {key[1]} slots for {key[2]} row(s) "
-            "(once per process; minutes on a small CPU, less from inductor's disk cache; SpecDecoder.warmup() does it "
-            "ahead of time) ...")
+        say(f"compiling {note[0]}'s forward of {key[0]} token(s) on a cache of {key[1]} slots for {key[2]} "
+            "row(s) (once per process; minutes on a small CPU, less from inductor's disk cache; "
+            "SpecDecoder.warmup() does it ahead of time) ...")
     started = time.perf_counter()
     try:
         with one_time():

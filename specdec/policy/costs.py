@@ -260,8 +260,8 @@ def _time_widths(model, kv, cache_kwarg: str, context: torch.Tensor, reps: int, 
     """The fastest seconds of a forward of each of ``counts`` tokens after ``context [L]`` is cached
     in ``kv``. Every round times each count in turn, so a change of the machine's load skews no count
     alone; the fastest round of each count drops the rounds another process slowed (a width priced
-    too high is one the policy avoids, so no later forward would correct it). No round starts once ``budget`` seconds have passed since the first
-    forward: the rounds timed so far decide."""
+    too high is one the policy avoids, so no later forward would correct it). No round starts once
+    ``budget`` seconds have passed since the first forward: the rounds timed so far decide."""
 
     def forward(ids: torch.Tensor, first_slot: int) -> None:
         device = ids.device
