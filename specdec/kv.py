@@ -89,9 +89,10 @@ class DynamicKV:
         else:  # emptied layers keep their old batch size (batch_select_indices skips them)
             self.cache = new_dynamic_cache(self.layout, self.reach)
 
-    def load(self, cache, slots: int) -> None:
-        """Start from a copy of another cache holding ``slots`` slots (a prefix)."""
-        self.cache = copy.deepcopy(cache)
+    def load(self, cache, slots: int, owned: bool = False) -> None:
+        """Start from another cache holding ``slots`` slots (a prefix): a copy, or the cache itself
+        where it is ``owned`` (made for this state alone)."""
+        self.cache = cache if owned else copy.deepcopy(cache)
 
     def adopt(self, cache, slots: int, dtype: torch.dtype, start: int = 0, rows: torch.Tensor | None = None) -> None:
         """Hold another model's first ``slots`` slots, in ``dtype``: those from ``start`` are copied

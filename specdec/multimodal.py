@@ -44,7 +44,6 @@ Invariants:
 
 from __future__ import annotations
 
-import copy
 import inspect
 from dataclasses import dataclass, field
 from typing import Any
@@ -304,16 +303,6 @@ class Prefix:
     cached_slots: int  # cache slots in use (every row ends here)
     cache: Any  # the target's cache after the prefill
     positions: TokenPositions | MRopePositions  # derived by the prefill; never recomputed
-
-    def rows(self, index: torch.Tensor) -> "Prefix | None":
-        """This text prefix's (no prefill-only inputs) rows ``index [B']``, a row taken any number
-        of times, as a new prefix; None where its cache cannot gather rows."""
-        cache = copy.deepcopy(self.cache)
-        if not callable(getattr(cache, "batch_select_indices", None)):
-            return None
-        cache.batch_select_indices(index)
-        spec = PrefillSpec(self.spec.tokens[index], self.spec.lengths[index], {}, {})
-        return Prefix(self.target, spec, self.offsets[index], self.cached_slots, cache, self.positions.select_rows(index))
 
     def check_continuation(self, target, tokens: torch.Tensor, lengths: torch.Tensor, model_inputs: dict[str, Any]) -> None:
         """``tokens [B, L]`` left-aligned prompt rows must extend the prefix rows by >= 1 token."""

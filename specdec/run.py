@@ -131,7 +131,7 @@ class DecodeRun(DraftSteps, TreeSteps, ScoreSteps, CommitSteps, OutputSteps):
         once the generator is set up and every check has passed, before the first forward."""
         shared = shared_prefix(target, prompt, self.settings, self.target.hidden_layers)
         if shared is not None:
-            self.target.continue_from(shared)
+            self.target.continue_from(shared, owned=True)  # made for this call: its cache is not copied
 
     def _hidden_layers(self, target) -> tuple[int, ...]:
         """The target's hidden states the generator reads, checked, read after its ``setup`` (a

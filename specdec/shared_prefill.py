@@ -17,8 +17,8 @@ Exact as a prefill of every row: each row's cache holds what a prefill of its pr
 forward over fewer rows may round the last bits apart, as any other batch shape does), and from
 the first step on every row draws, drafts and stops on its own. Not done where it cannot be: no
 row repeats another, a row of one token, model inputs (media, type ids), a prefix given, a static
-cache, ``engine="llama_cpp"``, a sharded target, a cache that cannot gather rows, a generator that
-reads the target's hidden states (``eagle3``, ``mtp``: the prefill's states are its first drafts').
+cache, ``engine="llama_cpp"``, a sharded target, a generator that reads the target's hidden
+states (``eagle3``, ``mtp``: the prefill's states are its first drafts').
 """
 
 from __future__ import annotations
@@ -48,9 +48,14 @@ def shared_prefix(target, prompt: Prompt, settings: CallSettings, hidden_layers:
         return None
     order = torch.arange(batch, device=keys.device)
     first = torch.full((distinct.shape[0],), batch, device=keys.device).scatter_reduce(0, copy_of, order, "amin")
-    # [U, P], [U]: each distinct prompt but its last token
+    # each distinct prompt but its last token [U, P], [U]; then its cache's rows gathered for every row,
+    # in place (the prefix is this call's own, and the run takes its cache without a copy)
     spec = PrefillSpec.from_call(prompt.rows[first], prompt.lengths[first] - 1, {})
-    return prefilled(target, spec, settings.pad, cache).rows(copy_of)
+    head = prefilled(target, spec, settings.pad, cache)
+    head.cache.batch_select_indices(copy_of)
+    spec = PrefillSpec(spec.tokens[copy_of], spec.lengths[copy_of], {}, {})
+    return Prefix(target, spec, head.offsets[copy_of], head.cached_slots, head.cache,
+                  head.positions.select_rows(copy_of))
 
 
 def prefilled(target, spec: PrefillSpec, pad: int, cache) -> Prefix:

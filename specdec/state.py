@@ -248,10 +248,11 @@ class ModelState:
         self.positions = self.positions.select_rows(rows)
         self._trim_left()
 
-    def continue_from(self, prefix) -> None:
-        """Start from ``prefix`` (a :class:`~specdec.multimodal.Prefix`): its cache (copied: reusable), layout and
-        positions; the rows extend its rows, the tokens past it pending. Its prefill-only work is done."""
-        self.kv.load(prefix.cache, int(prefix.cached_slots))
+    def continue_from(self, prefix, owned: bool = False) -> None:
+        """Start from ``prefix`` (a :class:`~specdec.multimodal.Prefix`): its cache (copied: reusable;
+        taken as it is where ``owned``, a prefix made for this state alone), layout and positions;
+        the rows extend its rows, the tokens past it pending. Its prefill-only work is done."""
+        self.kv.load(prefix.cache, int(prefix.cached_slots), owned)
         self.offsets = prefix.offsets.clone().to(self.device)
         self.cached_slots = int(prefix.cached_slots)
         self.positions = prefix.positions.continued()  # more of a prompt follows the prefix

@@ -200,7 +200,7 @@ class StaticKV:
             new_layer.keys[:, :, start:slots].copy_(layer.keys[:, :, start:slots])
             new_layer.values[:, :, start:slots].copy_(layer.values[:, :, start:slots])
 
-    def load(self, cache, slots: int) -> None:
+    def load(self, cache, slots: int, owned: bool = False) -> None:
         raise ValueError("a prefix cannot continue on the static cache (use the default dynamic cache)")
 
     def release(self) -> None:
