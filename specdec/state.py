@@ -249,9 +249,8 @@ class ModelState:
         self._trim_left()
 
     def continue_from(self, prefix, owned: bool = False) -> None:
-        """Start from ``prefix`` (a :class:`~specdec.multimodal.Prefix`): its cache (copied: reusable;
-        taken as it is where ``owned``, a prefix made for this state alone), layout and positions;
-        the rows extend its rows, the tokens past it pending. Its prefill-only work is done."""
+        """Start from ``prefix`` (a :class:`~specdec.multimodal.Prefix`): its cache (copied, unless ``owned``: made for
+        this state alone), layout and positions; the rows extend its rows, the tokens past it pending."""
         self.kv.load(prefix.cache, int(prefix.cached_slots), owned)
         self.offsets = prefix.offsets.clone().to(self.device)
         self.cached_slots = int(prefix.cached_slots)
