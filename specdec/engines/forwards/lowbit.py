@@ -68,10 +68,6 @@ def resolve_weights(model, weights: str) -> str:
     return "w8a8" if next(model.parameters()).device.type == "cpu" else "bfloat16"
 
 
-def _device(model) -> str:
-    return next(model.parameters()).device.type
-
-
 def build_copy(model, weights: str):
     """A copy of ``model`` with ``weights`` precision; ``model`` is only read."""
     weights = resolve_weights(model, weights)
