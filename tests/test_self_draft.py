@@ -132,6 +132,37 @@ def test_bad_options_and_vision_language_targets_are_refused(target):
         build_copy(narrow, "int4")  # torch's kernel raised from inside its packing
 
 
+def _tiny_moe_reading_its_router_weight():
+    """A tiny HunYuan MoE: its router reads ``self.wg.weight.dtype``, which an int8 layer lacks."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("hunyuan_v1_moe", vocab_size=320, hidden_size=64, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  num_experts=4, moe_topk=2, max_position_embeddings=256, eos_token_id=256,
+                                  pad_token_id=257, bos_token_id=256)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_a_copy_whose_forward_fails_is_refused_by_name_and_auto_takes_the_next():
+    model = _tiny_moe_reading_its_router_weight()
+    with pytest.raises(ValueError, match="a w8a8 copy of HunYuanMoEV1ForCausalLM does not run .*'Int8Linear'"):
+        build_copy(model, "w8a8")  # not an AttributeError from inside the first draft of a call
+    ids = repetitive_prompt(1, 36)
+    decoder = SpecDecoder(model, "self_draft")
+    out = decoder.generate(ids, max_new_tokens=16, do_sample=False)
+    assert torch.equal(out.sequences, model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=257))
+    made = out.stats.choices
+    assert made["weights"] not in ("w8a8", "int4"), made
+    assert "w8a8: not built (ValueError: a w8a8 copy of HunYuanMoEV1ForCausalLM does not run" in made["weights_choice"]
+
+
+def test_self_draft_refuses_a_vision_language_target_before_trying_copies():
+    with pytest.raises(ValueError, match="text-only"):  # was a RuntimeError after every candidate failed alike
+        SpecDecoder(tiny_llava(), "self_draft").generate(torch.tensor([[1, 2, 3, 4]]), max_new_tokens=2)
+
+
 def test_merge_takes_each_row_from_its_source():
     lookup = Proposal(torch.tensor([[5, 6, 7], [0, 0, 0]]), torch.tensor([3, 0]))
     drafted = Proposal(torch.tensor([[1, 2], [3, 4]]), torch.tensor([2, 2]),

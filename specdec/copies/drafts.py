@@ -13,7 +13,7 @@ import time
 import weakref
 
 from ..compiled import check_compile_options, compiles_now
-from ..engines import EAGER_ONLY_WEIGHTS, build_copy, check_weights, resolve_weights
+from ..engines import EAGER_ONLY_WEIGHTS, build_copy, check_copyable, check_weights, resolve_weights
 
 
 class Copies:
@@ -42,6 +42,7 @@ class Copies:
             raise ValueError(f"a low-precision copy is made from the target's weights, and {type(model).__name__} "
                              "keeps some offloaded (a device_map with 'cpu' or 'disk' entries: accelerate loads them "
                              "per forward); draft with prompt_lookup, suffix or a draft model instead")
+        check_copyable(model)  # before "auto" tries every candidate on it
         if weights == "auto" and next(model.parameters()).device.type == "cpu":
             from . import choose
 

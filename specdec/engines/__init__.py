@@ -49,7 +49,7 @@ from .cpu import decisions as _cpu_decisions
 from .eager import EagerEngine
 from .forwards.head import model_logits
 from .forwards.lowbit import EAGER_ONLY as EAGER_ONLY_WEIGHTS
-from .forwards.lowbit import build_copy, check_weights, import_torchao_quietly, resolve_weights
+from .forwards.lowbit import build_copy, check_copyable, check_weights, import_torchao_quietly, resolve_weights
 from .forwards.packed import PackedLinears, measuring
 from .llama_cpp import (LlamaCppKV, attach_gguf, export_gguf, gguf_for, gguf_source, gguf_twin, missing_gguf,
                         requantize)
@@ -184,4 +184,5 @@ __all__ = ["CAUSAL", "ENGINES", "CpuEngine", "EagerEngine", "Engine", "EngineOut
            "llama_cpp_library", "missing_gguf", "requantize",
            "ChainForward", "call_begins", "engine_for", "forward_kwargs", "measuring", "model_logits",
            "packed_weights_report",
-           "EAGER_ONLY_WEIGHTS", "build_copy", "check_weights", "import_torchao_quietly", "resolve_weights"]
+           "EAGER_ONLY_WEIGHTS", "build_copy", "check_copyable", "check_weights", "import_torchao_quietly",
+           "resolve_weights"]

@@ -68,12 +68,36 @@ def resolve_weights(model, weights: str) -> str:
     return "w8a8" if next(model.parameters()).device.type == "cpu" else "bfloat16"
 
 
-def build_copy(model, weights: str):
-    """A copy of ``model`` with ``weights`` precision; ``model`` is only read."""
-    weights = resolve_weights(model, weights)
+def check_copyable(model) -> None:
+    """A ValueError where no copy of ``model`` at any precision could draft (a vision-language model)."""
     if getattr(model.config, "vision_config", None) is not None or hasattr(model, "get_rope_index"):
         raise ValueError(f"a low-precision draft copy needs a text-only model; {type(model).__name__} is a "
                          "vision-language model (pass a text draft model instead)")
+
+
+def build_copy(model, weights: str):
+    """A copy of ``model`` with ``weights`` precision that runs a forward; ``model`` is only read."""
+    weights = resolve_weights(model, weights)
+    check_copyable(model)
+    return _running(_built_copy(model, weights), weights, model)
+
+
+def _running(draft, weights: str, model):
+    """``draft``, once one two-token forward of it has run: a model's own code may read what the copy
+    replaced (an MoE router's ``.weight`` of a layer that is now an int8 one), and that fails here
+    with a ValueError naming the copy, not at the first draft inside a call."""
+    ids = torch.zeros(1, 2, dtype=torch.long, device=next(model.parameters()).device)
+    try:
+        with torch.inference_mode():
+            draft(input_ids=ids, use_cache=False)
+    except Exception as exc:
+        raise ValueError(f"a {weights} copy of {type(model).__name__} does not run ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0][:160]}): the model's code reads a layer the copy changed; "
+                         "choose other weights= or another draft") from exc
+    return draft
+
+
+def _built_copy(model, weights: str):
     on_cpu = next(model.parameters()).device.type == "cpu"
     if weights in QUANTIZED and not (weights in OWN_ON_CPU and on_cpu):
         quantize, config = _torchao(weights)
