@@ -93,8 +93,15 @@ def static_problem(model, prefill_inputs: bool) -> str | None:
     return None
 
 
+#: models whose forward with a cache takes one new token at a time (a block of drafts fails inside it)
+ONE_TOKEN_STEPS = {
+    "CpmAntForCausalLM": "its cache keeps the prompt's length in slots of its own",
+    "ProphetNetForCausalLM": "it asserts that a cached forward feeds one token",
+}
+
+
 def cache_problem(model, batch_size: int) -> str | None:
-    """Why this model cannot be decoded speculatively, or None. Runs no forward."""
+    """Why this model cannot be decoded speculatively (at this batch size), or None. Runs no forward."""
     name = type(model).__name__
     if getattr(model.config, "is_encoder_decoder", False):
         return f"{name} is an encoder-decoder model; specdec decodes causal (decoder-only) language models"
@@ -103,6 +110,11 @@ def cache_problem(model, batch_size: int) -> str | None:
         return (f"{name}.forward takes no key/value cache (neither `past_key_values` nor `cache`): its state "
                 "(if any) lives elsewhere, e.g. RWKV's `state` or XLNet's `mems`, and cannot be rolled back to "
                 "the accepted prefix, so speculative decoding would be wrong")
+    if name in ONE_TOKEN_STEPS:
+        return f"{name}'s cached forward takes one new token at a time ({ONE_TOKEN_STEPS[name]}): it cannot verify drafts"
+    if batch_size > 1 and "position_ids" not in params:
+        return (f"{name}.forward takes no position_ids: it numbers tokens by their cache slots, and rows that accept "
+                "different numbers of drafts move to other slots; decode one row at a time")
     devices = {p.device.type for p in model.parameters()}
     # accelerate's offloading (a device_map with "cpu" or "disk" entries) keeps those weights on the
     # meta device between forwards: its hooks load them for each forward
@@ -118,7 +130,7 @@ def cache_problem(model, batch_size: int) -> str | None:
     config = model.config.get_text_config(decoder=True)
     if recurrent or any(t not in ("full_attention", "sliding_attention", "chunked_attention")
                         for t in (getattr(config, "layer_types", None) or [])):
-        return (f"{type(model).__name__} keeps state that cannot be rolled back (recurrent or linear-attention "
-                f"layers {recurrent or getattr(config, 'layer_types', [])}); speculative decoding must discard "
-                "rejected drafts")
+        return (f"{type(model).__name__} has cache layers that cannot be rolled back to the accepted prefix "
+                f"({recurrent or getattr(config, 'layer_types', [])}: recurrent, linear-attention, indexed or "
+                "shared layers); speculative decoding must discard rejected drafts")
     return None

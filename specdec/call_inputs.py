@@ -32,7 +32,8 @@ def prefill_only(model, inputs: dict[str, Any], attention_mask: torch.Tensor, *,
     """``inputs`` (the call's model keywords, :func:`check_token_input` passed) -> the prefill-only
     ones; ValueError naming what a speculative run cannot reproduce. ``attention_mask [B, L]`` is
     the prompt's."""
-    inputs = {k: v for k, v in inputs.items() if k not in NO_EFFECT and k not in ("attention_mask", "inputs_embeds")}
+    inputs = {k: v for k, v in inputs.items() if k not in NO_EFFECT and k not in ("attention_mask", "inputs_embeds")
+              and not _empty(v)}  # (generate() passes an empty mm_encoder_outputs where a model takes one)
     keep = inputs.pop("logits_to_keep", None)
     if keep is not None and not isinstance(keep, int):
         raise ValueError("logits_to_keep as a tensor of positions is not reproduced; leave it out (each step "
@@ -52,6 +53,11 @@ def prefill_only(model, inputs: dict[str, Any], attention_mask: torch.Tensor, *,
                          "last token type, at every step, and specdec passes model inputs at the prefill only; "
                          "leave them out")
     return inputs
+
+
+def _empty(value) -> bool:
+    """An input that means what leaving it out means: None, or an empty dict, list or tuple."""
+    return value is None or isinstance(value, (dict, list, tuple)) and not value
 
 
 def check_token_input(inputs: dict[str, Any]) -> None:

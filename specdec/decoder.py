@@ -48,6 +48,7 @@ from .return_sequences import grammars_per_row, repeated_prompt
 from .run import DecodeRun
 from .shared_prefill import prefilled
 from .sampling import SamplingParams
+from .one_way import both_ways_problem
 from .state import ModelState, cache_problem
 from .stopping import Stopper
 from .validation import (check_generation_config, check_ids_in_vocab, check_max_new_tokens, check_positive_int,
@@ -343,6 +344,9 @@ class SpecDecoder:
             raise ValueError(f"{type(self.target).__name__}.forward does not take {unknown}; "
                              "extra keyword arguments are prefill-only model inputs (e.g. pixel_values)")
         check_ids_in_vocab(input_ids, self.target)
+        problem = both_ways_problem(self.target)  # the last check: it may run two small forwards
+        if problem:
+            raise ValueError(f"target: {problem}")
         device = self.target.device
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         lengths = attention_mask.sum(1)  # [B]

@@ -148,11 +148,20 @@ def step_bytes(model: torch.nn.Module) -> int:
     return max(total - tensor_bytes(embed), 1)
 
 
-def kv_layout(model) -> tuple[int, int, int]:
+def kv_layout(model) -> tuple:
     """(layers, key/value heads, head size) of ``model``'s cache, from its config: two models
-    with the same layout can read each other's keys and values."""
+    with the same layout can read each other's keys and values. Where the config gives heads or
+    head sizes per layer (transformers' heterogeneous configs, Gemma 4), those two are tuples
+    with one entry a layer."""
     config = model.config.get_text_config(decoder=True)
+    if getattr(config, "is_heterogeneous", False):
+        layers = [_heads_and_size(layer) for layer in config.per_layer_config]
+        return (int(config.num_hidden_layers), tuple(h for h, _ in layers), tuple(d for _, d in layers))
+    return (int(config.num_hidden_layers), *_heads_and_size(config))
+
+
+def _heads_and_size(config) -> tuple[int, int]:
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
-    return (int(config.num_hidden_layers), int(kv_heads or 0), int(head_dim or 0))
+    return int(kv_heads or 0), int(head_dim or 0)

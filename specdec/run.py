@@ -68,6 +68,7 @@ from .run_output import OutputSteps
 from .run_scores import ScoreSteps
 from .run_trees import TreeSteps
 from .shared_prefill import shared_prefix
+from .one_way import both_ways_problem
 from .state import ModelState, cache_problem
 from .stopping import StreamFeed
 from .validation import check_hidden_layers
@@ -173,16 +174,22 @@ class DecodeRun(DraftSteps, TreeSteps, ScoreSteps, CommitSteps, OutputSteps):
                                  f"engine={self._engine!r} keeps the target's keys and values itself (use engine='auto')")
             if tokens is not None:
                 raise ValueError("prefill_from_target needs an assistant that shares the target's tokens (no tokens=)")
-            if kv_layout(model) != kv_layout(self.ctx.target) or self.spec.user_inputs:
+            if kv_layout(model) != kv_layout(self.ctx.target):
                 raise ValueError(f"prefill_from_target needs the target's cache layout (layers, key/value heads, "
-                                 f"head size) and a text-only prompt: {type(model).__name__} has "
-                                 f"{kv_layout(model)}, the target {kv_layout(self.ctx.target)}")
+                                 f"head size): {type(model).__name__} has {kv_layout(model)}, the target "
+                                 f"{kv_layout(self.ctx.target)}")
+            if self.spec.user_inputs:
+                raise ValueError(f"prefill_from_target needs a prompt of token ids alone; this call also passes "
+                                 f"{sorted(self.spec.user_inputs)} (the target's prefill-only inputs)")
         check_assistant(self.ctx.target, model)
         self.ranks.check_assistant(model, prefill_from_target)
         device = next(model.parameters()).device
         if device != self.target.device:
             raise ValueError(f"the assistant is on {device} and the target on {self.target.device}; "
                              "put both on one device")
+        problem = both_ways_problem(model)  # the last check: it may run two small forwards
+        if problem:
+            raise ValueError(f"assistant: {problem}")
         cache = None
         if cache_implementation is not None or compile is not None or compile_widths is not None or owned:
             base = self.settings.cache
