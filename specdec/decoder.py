@@ -40,6 +40,7 @@ from .grammar import GrammarConstraint, compile_grammar
 from .kv import CacheSettings, length_ladder, static_problem
 from .modelinfo import UNSET, pad_token_id, token_id_list, vocab_size
 from .multimodal import PrefillSpec, Prefix, check_call, declared_inputs
+from .one_way import both_ways_problem
 from .outputs import SpecOutput
 from .processors import BlockProcessors
 from .registry import resolve_draft
@@ -48,7 +49,6 @@ from .return_sequences import grammars_per_row, repeated_prompt
 from .run import DecodeRun
 from .shared_prefill import prefilled
 from .sampling import SamplingParams
-from .one_way import both_ways_problem
 from .state import ModelState, cache_problem
 from .stopping import Stopper
 from .validation import (check_generation_config, check_ids_in_vocab, check_max_new_tokens, check_positive_int,

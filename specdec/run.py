@@ -59,6 +59,7 @@ from .kv import CacheSettings, static_problem
 from .metrics import AcceptanceStats
 from .modelinfo import kv_layout, vocab_size
 from .multimodal import check_assistant
+from .one_way import both_ways_problem
 from .outputs import ScoreRecorder
 from .policy import DraftPolicy
 from .request import CallSettings, Prompt
@@ -68,7 +69,6 @@ from .run_output import OutputSteps
 from .run_scores import ScoreSteps
 from .run_trees import TreeSteps
 from .shared_prefill import shared_prefix
-from .one_way import both_ways_problem
 from .state import ModelState, cache_problem
 from .stopping import StreamFeed
 from .validation import check_hidden_layers
