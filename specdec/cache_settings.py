@@ -93,10 +93,12 @@ def static_problem(model, prefill_inputs: bool) -> str | None:
     return None
 
 
-#: models whose forward with a cache takes one new token at a time (a block of drafts fails inside it)
-ONE_TOKEN_STEPS = {
-    "CpmAntForCausalLM": "its cache keeps the prompt's length in slots of its own",
+#: models whose forward after a cache cannot take a block of new tokens, and why (each found by
+#: running every causal-LM type transformers has: the block fails inside the model)
+UNSTEPPABLE = {
+    "CpmAntForCausalLM": "it steps one token at a time, its cache keeping the prompt's length in slots of its own",
     "ProphetNetForCausalLM": "it asserts that a cached forward feeds one token",
+    "XLMWithLMHeadModel": "it takes the whole sequence at every step and cuts off what its cache holds",
 }
 
 
@@ -110,8 +112,8 @@ def cache_problem(model, batch_size: int) -> str | None:
         return (f"{name}.forward takes no key/value cache (neither `past_key_values` nor `cache`): its state "
                 "(if any) lives elsewhere, e.g. RWKV's `state` or XLNet's `mems`, and cannot be rolled back to "
                 "the accepted prefix, so speculative decoding would be wrong")
-    if name in ONE_TOKEN_STEPS:
-        return f"{name}'s cached forward takes one new token at a time ({ONE_TOKEN_STEPS[name]}): it cannot verify drafts"
+    if name in UNSTEPPABLE:
+        return f"{name}'s forward after a cache cannot verify a block of drafts: {UNSTEPPABLE[name]}"
     if batch_size > 1 and "position_ids" not in params:
         return (f"{name}.forward takes no position_ids: it numbers tokens by their cache slots, and rows that accept "
                 "different numbers of drafts move to other slots; decode one row at a time")

@@ -57,7 +57,7 @@ def test_a_model_numbering_tokens_by_cache_slot_decodes_one_row_at_a_time():
 def test_a_model_stepping_one_token_at_a_time_is_refused_by_name():
     model = _tiny("cpmant", hidden_size=32, num_attention_heads=2, dim_head=16, dim_ff=64, num_hidden_layers=2,
                   prompt_length=4, position_bias_num_buckets=8, position_bias_max_distance=64)
-    with pytest.raises(ValueError, match="CpmAntForCausalLM's cached forward takes one new token at a time"):
+    with pytest.raises(ValueError, match="CpmAntForCausalLM's forward after a cache cannot verify a block of drafts"):
         SpecDecoder(model, "prompt_lookup").generate(repetitive_prompt(12), max_new_tokens=4)
 
 
