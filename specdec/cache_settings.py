@@ -99,11 +99,13 @@ UNSTEPPABLE = {
     "CpmAntForCausalLM": "it steps one token at a time, its cache keeping the prompt's length in slots of its own",
     "ProphetNetForCausalLM": "it asserts that a cached forward feeds one token",
     "XLMWithLMHeadModel": "it takes the whole sequence at every step and cuts off what its cache holds",
+    "xLSTMForCausalLM": "its cache is an xLSTMCache of recurrent states, which cannot be rolled back",
 }
 
 
 def cache_problem(model, batch_size: int) -> str | None:
-    """Why this model cannot be decoded speculatively (at this batch size), or None. Runs no forward."""
+    """Why this model cannot be decoded speculatively, or None. Runs no forward (``probes.py`` runs the
+    checks that need one)."""
     name = type(model).__name__
     if getattr(model.config, "is_encoder_decoder", False):
         return f"{name} is an encoder-decoder model; specdec decodes causal (decoder-only) language models"
@@ -114,9 +116,6 @@ def cache_problem(model, batch_size: int) -> str | None:
                 "the accepted prefix, so speculative decoding would be wrong")
     if name in UNSTEPPABLE:
         return f"{name}'s forward after a cache cannot verify a block of drafts: {UNSTEPPABLE[name]}"
-    if batch_size > 1 and "position_ids" not in params:
-        return (f"{name}.forward takes no position_ids: it numbers tokens by their cache slots, and rows that accept "
-                "different numbers of drafts move to other slots; decode one row at a time")
     devices = {p.device.type for p in model.parameters()}
     # accelerate's offloading (a device_map with "cpu" or "disk" entries) keeps those weights on the
     # meta device between forwards: its hooks load them for each forward

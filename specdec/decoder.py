@@ -40,9 +40,9 @@ from .grammar import GrammarConstraint, compile_grammar
 from .kv import CacheSettings, length_ladder, static_problem
 from .modelinfo import UNSET, pad_token_id, token_id_list, vocab_size
 from .multimodal import PrefillSpec, Prefix, check_call, declared_inputs
-from .one_way import both_ways_problem
 from .outputs import SpecOutput
 from .processors import BlockProcessors
+from .probes import both_ways_problem, slot_problem
 from .registry import resolve_draft
 from .request import CallSettings, Prompt
 from .return_sequences import grammars_per_row, repeated_prompt
@@ -344,7 +344,8 @@ class SpecDecoder:
             raise ValueError(f"{type(self.target).__name__}.forward does not take {unknown}; "
                              "extra keyword arguments are prefill-only model inputs (e.g. pixel_values)")
         check_ids_in_vocab(input_ids, self.target)
-        problem = both_ways_problem(self.target)  # the last check: it may run two small forwards
+        # the last checks: they may run forwards
+        problem = both_ways_problem(self.target) or slot_problem(self.target, batch)
         if problem:
             raise ValueError(f"target: {problem}")
         device = self.target.device

@@ -59,9 +59,9 @@ from .kv import CacheSettings, static_problem
 from .metrics import AcceptanceStats
 from .modelinfo import kv_layout, vocab_size
 from .multimodal import check_assistant
-from .one_way import both_ways_problem
 from .outputs import ScoreRecorder
 from .policy import DraftPolicy
+from .probes import both_ways_problem, slot_problem
 from .request import CallSettings, Prompt
 from .run_commit import CommitSteps
 from .run_drafts import CATCH_UP, DraftSteps
@@ -187,7 +187,8 @@ class DecodeRun(DraftSteps, TreeSteps, ScoreSteps, CommitSteps, OutputSteps):
         if device != self.target.device:
             raise ValueError(f"the assistant is on {device} and the target on {self.target.device}; "
                              "put both on one device")
-        problem = both_ways_problem(model)  # the last check: it may run two small forwards
+        # the last checks: they may run forwards
+        problem = both_ways_problem(model) or slot_problem(model, self.target.batch_size)
         if problem:
             raise ValueError(f"assistant: {problem}")
         cache = None

@@ -3,9 +3,9 @@
 Each was found by building every causal-LM type transformers has at toy size and comparing
 specdec with ``generate()``: a BERT-like model loaded without ``is_decoder=True`` attends both
 ways (a block of drafts would see later tokens); BART-like decoders number tokens by their cache
-slots (rows that accept different numbers of drafts move); CPM-Ant's cached forward takes one
-token at a time; Gemma 4 gives head sizes per layer; ``generate()`` passes an empty
-``mm_encoder_outputs`` to models that take one.
+slots (rows that accept different numbers of drafts move; BLOOM, without position_ids too, does
+not); CPM-Ant's cached forward takes one token at a time; Gemma 4 gives head sizes per layer;
+``generate()`` passes an empty ``mm_encoder_outputs`` to models that take one.
 """
 
 from __future__ import annotations
@@ -48,10 +48,19 @@ def test_a_model_numbering_tokens_by_cache_slot_decodes_one_row_at_a_time():
     model = _tiny("bart", d_model=32, decoder_layers=2, encoder_layers=2, decoder_attention_heads=2,
                   encoder_attention_heads=2, decoder_ffn_dim=64, encoder_ffn_dim=64, max_position_embeddings=128)
     ids = torch.cat([repetitive_prompt(12, seed=0), repetitive_prompt(12, seed=1)])
-    with pytest.raises(ValueError, match="BartForCausalLM.forward takes no position_ids.*one row at a time"):
+    with pytest.raises(ValueError, match="BartForCausalLM.forward takes no position_ids and numbers tokens by their cache slots.*one row at a time"):
         SpecDecoder(model, "prompt_lookup").generate(ids, max_new_tokens=12)
     out = SpecDecoder(model, "prompt_lookup").generate(ids[:1], max_new_tokens=12, do_sample=False)
     assert torch.equal(out.sequences, _generate(model, ids[:1]))
+
+
+def test_a_model_without_position_ids_that_does_not_count_slots_decodes_batches():
+    model = _tiny("bloom", hidden_size=32, n_layer=2, n_head=2)  # ALiBi from the mask: no position_ids taken
+    ids = torch.cat([repetitive_prompt(12, seed=0), repetitive_prompt(12, seed=1)])
+    mask = torch.ones_like(ids)
+    ids[1, :3], mask[1, :3] = 257, 0
+    out = SpecDecoder(model, "prompt_lookup").generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    assert torch.equal(out.sequences, _generate(model, ids, mask))
 
 
 def test_a_model_stepping_one_token_at_a_time_is_refused_by_name():
