@@ -68,37 +68,26 @@ def _suspect(model) -> bool:
                for m in (decoder if isinstance(decoder, torch.nn.Module) else model).modules())
 
 
-@torch.no_grad()
 def _both_ways(model) -> str | None:
     ids = _ids(model, 6)
     changed = ids.clone()
     changed[0, -1] = (changed[0, -1] + 1) % vocab_size(model)
-    try:
-        before = model(input_ids=ids, use_cache=False).logits[0, :-1]
-        after = model(input_ids=changed, use_cache=False).logits[0, :-1]
-    except Exception:  # a model that needs more than token ids to run: nothing learnt here
-        return None
-    moved = _moved(before, after)
-    if moved <= MOVED:
+    moved = _moved(model, dict(input_ids=ids), dict(input_ids=changed), slice(0, -1))
+    if moved is None or moved <= MOVED:
         return None
     return (f"{type(model).__name__} attends both ways (changing a token moved the logits before it by "
             f"{moved:.2g} of their scale), so a block of drafts would see tokens after its own; a BERT-like "
             "model decodes causally when loaded with is_decoder=True")
 
 
-@torch.no_grad()
 def _slots(model) -> str | None:
     ids = _ids(model, 4)
     padded = torch.cat([torch.zeros_like(ids[:, :2]), ids], dim=1)
     mask = torch.ones_like(padded)
     mask[:, :2] = 0
-    try:
-        alone = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[0, -1]
-        shifted = model(input_ids=padded, attention_mask=mask, use_cache=False).logits[0, -1]
-    except Exception:  # a model that needs more than token ids to run: nothing learnt here
-        return None
-    moved = _moved(alone, shifted)
-    if moved <= MOVED:
+    moved = _moved(model, dict(input_ids=ids, attention_mask=torch.ones_like(ids)),
+                   dict(input_ids=padded, attention_mask=mask), slice(-1, None))
+    if moved is None or moved <= MOVED:
         return None
     return (f"{type(model).__name__}.forward takes no position_ids and numbers tokens by their cache slots (two "
             f"pads before a row moved its logits by {moved:.2g} of their scale), and rows that accept different "
@@ -109,7 +98,13 @@ def _ids(model, count: int) -> torch.Tensor:
     return (torch.arange(1, count + 1) % vocab_size(model))[None].to(next(model.parameters()).device)
 
 
-def _moved(before: torch.Tensor, after: torch.Tensor) -> float:
-    """The largest change from ``before`` to ``after``, relative to ``before``'s largest value."""
-    before, after = before.float(), after.float()
+@torch.no_grad()
+def _moved(model, first: dict, second: dict, positions: slice) -> float | None:
+    """How far the logits at ``positions`` of a forward on ``second`` are from those on ``first``,
+    relative to the latter's largest; None where the model needs more than these inputs to run."""
+    try:
+        before = model(**first, use_cache=False).logits[0, positions].float()
+        after = model(**second, use_cache=False).logits[0, positions].float()
+    except Exception:  # nothing learnt here
+        return None
     return float((before - after).abs().max() / before.abs().max().clamp(min=1e-6))
