@@ -70,6 +70,16 @@ def test_a_model_stepping_one_token_at_a_time_is_refused_by_name():
         SpecDecoder(model, "prompt_lookup").generate(repetitive_prompt(12), max_new_tokens=4)
 
 
+@pytest.mark.parametrize("model_type, config, name", [
+    ("xlm", dict(emb_dim=32, n_layers=2, n_heads=2, max_position_embeddings=128), "XLMWithLMHeadModel"),
+    ("xlstm", dict(embedding_dim=128, hidden_size=128, num_heads=8, num_hidden_layers=2), "xLSTMForCausalLM"),
+])
+def test_models_whose_forward_cannot_take_a_block_after_a_cache_are_refused_by_name(model_type, config, name):
+    model = _tiny(model_type, **config)  # XLM re-feeds the whole sequence; xLSTM's cache is recurrent
+    with pytest.raises(ValueError, match=f"{name}'s forward after a cache cannot verify a block of drafts"):
+        SpecDecoder(model, "prompt_lookup").generate(repetitive_prompt(12), max_new_tokens=4)
+
+
 def test_self_draft_on_a_model_with_head_sizes_per_layer():
     model = _tiny("gemma4_text", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, global_head_dim=32, max_position_embeddings=256,
