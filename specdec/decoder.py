@@ -116,8 +116,8 @@ class SpecDecoder:
         prompt, each prompt's together, as ``generate()`` does (``specdec/return_sequences.py``);
         what cannot be reproduced (beam search, ...) is refused by name before any forward. An
         explicit ``eos_token_id=None`` means "no EOS" and ``[]`` an EOS criterion of no ids
-        (finished rows padded), as in ``transformers``. ``tokenizer`` (as ``generate()``'s) reads the stop strings, else the
-        decoder's does. Other keyword arguments go to the model (specdec/call_inputs.py: prefill-only
+        (finished rows padded), as in ``transformers``. ``tokenizer`` (as ``generate()``'s) reads the
+        stop strings, else the decoder's does. Other keyword arguments go to the model (specdec/call_inputs.py: prefill-only
         inputs such as pixel values and grids; ``generate()``'s per-step ones dropped or refused),
         except the candidate generator's own per-call options
         (``CandidateGenerator.call_options``, e.g. ``suffix``'s ``memory_scope``). With ``prefix`` (from

@@ -163,8 +163,9 @@ class DecodeRun(DraftSteps, TreeSteps, ScoreSteps, CommitSteps, OutputSteps):
                 raise ValueError(problem)
         return {"kv": cache, "max_new_tokens": self.settings.max_new_tokens}
 
-    def _attach(self, model, tokens=None, lengths=None, pad_token_id=None, cache_implementation=None,
-                compile=None, compile_widths=None, prefill_from_target=False, owned=False) -> Assistant:
+    def _check_assistant(self, model, tokens, prefill_from_target: bool) -> None:
+        """Refuse an assistant this run cannot keep in step (ValueError); the checks that may run
+        forwards last."""
         problem = cache_problem(model, self.target.batch_size)
         if problem:
             raise ValueError(f"assistant: {problem}")
@@ -191,6 +192,10 @@ class DecodeRun(DraftSteps, TreeSteps, ScoreSteps, CommitSteps, OutputSteps):
         problem = both_ways_problem(model) or slot_problem(model, self.target.batch_size)
         if problem:
             raise ValueError(f"assistant: {problem}")
+
+    def _attach(self, model, tokens=None, lengths=None, pad_token_id=None, cache_implementation=None,
+                compile=None, compile_widths=None, prefill_from_target=False, owned=False) -> Assistant:
+        self._check_assistant(model, tokens, prefill_from_target)
         cache = None
         if cache_implementation is not None or compile is not None or compile_widths is not None or owned:
             base = self.settings.cache
